@@ -1,0 +1,60 @@
+"""Developer sessions: tests, lint, typecheck, demo, bench.
+
+Every session installs the pinned CPU build of torch first: an unpinned ``torch``
+requirement would pull a multi-GB CUDA build into a fresh environment.
+"""
+
+from __future__ import annotations
+
+import nox
+
+TORCH = "torch==2.13.0"
+nox.options.sessions = ["tests"]
+nox.options.reuse_existing_virtualenvs = True
+
+# One intra-op thread per process: the test suite and benchmarks run several ranks
+# on few cores, and a forked child that inherits a busy OpenMP pool can hang.
+THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+def _install(session: nox.Session, extras: str) -> None:
+    session.install(TORCH)
+    session.install(f".[{extras}]")
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """Run the whole test suite (multi-process gloo tests included)."""
+    _install(session, "test")
+    session.run("pytest", "-q", *session.posargs, env=THREAD_ENV)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """Ruff lint and format check."""
+    session.install("ruff>=0.6")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    """Mypy over the package (strict on the plan and updates layers)."""
+    _install(session, "test")
+    session.install("mypy>=1.10")
+    session.run("mypy")
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """The main job: see README's Quick start."""
+    _install(session, "test")
+    session.run("canzona", "demo", *session.posargs, env=THREAD_ENV)
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Benchmarks in quick mode (``nox -s bench -- --full`` for the full grid)."""
+    _install(session, "test,plot")
+    mode = "--full" if "--full" in session.posargs else "--quick"
+    session.run("python", "benchmarks/run_all.py", mode, env=THREAD_ENV)

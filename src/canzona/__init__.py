@@ -1,0 +1,70 @@
+"""canzona: exact, load-balanced matrix optimizers for DTensor-sharded models.
+
+Names are resolved lazily so that ``import canzona`` and ``import canzona.plan``
+do not import torch; the optimizer classes import it on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+_EXPORTS: dict[str, str] = {
+    # plan layer (pure Python)
+    "MatrixSpec": "canzona.plan",
+    "PlanConfig": "canzona.plan",
+    "Plan": "canzona.plan",
+    "Assignment": "canzona.plan",
+    "MicroGroup": "canzona.plan",
+    "assign_owners": "canzona.plan",
+    "micro_groups": "canzona.plan",
+    "build_plan": "canzona.plan",
+    "cost_model": "canzona.plan",
+    # runtime layer
+    "PipelineConfig": "canzona.runtime",
+    "PlanMismatchError": "canzona.runtime",
+    "GradientMismatchError": "canzona.runtime",
+    "CollectiveTimeoutError": "canzona.runtime",
+    # optimizer front classes
+    "Muon": "canzona.optim",
+    "Shampoo": "canzona.optim",
+    "SOAP": "canzona.optim",
+    "param_groups": "canzona.optim",
+}
+
+__all__ = sorted([*_EXPORTS, "__version__"])
+
+if TYPE_CHECKING:  # pragma: no cover - import-time only for type checkers
+    from canzona.optim import SOAP, Muon, Shampoo, param_groups
+    from canzona.plan import (
+        Assignment,
+        MatrixSpec,
+        MicroGroup,
+        Plan,
+        PlanConfig,
+        assign_owners,
+        build_plan,
+        cost_model,
+        micro_groups,
+    )
+    from canzona.runtime import (
+        CollectiveTimeoutError,
+        GradientMismatchError,
+        PipelineConfig,
+        PlanMismatchError,
+    )
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'canzona' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__
