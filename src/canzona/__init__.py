@@ -34,7 +34,26 @@ _EXPORTS: dict[str, str] = {
     "param_groups": "canzona.optim",
 }
 
-__all__ = sorted([*_EXPORTS, "__version__"])
+__all__ = [
+    "SOAP",
+    "Assignment",
+    "CollectiveTimeoutError",
+    "GradientMismatchError",
+    "MatrixSpec",
+    "MicroGroup",
+    "Muon",
+    "PipelineConfig",
+    "Plan",
+    "PlanConfig",
+    "PlanMismatchError",
+    "Shampoo",
+    "__version__",
+    "assign_owners",
+    "build_plan",
+    "cost_model",
+    "micro_groups",
+    "param_groups",
+]
 
 if TYPE_CHECKING:  # pragma: no cover - import-time only for type checkers
     from canzona.optim import SOAP, Muon, Shampoo, param_groups

@@ -1,0 +1,221 @@
+"""state_dict / load_state_dict: owner-held state in a layout DCP can save and reshard."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from canzona.runtime import (
+    StateEntry,
+    check_all_ok,
+    export_state,
+    import_state,
+    param_mesh,
+    snapshot,
+)
+
+ADAMW = "adamw"
+ADAMW_KEYS = ("step", "exp_avg", "exp_avg_sq")
+
+
+def _shape(value: Any) -> tuple[int, ...] | None:
+    return tuple(value.shape) if isinstance(value, Tensor) else None
+
+
+class OwnerStateMixin:
+    """Checkpointing for optimizers whose matrix state lives on owner ranks.
+
+    ``state_dict()`` returns, for every parameter, the same keys on every rank:
+    element-wise state in the parameter's own layout, and owner-held state (e.g.
+    Shampoo's factors) as DTensors sharded by rows over the parameter's mesh (plain
+    tensors for plain parameters), so ``torch.distributed.checkpoint`` can save it
+    and reload it on another mesh. Both calls are collective on a distributed mesh.
+    """
+
+    # provided by MatrixOptimizer
+    state: Any
+    param_groups: list[dict[str, Any]]
+    storage_keys: ClassVar[tuple[str, ...]] = ()
+    _owner_state: dict[tuple[int, int | None, int], dict[str, Tensor]]
+    _runtime: Any
+
+    def _flat(self) -> tuple[list[Tensor], list[str], list[dict[str, Any]]]:
+        raise NotImplementedError
+
+    def _sync_plan(self) -> None:
+        raise NotImplementedError
+
+    def _owner_specs(
+        self, p: Tensor, group: dict[str, Any]
+    ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Owner-held state of one matrix of ``p``: key -> (shape, dtype). None by default."""
+        return {}
+
+    def _entries(
+        self, params: list[Tensor], groups: list[dict[str, Any]], stepped: set[int]
+    ) -> list[StateEntry]:
+        entries: list[StateEntry] = []
+        for i in sorted(stepped):
+            p, group = params[i], groups[i]
+            if group["algorithm"] == ADAMW or p.numel() == 0:
+                continue
+            for key, (shape, dtype) in self._owner_specs(p, group).items():
+                entries.append(StateEntry(i, key, shape, dtype))
+        return entries
+
+    # ------------------------------------------------------------------ save
+    def state_dict(self) -> dict[str, Any]:
+        """The optimizer state (collective on a distributed mesh); see the class doc."""
+        sd: dict[str, Any] = super().state_dict()  # type: ignore[misc]
+        params, _, groups = self._flat()
+        stepped = {i for i, p in enumerate(params) if "step" in self.state.get(p, {})}
+        entries = self._entries(params, groups, stepped)
+        if not entries:
+            return sd
+        self._sync_plan()
+        values = export_state(
+            snapshot(self._runtime),
+            entries,
+            get=lambda item, key: self._owner_state[item.key][key],
+            meshes={e.param: param_mesh(params[e.param]) for e in entries},
+        )
+        packed = {k: dict(v) for k, v in sd["state"].items()}
+        for (i, key), value in values.items():
+            packed[i][key] = value
+        sd["state"] = packed
+        return sd
+
+    # ------------------------------------------------------------------ load
+    def _expected_keys(self, p: Tensor, group: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+        if group.get("algorithm") == ADAMW:
+            return {"step": (), "exp_avg": tuple(p.shape), "exp_avg_sq": tuple(p.shape)}
+        keys: dict[str, tuple[int, ...]] = {"step": ()}
+        for key in self.storage_keys:
+            keys[key] = tuple(p.shape)
+        lead = (p.shape[0],) if p.ndim == 3 else ()
+        for key, (shape, _) in self._owner_specs(p, group).items():
+            keys[key] = (*lead, *shape)
+        return keys
+
+    def _validate(self, state_dict: Any) -> None:
+        if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
+            raise ValueError("state_dict must be a dict with 'state' and 'param_groups' entries")
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(
+                f"state_dict has {len(saved_groups)} param groups, the optimizer has "
+                f"{len(self.param_groups)} (a state dict of another model?)"
+            )
+        flat: list[tuple[Tensor, dict[str, Any], str]] = []
+        for g, (mine, saved) in enumerate(zip(self.param_groups, saved_groups, strict=True)):
+            if "algorithm" not in saved:
+                raise ValueError(
+                    f"param group {g} of the state dict has no 'algorithm' entry: it was not "
+                    f"saved by a canzona optimizer ({type(self).__name__} expected)"
+                )
+            if saved["algorithm"] != mine["algorithm"]:
+                raise ValueError(
+                    f"param group {g}: state dict algorithm {saved['algorithm']!r} does not match "
+                    f"{mine['algorithm']!r} (a state dict of another optimizer type?)"
+                )
+            if len(saved["params"]) != len(mine["params"]):
+                raise ValueError(
+                    f"param group {g}: state dict has {len(saved['params'])} parameters, the "
+                    f"optimizer has {len(mine['params'])} (a state dict of another model?)"
+                )
+            names = mine.get("param_names")
+            saved_names = saved.get("param_names")
+            if names and saved_names and list(names) != list(saved_names):
+                bad = next(a for a, b in zip(names, saved_names, strict=True) if a != b)
+                raise ValueError(f"param group {g}: parameter names differ, first at {bad!r}")
+            for j, p in enumerate(mine["params"]):
+                label = names[j] if names else f"param{len(flat)}"
+                flat.append(
+                    (p, {**mine, **{k: v for k, v in saved.items() if k != "params"}}, label)
+                )
+        ids = {pid for group in saved_groups for pid in group["params"]}
+        for pid in state_dict["state"]:
+            if pid not in ids:
+                raise ValueError(f"state dict holds state for unknown parameter id {pid!r}")
+        order = [pid for group in saved_groups for pid in group["params"]]
+        for pos, pid in enumerate(order):
+            entry = state_dict["state"].get(pid)
+            if entry is None:
+                continue
+            p, group, label = flat[pos]
+            expected = self._expected_keys(p, group)
+            missing = sorted(set(expected) - set(entry))
+            extra = sorted(set(entry) - set(expected))
+            if missing:
+                raise ValueError(f"state of parameter {label!r} is missing key {missing[0]!r}")
+            if extra:
+                raise ValueError(f"state of parameter {label!r} has unexpected key {extra[0]!r}")
+            for key, shape in expected.items():
+                got = _shape(entry[key])
+                if got is None:
+                    raise ValueError(f"state {key!r} of parameter {label!r} is not a tensor")
+                if key == "step":
+                    if entry[key].numel() != 1:
+                        raise ValueError(f"state 'step' of parameter {label!r} must hold one value")
+                elif got != shape:
+                    raise ValueError(
+                        f"state {key!r} of parameter {label!r} has shape {got}, expected {shape}"
+                    )
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict; on any error nothing changes (collective on a distributed mesh).
+
+        Raises:
+            ValueError: naming the offending group, parameter or key; every rank raises.
+        """
+        params, names, _ = self._flat()
+        error: ValueError | None = None
+        try:
+            self._validate(state_dict)
+        except ValueError as exc:
+            error = exc
+        except (KeyError, TypeError, AttributeError, IndexError) as exc:
+            error = ValueError(f"malformed state dict: {type(exc).__name__}: {exc}")
+        self._runtime.layouts(names, params)
+        failed = check_all_ok(error is None, self._runtime)
+        if error is not None:
+            raise error
+        if failed:
+            raise ValueError(f"load_state_dict failed on ranks {failed}; nothing was loaded")
+        order = [pid for group in state_dict["param_groups"] for pid in group["params"]]
+        saved_groups = [
+            {**mine, **{k: v for k, v in saved.items() if k != "params"}}
+            for mine, saved in zip(self.param_groups, state_dict["param_groups"], strict=True)
+        ]
+        owner_keys: dict[int, set[str]] = {}
+        group_of: list[dict[str, Any]] = []
+        for g, mine in enumerate(self.param_groups):
+            group_of += [saved_groups[g]] * len(mine["params"])
+        for pos, p in enumerate(params):
+            if group_of[pos]["algorithm"] != ADAMW:
+                owner_keys[pos] = set(self._owner_specs(p, group_of[pos]))
+        storage: dict[Any, dict[str, Any]] = {}
+        owner_values: dict[tuple[int, str], Tensor] = {}
+        stepped: set[int] = set()
+        for pos, pid in enumerate(order):
+            entry = state_dict["state"].get(pid)
+            if entry is None:
+                continue
+            stepped.add(pos)
+            keys = owner_keys.get(pos, set())
+            storage[pid] = {k: v for k, v in entry.items() if k not in keys}
+            owner_values.update({(pos, k): v for k, v in entry.items() if k in keys})
+        entries = self._entries(params, group_of, stepped)
+        if entries:
+            self._sync_plan()  # collective: every rank has validated by now
+        super().load_state_dict({**state_dict, "state": storage})  # type: ignore[misc]
+        self._owner_state.clear()
+        if not entries:
+            return
+
+        def put(item: Any, key: str, value: Tensor) -> None:
+            self._owner_state.setdefault(item.key, {})[key] = value
+
+        import_state(snapshot(self._runtime), entries, owner_values, put)

@@ -1,0 +1,144 @@
+"""canzona.Muon: torch.optim.Muon's update, computed once per matrix on its owner rank."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from canzona.optim.base import MatrixOptimizer, scalar
+from canzona.plan import PlanConfig
+from canzona.runtime import Item, PipelineConfig, local_tensor
+from canzona.updates import muon_apply_, muon_direction, muon_lr, muon_prepare_
+
+_ADJUST = (None, "original", "match_rms_adamw")
+
+
+class Muon(MatrixOptimizer):
+    r"""Muon (momentum + Newton–Schulz orthogonalisation) for sharded matrices.
+
+    On one device, and with the same arguments, it produces the parameters of
+    ``torch.optim.Muon``. On a DeviceMesh (FSDP2, TP, FSDP×TP, HSDP) every matrix's
+    Newton–Schulz runs once, on its owner rank, and the result is the same.
+
+    .. math::
+        \begin{aligned}
+            & B_t \leftarrow \mu B_{t-1} + (1-\mu) g_t \quad\text{(lerp, per shard)} \\
+            & \widetilde B_t \leftarrow g_t + \mu (B_t - g_t)
+              \ \text{(Nesterov)} \quad\text{or}\quad B_t \\
+            & O_t \leftarrow \mathrm{NS}^{(a,b,c)}_k(\widetilde B_t)
+              \quad\text{(owner rank, full matrix)} \\
+            & \theta_t \leftarrow (1 - \gamma\lambda)\,\theta_{t-1}
+              - \gamma\,\mathrm{AdjustLR}(m, n)\, O_t \quad\text{(per shard)}
+        \end{aligned}
+
+    Args:
+        params: Parameters, named parameters or param groups. Groups with
+            ``algorithm="adamw"`` are updated by AdamW (``lr``, ``weight_decay``,
+            ``adamw_betas``, ``adamw_eps``); see :func:`canzona.param_groups`.
+        lr: Learning rate :math:`\gamma` (float or 1-element tensor).
+        weight_decay: Decoupled weight decay :math:`\lambda`.
+        momentum: Momentum :math:`\mu`.
+        nesterov: Use the Nesterov blend.
+        ns_coefficients: Quintic coefficients :math:`(a, b, c)`.
+        eps: Clamp of the Frobenius norm in Newton–Schulz.
+        ns_steps: Newton–Schulz iterations :math:`k`.
+        adjust_lr_fn: ``None``/``"original"`` (:math:`\sqrt{\max(1, m/n)}`) or
+            ``"match_rms_adamw"`` (:math:`0.2\sqrt{\max(m, n)}`).
+        adamw_betas: AdamW betas for ``algorithm="adamw"`` groups.
+        adamw_eps: AdamW epsilon for ``algorithm="adamw"`` groups.
+        ns_dtype: Dtype of the Newton–Schulz iteration (bf16 as ``torch.optim.Muon``;
+            fp32 is much faster on CPUs without bf16 matmul units).
+        plan: Owner assignment and micro-group configuration.
+        pipeline: Gather/compute/scatter pipeline configuration.
+    """
+
+    algorithm = "muon"
+    cost_model = "muon"
+    storage_keys = ("momentum_buffer",)
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float | Tensor = 1e-3,
+        weight_decay: float = 0.1,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_coefficients: tuple[float, float, float] = (3.4445, -4.775, 2.0315),
+        eps: float = 1e-7,
+        ns_steps: int = 5,
+        adjust_lr_fn: str | None = None,
+        *,
+        adamw_betas: tuple[float, float] = (0.9, 0.95),
+        adamw_eps: float = 1e-8,
+        ns_dtype: torch.dtype = torch.bfloat16,
+        plan: PlanConfig | None = None,
+        pipeline: PipelineConfig | None = None,
+    ) -> None:
+        self._check_common(lr, weight_decay, adamw_betas, adamw_eps)
+        if not momentum >= 0.0:
+            raise ValueError(f"momentum should be >= 0 but is: {momentum}")
+        if adjust_lr_fn not in _ADJUST:
+            raise ValueError(f"Adjust learning rate function {adjust_lr_fn} is not supported")
+        if len(tuple(ns_coefficients)) != 3:
+            raise ValueError(f"ns_coefficients must hold 3 values, got {ns_coefficients!r}")
+        if not 0 <= ns_steps < 100:
+            raise ValueError(f"ns_steps must be in [0, 100), got {ns_steps!r}")
+        if not isinstance(ns_dtype, torch.dtype) or not ns_dtype.is_floating_point:
+            raise ValueError(f"ns_dtype must be a floating torch.dtype, got {ns_dtype!r}")
+        defaults = {
+            "lr": lr,
+            "weight_decay": weight_decay,
+            "momentum": momentum,
+            "nesterov": nesterov,
+            "ns_coefficients": tuple(ns_coefficients),
+            "eps": eps,
+            "ns_steps": ns_steps,
+            "adjust_lr_fn": adjust_lr_fn,
+            "ns_dtype": ns_dtype,
+            "adamw_betas": tuple(adamw_betas),
+            "adamw_eps": adamw_eps,
+        }
+        super().__init__(params, defaults, plan=plan, pipeline=pipeline)
+
+    def _init_storage_state(self, p: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
+        state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+    def _prepare(
+        self, p: Tensor, grad: Tensor, state: dict[str, Any], group: dict[str, Any]
+    ) -> Tensor:
+        return muon_prepare_(
+            local_tensor(state["momentum_buffer"]),
+            grad,
+            momentum=group["momentum"],
+            nesterov=group["nesterov"],
+        )
+
+    def _directions(
+        self, items: Sequence[Item], full: Tensor, group: dict[str, Any], steps: list[int]
+    ) -> Tensor:
+        return muon_direction(
+            full,
+            coefficients=group["ns_coefficients"],
+            steps=group["ns_steps"],
+            eps=group["eps"],
+            dtype=group["ns_dtype"],
+        )
+
+    def _direction_dtype(self, p: Tensor, group: dict[str, Any]) -> torch.dtype:
+        dtype: torch.dtype = group["ns_dtype"]
+        return dtype
+
+    def _apply(
+        self, p: Tensor, direction: Tensor, state: dict[str, Any], group: dict[str, Any]
+    ) -> None:
+        lr = scalar(group["lr"])
+        muon_apply_(
+            local_tensor(p),
+            direction,
+            lr=lr,
+            weight_decay=group["weight_decay"],
+            adjusted_lr=muon_lr(lr, group["adjust_lr_fn"], tuple(p.shape)),
+        )

@@ -1,0 +1,132 @@
+"""canzona.Shampoo: Kronecker-factored preconditioning with Adam grafting, on owner ranks."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from canzona.optim.base import scalar
+from canzona.optim.owned import OwnerStateOptimizer
+from canzona.plan import PlanConfig
+from canzona.runtime import PipelineConfig, local_tensor
+from canzona.updates import ShampooHParams, shampoo_apply_, shampoo_direction, shampoo_init
+
+
+def _hparams(group: dict[str, Any]) -> ShampooHParams:
+    return ShampooHParams(
+        betas=tuple(group["betas"]),
+        epsilon=group["epsilon"],
+        precondition_frequency=group["precondition_frequency"],
+        start_preconditioning_step=group["start_preconditioning_step"],
+        max_precond_dim=group["max_precond_dim"],
+        grafting=group["grafting"],
+        grafting_beta2=group["grafting_beta2"],
+        grafting_epsilon=group["grafting_epsilon"],
+        root_dtype=group["root_dtype"],
+        bias_correction=group["bias_correction"],
+    )
+
+
+class Shampoo(OwnerStateOptimizer):
+    r"""Shampoo (Gupta et al. 2018) with Adam grafting; every matrix on one owner rank.
+
+    .. math::
+        \begin{aligned}
+            & L_t \leftarrow \beta_2 L_{t-1} + (1-\beta_2) G_t G_t^\top, \quad
+              R_t \leftarrow \beta_2 R_{t-1} + (1-\beta_2) G_t^\top G_t \\
+            & M_t \leftarrow \beta_1 M_{t-1} + (1-\beta_1) G_t, \quad
+              \hat M_t = M_t / (1-\beta_1^t) \\
+            & P_t = \hat L^{-1/4} \hat M_t \hat R^{-1/4}
+              \quad\text{(roots refreshed every } f \text{ steps, from step } s\text{)} \\
+            & D_t = \hat M_t / (\sqrt{\hat v_t} + \epsilon_g), \quad
+              v_t \leftarrow \beta_g v_{t-1} + (1-\beta_g) G_t^2 \\
+            & \theta_t \leftarrow (1 - \gamma\lambda)\theta_{t-1}
+              - \gamma\, P_t \,\|D_t\|_F / \|P_t\|_F
+        \end{aligned}
+
+    All state lives on the matrix's owner rank; only the gradient travels to it and
+    only the direction travels back. Sides longer than ``max_precond_dim`` are not
+    preconditioned. See ``docs/optimizers.md`` for every detail.
+
+    Args:
+        params: Parameters, named parameters or param groups (``algorithm="adamw"``
+            groups use AdamW with ``adamw_betas``/``adamw_eps``).
+        lr: Learning rate :math:`\gamma`.
+        betas: :math:`(\beta_1, \beta_2)`: gradient EMA (0 disables) and factor EMA
+            (1 makes the factors running sums).
+        epsilon: Added to the factors before their inverse roots.
+        weight_decay: Decoupled weight decay :math:`\lambda`.
+        precondition_frequency: Steps between inverse-root refreshes :math:`f`.
+        start_preconditioning_step: First preconditioned step :math:`s`.
+        max_precond_dim: Longest side that gets a factor.
+        grafting: ``"adam"`` or ``"none"``.
+        grafting_beta2: :math:`\beta_g` of the Adam grafting.
+        grafting_epsilon: :math:`\epsilon_g` of the Adam grafting.
+        root_dtype: Dtype of the eigendecompositions (float32 or float64).
+        bias_correction: Bias-correct the EMAs.
+        adamw_betas: AdamW betas for ``algorithm="adamw"`` groups.
+        adamw_eps: AdamW epsilon for ``algorithm="adamw"`` groups.
+        plan: Owner assignment and micro-group configuration.
+        pipeline: Gather/compute/scatter pipeline configuration.
+    """
+
+    algorithm = "shampoo"
+    cost_model = "shampoo"
+    storage_keys = ()
+    init_fn = staticmethod(shampoo_init)
+    direction_fn = staticmethod(shampoo_direction)
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float | Tensor = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        epsilon: float = 1e-12,
+        weight_decay: float = 0.0,
+        precondition_frequency: int = 20,
+        start_preconditioning_step: int = 20,
+        max_precond_dim: int = 8192,
+        grafting: str = "adam",
+        *,
+        grafting_beta2: float = 0.999,
+        grafting_epsilon: float = 1e-8,
+        root_dtype: torch.dtype = torch.float32,
+        bias_correction: bool = True,
+        adamw_betas: tuple[float, float] = (0.9, 0.95),
+        adamw_eps: float = 1e-8,
+        plan: PlanConfig | None = None,
+        pipeline: PipelineConfig | None = None,
+    ) -> None:
+        self._check_common(lr, weight_decay, adamw_betas, adamw_eps)
+        defaults = {
+            "lr": lr,
+            "betas": tuple(betas),
+            "epsilon": epsilon,
+            "weight_decay": weight_decay,
+            "precondition_frequency": precondition_frequency,
+            "start_preconditioning_step": start_preconditioning_step,
+            "max_precond_dim": max_precond_dim,
+            "grafting": grafting,
+            "grafting_beta2": grafting_beta2,
+            "grafting_epsilon": grafting_epsilon,
+            "root_dtype": root_dtype,
+            "bias_correction": bias_correction,
+            "adamw_betas": tuple(adamw_betas),
+            "adamw_eps": adamw_eps,
+        }
+        _hparams(defaults)  # validates
+        super().__init__(params, defaults, plan=plan, pipeline=pipeline)
+
+    def hparams(self, group: dict[str, Any]) -> Any:
+        """The hyper-parameters of a param group."""
+        return _hparams(group)
+
+    def _apply(
+        self, p: Tensor, direction: Tensor, state: dict[str, Any], group: dict[str, Any]
+    ) -> None:
+        shampoo_apply_(
+            local_tensor(p), direction, lr=scalar(group["lr"]), weight_decay=group["weight_decay"]
+        )

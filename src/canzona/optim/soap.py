@@ -1,0 +1,115 @@
+"""canzona.SOAP: Adam in Shampoo's eigenbasis (Vyas et al. 2024), on owner ranks."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from torch import Tensor
+
+from canzona.optim.base import scalar
+from canzona.optim.owned import OwnerStateOptimizer
+from canzona.plan import PlanConfig
+from canzona.runtime import PipelineConfig, local_tensor
+from canzona.updates import SOAPHParams, soap_apply_, soap_direction, soap_init
+
+
+def _hparams(group: dict[str, Any]) -> SOAPHParams:
+    return SOAPHParams(
+        betas=tuple(group["betas"]),
+        shampoo_beta=group["shampoo_beta"],
+        eps=group["eps"],
+        precondition_frequency=group["precondition_frequency"],
+        max_precond_dim=group["max_precond_dim"],
+        normalize_grads=group["normalize_grads"],
+        correct_bias=group["correct_bias"],
+    )
+
+
+class SOAP(OwnerStateOptimizer):
+    r"""SOAP: Adam run in the eigenbasis of Shampoo's preconditioner; one owner per matrix.
+
+    Follows the reference implementation (nikhilvyas/SOAP) for 2-D parameters and
+    stacks of them: statistics :math:`L \leftarrow \beta_s L + (1-\beta_s) GG^\top`,
+    :math:`R \leftarrow \beta_s R + (1-\beta_s) G^\top G`; eigenbases :math:`Q_L, Q_R`
+    from ``eigh`` on the first step (which makes no update) and refreshed every
+    ``precondition_frequency`` steps by one power iteration and QR; Adam moments of
+    :math:`Q_L^\top G Q_R`; the update projected back,
+    :math:`\theta \leftarrow \theta - \eta_t Q_L (m / (\sqrt{v} + \epsilon)) Q_R^\top`
+    with :math:`\eta_t = \gamma\sqrt{1-\beta_2^t}/(1-\beta_1^t)`, then
+    :math:`\theta \leftarrow \theta - \gamma\lambda\theta`.
+    All state lives on the owner rank; only the gradient and the direction travel.
+
+    Args:
+        params: Parameters, named parameters or param groups.
+        lr: Learning rate :math:`\gamma`.
+        betas: Adam's :math:`(\beta_1, \beta_2)`.
+        shampoo_beta: :math:`\beta_s` of the statistics (negative: use :math:`\beta_2`).
+        eps: Adam's epsilon.
+        weight_decay: Weight decay :math:`\lambda` (applied after the step).
+        precondition_frequency: Steps between eigenbasis refreshes.
+        max_precond_dim: Longest side with a non-identity basis.
+        normalize_grads: Normalise each direction to unit RMS.
+        correct_bias: Fold Adam's bias corrections into the step size.
+        adamw_betas: AdamW betas for ``algorithm="adamw"`` groups.
+        adamw_eps: AdamW epsilon for ``algorithm="adamw"`` groups.
+        plan: Owner assignment and micro-group configuration.
+        pipeline: Gather/compute/scatter pipeline configuration.
+    """
+
+    algorithm = "soap"
+    cost_model = "soap"
+    storage_keys = ()
+    init_fn = staticmethod(soap_init)
+    direction_fn = staticmethod(soap_direction)
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float | Tensor = 3e-3,
+        betas: tuple[float, float] = (0.95, 0.95),
+        shampoo_beta: float = -1,
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+        precondition_frequency: int = 10,
+        max_precond_dim: int = 10000,
+        normalize_grads: bool = False,
+        correct_bias: bool = True,
+        *,
+        adamw_betas: tuple[float, float] = (0.9, 0.95),
+        adamw_eps: float = 1e-8,
+        plan: PlanConfig | None = None,
+        pipeline: PipelineConfig | None = None,
+    ) -> None:
+        self._check_common(lr, weight_decay, adamw_betas, adamw_eps)
+        defaults = {
+            "lr": lr,
+            "betas": tuple(betas),
+            "shampoo_beta": shampoo_beta,
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "precondition_frequency": precondition_frequency,
+            "max_precond_dim": max_precond_dim,
+            "normalize_grads": normalize_grads,
+            "correct_bias": correct_bias,
+            "adamw_betas": tuple(adamw_betas),
+            "adamw_eps": adamw_eps,
+        }
+        _hparams(defaults)  # validates
+        super().__init__(params, defaults, plan=plan, pipeline=pipeline)
+
+    def hparams(self, group: dict[str, Any]) -> Any:
+        """The hyper-parameters of a param group."""
+        return _hparams(group)
+
+    def _apply(
+        self, p: Tensor, direction: Tensor, state: dict[str, Any], group: dict[str, Any]
+    ) -> None:
+        soap_apply_(
+            local_tensor(p),
+            direction,
+            lr=scalar(group["lr"]),
+            weight_decay=group["weight_decay"],
+            step=int(state["step"]),
+            hp=_hparams(group),
+        )

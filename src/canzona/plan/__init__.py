@@ -1,0 +1,42 @@
+"""Pure-Python planning: matrix specs, cost models, owner assignment, micro-groups, digest.
+
+Nothing in this package imports torch, so a plan can be built, inspected and compared in
+any process (for example by the ``canzona plan`` command) before a device is touched.
+"""
+
+from __future__ import annotations
+
+from canzona.plan.assign import STRATEGIES, Assignment, assign_owners, lower_bound
+from canzona.plan.build import MIB, Plan, PlanConfig, build_plan
+from canzona.plan.cost import (
+    COST_MODELS,
+    AdamWCost,
+    CostModel,
+    MuonCost,
+    ShampooCost,
+    SoapCost,
+    cost_model,
+)
+from canzona.plan.groups import MicroGroup, micro_groups
+from canzona.plan.spec import MatrixSpec
+
+__all__ = [
+    "COST_MODELS",
+    "MIB",
+    "STRATEGIES",
+    "AdamWCost",
+    "Assignment",
+    "CostModel",
+    "MatrixSpec",
+    "MicroGroup",
+    "MuonCost",
+    "Plan",
+    "PlanConfig",
+    "ShampooCost",
+    "SoapCost",
+    "assign_owners",
+    "build_plan",
+    "cost_model",
+    "lower_bound",
+    "micro_groups",
+]

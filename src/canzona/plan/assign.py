@@ -1,0 +1,292 @@
+"""Owner assignment: which rank computes each matrix, under five strategies, with load metrics."""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import itertools
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from canzona.plan.cost import CostModel, resolve_cost_model
+from canzona.plan.refine import objective, refine_owners
+from canzona.plan.spec import MatrixSpec, check_specs
+
+__all__ = ["STRATEGIES", "Assignment", "assign_owners", "lower_bound"]
+
+#: Owner-assignment strategies, the first being the default.
+STRATEGIES = ("canzona", "numel", "round_robin", "count", "replicated")
+
+
+def _ratio(values: Sequence[float]) -> float:
+    """Max over mean; 1.0 when everything is zero."""
+    if not values:
+        return 1.0
+    mean = math.fsum(values) / len(values)
+    return 1.0 if mean == 0 else max(values) / mean
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Assignment:
+    """The owner rank of every matrix, with per-rank loads.
+
+    Attributes:
+        strategy: The strategy that produced it (one of ``STRATEGIES``).
+        num_ranks: Number of ranks.
+        owner: Matrix name -> owner rank. For ``replicated`` the lowest eligible rank (nominal:
+            every eligible rank computes the matrix).
+        replicated: Whether every eligible rank computes every matrix.
+        loads: Per-rank compute, in FLOPs, of the matrices the rank computes.
+        comm_bytes: Per-rank bytes received: the payload of the matrices the rank computes.
+        lower_bound: A lower bound on the makespan of any assignment of this instance (FLOPs).
+        total: Total FLOPs of the instance (each matrix counted once).
+        restricted: Eligible ranks of the matrices that have a restriction.
+    """
+
+    strategy: str
+    num_ranks: int
+    owner: Mapping[str, int]
+    replicated: bool = False
+    loads: tuple[float, ...]
+    comm_bytes: tuple[int, ...]
+    lower_bound: float
+    total: float
+    restricted: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+        if len(self.loads) != self.num_ranks or len(self.comm_bytes) != self.num_ranks:
+            raise ValueError(
+                f"loads and comm_bytes need one entry per rank ({self.num_ranks}), "
+                f"got {len(self.loads)} and {len(self.comm_bytes)}"
+            )
+        for name, rank in self.owner.items():
+            if not 0 <= rank < self.num_ranks:
+                raise ValueError(f"owner of {name!r} outside [0, {self.num_ranks}), got {rank!r}")
+        object.__setattr__(self, "owner", MappingProxyType(dict(self.owner)))
+        object.__setattr__(self, "restricted", MappingProxyType(dict(self.restricted)))
+
+    def computing_ranks(self, name: str) -> tuple[int, ...]:
+        """The ranks that compute ``name``: its owner, or every eligible rank if replicated."""
+        owner = self.owner[name]
+        if not self.replicated:
+            return (owner,)
+        return self.restricted.get(name) or tuple(range(self.num_ranks))
+
+    @property
+    def makespan(self) -> float:
+        """The largest per-rank load (FLOPs)."""
+        return max(self.loads, default=0.0)
+
+    @property
+    def balance_ratio(self) -> float:
+        """Max load over mean load (1.0 is perfect balance)."""
+        return _ratio(self.loads)
+
+    @property
+    def comm_balance_ratio(self) -> float:
+        """Max bytes received over mean bytes received."""
+        return _ratio([float(b) for b in self.comm_bytes])
+
+    @property
+    def makespan_ratio(self) -> float:
+        """Makespan over the lower bound (>= 1; 1.0 when both are zero)."""
+        return 1.0 if self.lower_bound == 0 else self.makespan / self.lower_bound
+
+
+def lower_bound(costs: Sequence[float], num_ranks: int) -> float:
+    """Classic makespan lower bound for identical machines.
+
+    The largest of the mean load ``total / num_ranks`` and, for every ``k >= 0`` with
+    ``k * num_ranks + 1 <= len(costs)``, the sum of the ``k + 1`` smallest among the
+    ``k * num_ranks + 1`` costliest items: by pigeonhole one rank receives ``k + 1`` of them
+    (``k = 0`` gives the costliest item). Eligibility is ignored, so it stays a valid bound.
+    """
+    ordered = sorted(costs, reverse=True)
+    if not ordered:
+        return 0.0
+    best = max(math.fsum(ordered) / num_ranks, ordered[0])
+    prefix = list(itertools.accumulate(ordered, initial=0.0))
+    k = 1
+    while k * num_ranks + 1 <= len(ordered):
+        hi = k * num_ranks + 1
+        best = max(best, prefix[hi] - prefix[hi - k - 1])
+        k += 1
+    return best
+
+
+def _lpt(
+    order: Iterable[int],
+    costs: Sequence[float],
+    eligible: Sequence[tuple[int, ...] | None],
+    num_ranks: int,
+) -> list[int]:
+    """Longest processing time first: each item (in ``order``) to the least-loaded eligible rank.
+
+    Ties go to the lowest rank. Each distinct eligibility set keeps a heap of (load, rank)
+    with one entry per rank; an entry whose rank has since taken more work is stale (its
+    load is too low), so it surfaces early and is refreshed before the top is trusted.
+    """
+    loads = [0.0] * num_ranks
+    heaps: dict[tuple[int, ...] | None, list[tuple[float, int]]] = {}
+    owners = [-1] * len(costs)
+    for i in order:
+        key = eligible[i]
+        heap = heaps.get(key)
+        if heap is None:
+            heap = [(loads[r], r) for r in (range(num_ranks) if key is None else key)]
+            heapq.heapify(heap)
+            heaps[key] = heap
+        while heap[0][0] != loads[heap[0][1]]:
+            heapq.heapreplace(heap, (loads[heap[0][1]], heap[0][1]))
+        rank = heap[0][1]
+        loads[rank] += costs[i]
+        heapq.heapreplace(heap, (loads[rank], rank))
+        owners[i] = rank
+    return owners
+
+
+def _round_robin(specs: Sequence[MatrixSpec], num_ranks: int) -> list[int]:
+    owners, cursor = [], 0
+    for spec in specs:
+        start = cursor % num_ranks
+        if spec.ranks is None:
+            rank = start
+        else:
+            pos = bisect.bisect_left(spec.ranks, start)
+            rank = spec.ranks[pos % len(spec.ranks)]
+        owners.append(rank)
+        cursor = rank + 1
+    return owners
+
+
+def _count(specs: Sequence[MatrixSpec], num_ranks: int) -> list[int]:
+    seen: dict[tuple[tuple[int, ...], tuple[int, ...] | None], int] = {}
+    owners = []
+    for spec in specs:
+        key = (spec.shape, spec.ranks)
+        j = seen.get(key, 0)
+        seen[key] = j + 1
+        owners.append(j % num_ranks if spec.ranks is None else spec.ranks[j % len(spec.ranks)])
+    return owners
+
+
+def assign_owners(
+    specs: Sequence[MatrixSpec],
+    num_ranks: int,
+    *,
+    strategy: str = "canzona",
+    optimizer: str | CostModel = "muon",
+    alpha: float = 1.0,
+    refine: bool = True,
+) -> Assignment:
+    """Give every matrix an owner rank that computes its update.
+
+    Strategies:
+
+    * ``canzona``: longest-processing-time-first greedy on the blended cost
+      ``(1 - alpha) * bytes / total_bytes + alpha * flops / total_flops``, in the order
+      ``(-cost, -bytes, name)`` (deterministic and independent of the input order), each matrix
+      whole to the least-loaded eligible rank (ties to the lowest rank); then, if ``refine``,
+      local search (:func:`~canzona.plan.refine.refine_owners`). The result is never worse than
+      plain LPT on the blended objective.
+    * ``numel``: the same greedy on element counts, without refinement.
+    * ``round_robin``: matrices in the given order dealt to eligible ranks in turn.
+    * ``count``: within each same-shape batch, matrices dealt in order from rank 0, so that
+      every rank gets the same number.
+    * ``replicated``: every eligible rank computes every matrix.
+
+    Args:
+        specs: The matrices; names must be unique.
+        num_ranks: Number of ranks.
+        strategy: One of ``STRATEGIES``.
+        optimizer: A cost model or the name of a built-in one.
+        alpha: Weight of compute against communication in the blended cost, in [0, 1].
+        refine: Run the refinement pass (``canzona`` only).
+
+    Returns:
+        The assignment with per-rank FLOPs and bytes.
+
+    Raises:
+        ValueError: On an unknown strategy, ``alpha`` outside [0, 1], or invalid specs.
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not 0 <= alpha <= 1:
+        raise ValueError(f"alpha must be a number in [0, 1], got {alpha!r}")
+    check_specs(specs, num_ranks)
+    model = resolve_cost_model(optimizer)
+    flops = [model.flops(s) for s in specs]
+    nbytes = [model.comm_bytes(s) for s in specs]
+    eligible = [s.ranks for s in specs]
+    total = math.fsum(flops)
+    bound = lower_bound(flops, num_ranks)
+    restricted = {s.name: s.ranks for s in specs if s.ranks is not None}
+
+    if strategy == "replicated":
+        # every rank computes the unrestricted matrices; restricted ones only where eligible
+        extra: list[list[float]] = [[] for _ in range(num_ranks)]
+        received = [0] * num_ranks
+        common = [f for s, f in zip(specs, flops, strict=True) if s.ranks is None]
+        common_bytes = sum(b for s, b in zip(specs, nbytes, strict=True) if s.ranks is None)
+        for spec, f, b in zip(specs, flops, nbytes, strict=True):
+            for rank in spec.ranks or ():
+                extra[rank].append(f)
+                received[rank] += b
+        base = math.fsum(common)
+        return Assignment(
+            strategy=strategy,
+            num_ranks=num_ranks,
+            owner={s.name: s.ranks[0] if s.ranks else 0 for s in specs},
+            replicated=True,
+            loads=tuple(math.fsum([base, *x]) if x else base for x in extra),
+            comm_bytes=tuple(common_bytes + b for b in received),
+            lower_bound=bound,
+            total=total,
+            restricted=restricted,
+        )
+
+    if strategy == "round_robin":
+        owners = _round_robin(specs, num_ranks)
+    elif strategy == "count":
+        owners = _count(specs, num_ranks)
+    else:
+        if strategy == "numel":
+            costs = [float(s.numel) for s in specs]
+        else:
+            total_bytes = math.fsum(nbytes)
+            w_bytes = (1.0 - alpha) / total_bytes if total_bytes else 0.0
+            w_flops = alpha / total if total else 0.0
+            costs = [w_bytes * b + w_flops * f for f, b in zip(flops, nbytes, strict=True)]
+        order = sorted(range(len(specs)), key=lambda i: (-costs[i], -nbytes[i], specs[i].name))
+        ordered_costs = [costs[i] for i in order]
+        ordered_elig = [eligible[i] for i in order]
+        greedy = _lpt(range(len(order)), ordered_costs, ordered_elig, num_ranks)
+        chosen = greedy
+        if strategy == "canzona" and refine:
+            refined = refine_owners(ordered_costs, ordered_elig, greedy, num_ranks)
+            before = objective(ordered_costs, greedy, num_ranks)
+            after = objective(ordered_costs, refined, num_ranks)
+            chosen = refined if after <= before else greedy
+        owners = [0] * len(specs)
+        for pos, i in enumerate(order):
+            owners[i] = chosen[pos]
+
+    per_rank: list[list[float]] = [[] for _ in range(num_ranks)]
+    received = [0] * num_ranks
+    for rank, f, b in zip(owners, flops, nbytes, strict=True):
+        per_rank[rank].append(f)
+        received[rank] += b
+    return Assignment(
+        strategy=strategy,
+        num_ranks=num_ranks,
+        owner={s.name: r for s, r in zip(specs, owners, strict=True)},
+        loads=tuple(math.fsum(x) for x in per_rank),
+        comm_bytes=tuple(received),
+        lower_bound=bound,
+        total=total,
+        restricted=restricted,
+    )

@@ -1,0 +1,269 @@
+"""Closed-form per-matrix cost models (FLOPs, bytes moved, bytes in flight) for each optimizer."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from canzona.plan.spec import MatrixSpec
+
+__all__ = [
+    "COST_MODELS",
+    "AdamWCost",
+    "CostModel",
+    "MuonCost",
+    "ShampooCost",
+    "SoapCost",
+    "cost_model",
+    "cost_model_params",
+    "resolve_cost_model",
+]
+
+#: FLOPs per element for Muon's element-wise work: momentum (2), Nesterov blend (2),
+#: Frobenius norm (2), normalisation (1), shape-scaled learning rate and weight decay (3).
+MUON_ELEMENTWISE = 10
+#: FLOPs per element for Adam-style element-wise work (both moments, bias correction,
+#: square root, division, weight decay, learning rate).
+ADAM_ELEMENTWISE = 12
+#: FLOPs of a symmetric eigendecomposition of a d x d matrix with eigenvectors, in units of
+#: d^3 (Householder tridiagonalisation ~4/3, implicit QR with vector accumulation ~6, and the
+#: reconstruction Q diag Q^T ~2, rounded to 10).
+EIGH_FACTOR = 10.0
+#: Householder QR of a d x d matrix costs ~(4/3) d^3 for R; forming Q doubles it.
+QR_FACTOR = 2.0
+
+
+@runtime_checkable
+class CostModel(Protocol):
+    """What the planner needs to know about one optimizer's per-matrix work."""
+
+    @property
+    def name(self) -> str:
+        """Short name of the optimizer (``"muon"``, ``"shampoo"``, ...)."""
+        ...
+
+    def flops(self, spec: MatrixSpec) -> float:
+        """Floating point operations of one optimizer step on the owner."""
+        ...
+
+    def comm_bytes(self, spec: MatrixSpec) -> int:
+        """Bytes that travel to the owner before it computes (the full payload)."""
+        ...
+
+    def memory_bytes(self, spec: MatrixSpec) -> int:
+        """Bytes in flight on the owner while the matrix is being computed."""
+        ...
+
+
+def _payload(spec: MatrixSpec) -> int:
+    return spec.numel * spec.itemsize
+
+
+def _positive_int(owner: str, field_name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{owner}: {field_name} must be an integer >= 1, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MuonCost:
+    """Muon: momentum, then Newton-Schulz orthogonalisation of the m x n update.
+
+    With ``a = min(m, n)`` and ``b = max(m, n)`` (Muon transposes so that ``X`` is a x b), one
+    quintic Newton-Schulz iteration computes ``A = X X^T`` (a x b times b x a: ``2 a^2 b``),
+    ``B = c1 A + c2 A A`` (``2 a^3``) and ``B X`` (``2 a^2 b``), i.e. ``4 a^2 b + 2 a^3`` per
+    iteration. The total is ``batch * (ns_steps * (4 a^2 b + 2 a^3) + 10 m n)``, the last term
+    being the element-wise momentum, normalisation and update.
+
+    Attributes:
+        ns_steps: Number of Newton-Schulz iterations.
+    """
+
+    ns_steps: int = 5
+    name: str = field(default="muon", init=False)
+
+    def __post_init__(self) -> None:
+        _positive_int("muon", "ns_steps", self.ns_steps)
+
+    def flops(self, spec: MatrixSpec) -> float:
+        """``batch * (ns_steps * (4 a^2 b + 2 a^3) + 10 m n)``."""
+        a, b = min(spec.m, spec.n), max(spec.m, spec.n)
+        per_iter = 4 * a * a * b + 2 * a**3
+        return float(spec.batch * (self.ns_steps * per_iter + MUON_ELEMENTWISE * spec.m * spec.n))
+
+    def comm_bytes(self, spec: MatrixSpec) -> int:
+        """The full gradient (or momentum) payload, ``numel * itemsize``."""
+        return _payload(spec)
+
+    def memory_bytes(self, spec: MatrixSpec) -> int:
+        """The assembled full matrix on the owner, ``numel * itemsize``."""
+        return _payload(spec)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ShampooCost:
+    """Shampoo with Kronecker factors ``L`` (m x m) and ``R`` (n x n).
+
+    Per step and per preconditioned side (a side of size ``d <= max_precond_dim``):
+
+    * statistics: ``G G^T`` costs ``2 m^2 n`` (left), ``G^T G`` costs ``2 m n^2`` (right);
+    * preconditioning: ``L^{-1/4} G`` costs ``2 m^2 n``, ``G R^{-1/4}`` costs ``2 m n^2``;
+    * inverse fourth root by symmetric eigendecomposition, ``10 d^3`` (``EIGH_FACTOR``),
+      recomputed every ``precondition_frequency`` steps, so amortised by that factor.
+
+    A side larger than ``max_precond_dim`` contributes no statistic, no preconditioning and no
+    root (it is left unpreconditioned). Element-wise grafting adds ``12 m n``. Everything is
+    multiplied by the batch for 3-D shapes.
+
+    Attributes:
+        precondition_frequency: Steps between two root computations.
+        max_precond_dim: Largest side that gets a Kronecker factor.
+    """
+
+    precondition_frequency: int = 20
+    max_precond_dim: int = 8192
+    name: str = field(default="shampoo", init=False)
+
+    def __post_init__(self) -> None:
+        _positive_int("shampoo", "precondition_frequency", self.precondition_frequency)
+        _positive_int("shampoo", "max_precond_dim", self.max_precond_dim)
+
+    def flops(self, spec: MatrixSpec) -> float:
+        """Statistics + preconditioning + amortised roots + element-wise, times the batch."""
+        m, n = spec.m, spec.n
+        total = float(ADAM_ELEMENTWISE * m * n)
+        if m <= self.max_precond_dim:
+            total += 2 * m * m * n * 2 + EIGH_FACTOR * m**3 / self.precondition_frequency
+        if n <= self.max_precond_dim:
+            total += 2 * m * n * n * 2 + EIGH_FACTOR * n**3 / self.precondition_frequency
+        return spec.batch * total
+
+    def comm_bytes(self, spec: MatrixSpec) -> int:
+        """The full gradient payload, ``numel * itemsize``."""
+        return _payload(spec)
+
+    def memory_bytes(self, spec: MatrixSpec) -> int:
+        """The assembled full matrix on the owner, ``numel * itemsize``."""
+        return _payload(spec)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SoapCost:
+    """SOAP: Adam in the eigenbasis of Shampoo's factors.
+
+    Per step and per preconditioned side (``d <= max_precond_dim``):
+
+    * statistics as Shampoo: ``2 m^2 n`` (left), ``2 m n^2`` (right);
+    * projection of the gradient into the eigenbasis ``Q_L^T G Q_R`` and of the update back
+      out ``Q_L U Q_R^T``: ``2 m^2 n`` per left side and ``2 m n^2`` per right side, twice;
+    * eigenbasis refresh every ``precondition_frequency`` steps: one power-iteration step
+      ``S Q`` (``2 d^3``) followed by a QR (``(4/3) d^3 * 2``, ``QR_FACTOR``), amortised.
+
+    A side above ``max_precond_dim`` uses the identity basis (no cost). Adam's element-wise work
+    in the rotated space adds ``12 m n``. Everything is multiplied by the batch.
+
+    Attributes:
+        precondition_frequency: Steps between two eigenbasis refreshes.
+        max_precond_dim: Largest side that gets a Kronecker factor.
+    """
+
+    precondition_frequency: int = 10
+    max_precond_dim: int = 10000
+    name: str = field(default="soap", init=False)
+
+    def __post_init__(self) -> None:
+        _positive_int("soap", "precondition_frequency", self.precondition_frequency)
+        _positive_int("soap", "max_precond_dim", self.max_precond_dim)
+
+    def flops(self, spec: MatrixSpec) -> float:
+        """Statistics + two projections + amortised refresh + element-wise, times the batch."""
+        m, n = spec.m, spec.n
+        refresh = 2.0 + QR_FACTOR * 4.0 / 3.0
+        total = float(ADAM_ELEMENTWISE * m * n)
+        if m <= self.max_precond_dim:
+            total += 2 * m * m * n * 3 + refresh * m**3 / self.precondition_frequency
+        if n <= self.max_precond_dim:
+            total += 2 * m * n * n * 3 + refresh * n**3 / self.precondition_frequency
+        return spec.batch * total
+
+    def comm_bytes(self, spec: MatrixSpec) -> int:
+        """The full gradient payload, ``numel * itemsize``."""
+        return _payload(spec)
+
+    def memory_bytes(self, spec: MatrixSpec) -> int:
+        """The assembled full matrix on the owner, ``numel * itemsize``."""
+        return _payload(spec)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AdamWCost:
+    """AdamW: purely element-wise, ``12 * numel`` FLOPs (``ADAM_ELEMENTWISE``)."""
+
+    name: str = field(default="adamw", init=False)
+
+    def flops(self, spec: MatrixSpec) -> float:
+        """``12 * numel``."""
+        return float(ADAM_ELEMENTWISE * spec.numel)
+
+    def comm_bytes(self, spec: MatrixSpec) -> int:
+        """The full gradient payload, ``numel * itemsize``."""
+        return _payload(spec)
+
+    def memory_bytes(self, spec: MatrixSpec) -> int:
+        """The assembled full matrix on the owner, ``numel * itemsize``."""
+        return _payload(spec)
+
+
+COST_MODELS: Mapping[str, type[Any]] = {
+    "muon": MuonCost,
+    "shampoo": ShampooCost,
+    "soap": SoapCost,
+    "adamw": AdamWCost,
+}
+
+
+def cost_model(name: str, **params: Any) -> CostModel:
+    """Build the cost model of an optimizer by name.
+
+    Args:
+        name: One of ``"muon"``, ``"shampoo"``, ``"soap"``, ``"adamw"``.
+        **params: The model's parameters (``ns_steps`` for Muon; ``precondition_frequency``
+            and ``max_precond_dim`` for Shampoo and SOAP).
+
+    Returns:
+        A frozen cost model.
+
+    Raises:
+        ValueError: On an unknown name, an unknown parameter or an invalid value.
+    """
+    cls = COST_MODELS.get(name)
+    if cls is None:
+        raise ValueError(
+            f"unknown optimizer cost model, expected one of {sorted(COST_MODELS)}, got {name!r}"
+        )
+    allowed = {f.name for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(params) - allowed)
+    if unknown:
+        raise ValueError(f"cost model {name!r} takes {sorted(allowed)}, got {unknown!r}")
+    model: CostModel = cls(**params)
+    return model
+
+
+def resolve_cost_model(optimizer: str | CostModel) -> CostModel:
+    """Accept a cost model or the name of a built-in one."""
+    if isinstance(optimizer, str):
+        return cost_model(optimizer)
+    if not isinstance(optimizer, CostModel):
+        raise ValueError(f"optimizer must be a name or a CostModel, got {optimizer!r}")
+    return optimizer
+
+
+def cost_model_params(model: CostModel) -> dict[str, Any]:
+    """The parameters identifying a cost model (used by the plan digest)."""
+    params = getattr(model, "params", None)
+    if callable(params):
+        return dict(params())
+    if dataclasses.is_dataclass(model) and not isinstance(model, type):
+        return {f.name: getattr(model, f.name) for f in dataclasses.fields(model) if f.init}
+    return {}

@@ -1,0 +1,222 @@
+"""Micro-groups: the order in which owned matrices travel, in capacity-bounded rounds."""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from canzona.plan.assign import Assignment
+from canzona.plan.cost import CostModel, resolve_cost_model
+from canzona.plan.spec import MatrixSpec
+
+__all__ = ["MicroGroup", "micro_groups"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MicroGroup:
+    """One round of gather -> compute -> scatter.
+
+    Attributes:
+        index: Position of the group in the schedule.
+        names: The matrices of the group, by descending cost then name.
+        owners: The owner of each matrix, aligned with ``names`` (nominal for replicated plans).
+        rank_bytes: Per-rank bytes in flight (the assembled payloads the rank computes).
+        rank_loads: Per-rank FLOPs of the matrices the rank computes in this group.
+    """
+
+    index: int
+    names: tuple[str, ...]
+    owners: tuple[int, ...]
+    rank_bytes: tuple[int, ...]
+    rank_loads: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.names) != len(self.owners):
+            raise ValueError(
+                f"names and owners must align, got {len(self.names)} and {len(self.owners)}"
+            )
+        if len(self.rank_bytes) != len(self.rank_loads):
+            raise ValueError(
+                "rank_bytes and rank_loads need one entry per rank, "
+                f"got {len(self.rank_bytes)} and {len(self.rank_loads)}"
+            )
+
+    @property
+    def balance_ratio(self) -> float:
+        """Max over mean of the per-rank loads of this group (1.0 if all zero)."""
+        mean = math.fsum(self.rank_loads) / len(self.rank_loads) if self.rank_loads else 0.0
+        return 1.0 if mean == 0 else max(self.rank_loads) / mean
+
+
+def _finish(
+    index: int,
+    chosen: Sequence[int],
+    specs: Sequence[MatrixSpec],
+    assignment: Assignment,
+    flops: Sequence[float],
+    memory: Sequence[int],
+) -> MicroGroup:
+    order = sorted(chosen, key=lambda i: (-flops[i], specs[i].name))
+    p = assignment.num_ranks
+    # matrices every rank computes (unrestricted, replicated) are summed once
+    common: list[float] = []
+    common_bytes = 0
+    loads: list[list[float]] = [[] for _ in range(p)]
+    nbytes = [0] * p
+    for i in order:
+        if assignment.replicated and specs[i].ranks is None:
+            common.append(flops[i])
+            common_bytes += memory[i]
+            continue
+        for rank in assignment.computing_ranks(specs[i].name):
+            loads[rank].append(flops[i])
+            nbytes[rank] += memory[i]
+    base = math.fsum(common)
+    return MicroGroup(
+        index=index,
+        names=tuple(specs[i].name for i in order),
+        owners=tuple(assignment.owner[specs[i].name] for i in order),
+        rank_bytes=tuple(common_bytes + b for b in nbytes),
+        rank_loads=tuple(math.fsum([base, *x]) if x else base for x in loads),
+    )
+
+
+def _owned_groups(
+    specs: Sequence[MatrixSpec],
+    assignment: Assignment,
+    capacity: int,
+    flops: Sequence[float],
+    memory: Sequence[int],
+) -> list[list[int]]:
+    """Fill groups from per-rank queues, always serving the rank that is furthest behind."""
+    p = assignment.num_ranks
+    queues: list[list[int]] = [[] for _ in range(p)]
+    for i, spec in enumerate(specs):
+        queues[assignment.owner[spec.name]].append(i)
+    for queue in queues:
+        # served from the end of the list: costliest first, ties by bytes then name
+        queue.sort(key=lambda i: (-flops[i], -memory[i], specs[i].name))
+        queue.reverse()
+    done = [0.0] * p
+    groups: list[list[int]] = []
+    while any(queues):
+        heap = [(done[r], r) for r in range(p) if queues[r]]
+        heapq.heapify(heap)
+        in_flight = [0] * p
+        chosen: list[int] = []
+        full_floor = math.inf  # lowest cumulative load of a rank that ran out of capacity
+        while heap:
+            load, rank = heapq.heappop(heap)
+            if load > full_floor:
+                break  # everyone left is ahead of a rank that is already full
+            i = queues[rank][-1]
+            if in_flight[rank] and in_flight[rank] + memory[i] > capacity:
+                full_floor = min(full_floor, load)
+                continue
+            queues[rank].pop()
+            in_flight[rank] += memory[i]
+            done[rank] += flops[i]
+            chosen.append(i)
+            if queues[rank]:
+                heapq.heappush(heap, (done[rank], rank))
+        groups.append(chosen)
+    return groups
+
+
+def _replicated_groups(
+    specs: Sequence[MatrixSpec],
+    assignment: Assignment,
+    capacity: int,
+    flops: Sequence[float],
+    memory: Sequence[int],
+) -> list[list[int]]:
+    """Every eligible rank receives every matrix: pack them in descending cost order."""
+    order = sorted(range(len(specs)), key=lambda i: (-flops[i], -memory[i], specs[i].name))
+    groups: list[list[int]] = []
+    chosen: list[int] = []
+    common = 0  # bytes every rank holds (unrestricted matrices)
+    extra = [0] * assignment.num_ranks  # bytes of restricted matrices, per rank
+    top_extra = 0
+    for i in order:
+        ranks = specs[i].ranks
+        if ranks is None:
+            fits = common + top_extra + memory[i] <= capacity
+        else:
+            fits = all(common + extra[r] + memory[i] <= capacity for r in ranks)
+        if chosen and not fits:
+            groups.append(chosen)
+            chosen, common, top_extra = [], 0, 0
+            extra = [0] * assignment.num_ranks
+        chosen.append(i)
+        if ranks is None:
+            common += memory[i]
+        else:
+            for r in ranks:
+                extra[r] += memory[i]
+                top_extra = max(top_extra, extra[r])
+    if chosen:
+        groups.append(chosen)
+    return groups
+
+
+def micro_groups(
+    specs: Sequence[MatrixSpec],
+    assignment: Assignment,
+    *,
+    capacity_bytes: int,
+    optimizer: str | CostModel = "muon",
+) -> list[MicroGroup]:
+    """Split the matrices into micro-groups that travel and are computed together.
+
+    Micro-grouping respects the assignment (it never moves an owner); it only decides the
+    order in which matrices travel. Each rank queues its matrices by descending cost (ties by
+    bytes, then name). The open group repeatedly takes the next matrix of the rank with the
+    smallest cumulative load over all groups so far (ties to the lowest rank). If the owner's
+    bytes in flight in the group would exceed ``capacity_bytes``, the matrix stays queued and
+    the rank is full for this group; a rank holding nothing in the group always accepts its
+    next matrix, so a single oversized matrix is never split but sits alone on its owner. A
+    rank whose cumulative load is above that of a full rank stops as well, and the group is
+    sealed once no rank can take more.
+
+    Consequence: at every group boundary, every rank's cumulative load minus the cost of the
+    last matrix it took is at most the cumulative load of any rank with work left, so the
+    cumulative loads of ranks with work left differ by at most one matrix and a pipeline that
+    keeps a group in flight never stalls for more than one matrix.
+
+    For a replicated assignment every eligible rank receives every matrix: matrices are added
+    in descending cost order and a group is sealed when one more would exceed the capacity on
+    some rank (a single oversized matrix again forms its own group).
+
+    Args:
+        specs: The matrices of the assignment.
+        assignment: Owners from :func:`~canzona.plan.assign.assign_owners`.
+        capacity_bytes: Bytes in flight allowed per rank and group.
+        optimizer: The cost model used for loads and bytes in flight.
+
+    Returns:
+        The groups in schedule order; every matrix is in exactly one.
+
+    Raises:
+        ValueError: On a non-positive capacity, or specs that do not match the assignment.
+    """
+    if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int):
+        raise ValueError(f"capacity_bytes must be an integer, got {capacity_bytes!r}")
+    if capacity_bytes <= 0:
+        raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes!r}")
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"duplicate matrix names, got {len(names) - len(set(names))} duplicates")
+    if set(names) != set(assignment.owner):
+        missing = sorted(set(names) ^ set(assignment.owner))[:3]
+        raise ValueError(f"specs and assignment cover different matrices, e.g. {missing!r}")
+    model = resolve_cost_model(optimizer)
+    flops = [model.flops(s) for s in specs]
+    memory = [model.memory_bytes(s) for s in specs]
+    build = _replicated_groups if assignment.replicated else _owned_groups
+    chosen = build(specs, assignment, capacity_bytes, flops, memory)
+    return [
+        _finish(index, group, specs, assignment, flops, memory)
+        for index, group in enumerate(chosen)
+    ]

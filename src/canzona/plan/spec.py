@@ -1,0 +1,127 @@
+"""What the planner knows about one matrix: name, shape, payload size and eligible ranks."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["MatrixSpec", "check_specs"]
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True, slots=True)
+class MatrixSpec:
+    """One matrix (or a stack of matrices) updated as a whole by a single owner rank.
+
+    A 2-D ``shape`` ``(m, n)`` is one matrix; a 3-D shape ``(batch, m, n)`` is a stack of
+    ``batch`` matrices that are updated independently but always travel together (for example
+    the experts of a fused MoE weight).
+
+    Attributes:
+        name: Unique name of the parameter inside a plan (for example its FQN).
+        shape: ``(m, n)`` or ``(batch, m, n)``, every dimension positive.
+        itemsize: Bytes per element of the payload that travels to the owner (4 for fp32).
+        ranks: The ranks allowed to own the matrix, sorted and unique; ``None`` means every
+            rank. Checked against the number of ranks when owners are assigned.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    itemsize: int = 4
+    ranks: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"MatrixSpec name must be a non-empty string, got {self.name!r}")
+        shape = self.shape
+        if not isinstance(shape, Sequence) or isinstance(shape, str):
+            raise ValueError(f"MatrixSpec {self.name!r}: shape must be a tuple, got {shape!r}")
+        if len(shape) not in (2, 3):
+            raise ValueError(f"MatrixSpec {self.name!r}: shape must be 2-D or 3-D, got {shape!r}")
+        if not all(_is_int(d) and d > 0 for d in shape):
+            raise ValueError(
+                f"MatrixSpec {self.name!r}: dimensions must be positive integers, got {shape!r}"
+            )
+        object.__setattr__(self, "shape", tuple(shape))
+        if not _is_int(self.itemsize) or self.itemsize < 1:
+            raise ValueError(
+                f"MatrixSpec {self.name!r}: itemsize must be an integer >= 1, got {self.itemsize!r}"
+            )
+        if self.ranks is not None:
+            ranks = self.ranks
+            if isinstance(ranks, str | bytes) or not isinstance(ranks, Sequence):
+                raise ValueError(f"MatrixSpec {self.name!r}: ranks must be a tuple, got {ranks!r}")
+            if not ranks:
+                raise ValueError(
+                    f"MatrixSpec {self.name!r}: ranks must not be empty, got {ranks!r}"
+                )
+            if not all(_is_int(r) and r >= 0 for r in ranks):
+                raise ValueError(
+                    f"MatrixSpec {self.name!r}: ranks must be integers >= 0, got {ranks!r}"
+                )
+            if any(a >= b for a, b in itertools.pairwise(ranks)):
+                raise ValueError(
+                    f"MatrixSpec {self.name!r}: ranks must be sorted and unique, got {ranks!r}"
+                )
+            object.__setattr__(self, "ranks", tuple(ranks))
+
+    @property
+    def batch(self) -> int:
+        """Number of stacked matrices (1 for a 2-D shape)."""
+        return self.shape[0] if len(self.shape) == 3 else 1
+
+    @property
+    def m(self) -> int:
+        """Rows of each matrix."""
+        return self.shape[-2]
+
+    @property
+    def n(self) -> int:
+        """Columns of each matrix."""
+        return self.shape[-1]
+
+    @property
+    def numel(self) -> int:
+        """Number of elements over the whole stack."""
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Payload size in bytes: ``numel * itemsize``."""
+        return self.numel * self.itemsize
+
+    def eligible(self, num_ranks: int) -> tuple[int, ...]:
+        """The ranks allowed to own this matrix among ``range(num_ranks)``."""
+        return tuple(range(num_ranks)) if self.ranks is None else self.ranks
+
+
+def check_specs(specs: Sequence[MatrixSpec], num_ranks: int) -> None:
+    """Validate a list of specs against a number of ranks.
+
+    Args:
+        specs: The matrices of one plan.
+        num_ranks: Number of ranks the plan spreads them over.
+
+    Raises:
+        ValueError: On a non-integer or non-positive ``num_ranks``, an entry that is not a
+            :class:`MatrixSpec`, a duplicate name, or an eligible rank outside the world.
+    """
+    if not _is_int(num_ranks) or num_ranks < 1:
+        raise ValueError(f"num_ranks must be an integer >= 1, got {num_ranks!r}")
+    seen: set[str] = set()
+    for spec in specs:
+        if not isinstance(spec, MatrixSpec):
+            raise ValueError(f"expected MatrixSpec entries, got {spec!r}")
+        if spec.name in seen:
+            raise ValueError(f"duplicate matrix name in one plan, got {spec.name!r}")
+        seen.add(spec.name)
+        if spec.ranks is not None and spec.ranks[-1] >= num_ranks:
+            raise ValueError(
+                f"MatrixSpec {spec.name!r}: eligible ranks must be < num_ranks={num_ranks}, "
+                f"got {spec.ranks!r}"
+            )

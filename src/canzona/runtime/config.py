@@ -1,0 +1,47 @@
+"""Pipeline configuration and the runtime's error types."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+class PlanMismatchError(RuntimeError):
+    """Ranks disagree on the parameters, their layouts, the plan or the hyper-parameters."""
+
+
+class GradientMismatchError(RuntimeError):
+    """A parameter has a gradient on some ranks and not on others."""
+
+
+class CollectiveTimeoutError(RuntimeError):
+    """A collective owned by the optimizer did not complete within the configured timeout."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PipelineConfig:
+    """How the gather -> compute -> scatter pipeline runs.
+
+    Attributes:
+        overlap: Keep the next micro-group's gather and the previous one's scatter in
+            flight while a micro-group computes. Results are bit-identical either way.
+        timeout_s: Watchdog for every collective the optimizer issues; a wait that
+            exceeds it raises :class:`CollectiveTimeoutError` naming the micro-group.
+        check_every_step: Run the small per-step cross-rank check (parameter set,
+            plan digest, hyper-parameters, gradient presence) before the first
+            collective of each step. Disabling it saves one small all-reduce pair per
+            step but turns mismatches into hangs or wrong results.
+        process_group: Process group the optimizer's collectives run on (default: the
+            default group). Every rank of it must hold the same parameter list.
+    """
+
+    overlap: bool = True
+    timeout_s: float = 600.0
+    check_every_step: bool = True
+    process_group: Any = None
+
+    def __post_init__(self) -> None:
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s!r}")
+        if not isinstance(self.overlap, bool):
+            raise ValueError(f"overlap must be a bool, got {self.overlap!r}")

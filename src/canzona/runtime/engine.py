@@ -1,0 +1,301 @@
+"""The runtime facade used by the optimizers: agree, plan, check, run."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from canzona.plan import CostModel, Plan, PlanConfig, build_plan
+from canzona.runtime.checks import (
+    check_gradients,
+    check_header,
+    check_plan_digest,
+    failing_ranks,
+)
+from canzona.runtime.config import PipelineConfig
+from canzona.runtime.pipeline import ApplyFn, ComputeFn, Pipeline, StepStats
+from canzona.runtime.routing import Item, Route, build_items, plan_specs, route_all
+from canzona.runtime.statecomm import Snapshot
+from canzona.runtime.topology import ParamLayout, Topology, agree, describe, structure_digest
+
+
+def fingerprint(value: object) -> str:
+    """sha256 of a value's repr (used for hyper-parameters)."""
+    return hashlib.sha256(repr(value).encode()).hexdigest()
+
+
+def needs_communication(tensors: Sequence[torch.Tensor]) -> bool:
+    """True when some parameter is a DTensor on a mesh of more than one rank."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    return any(isinstance(t, DTensor) and t.device_mesh.size() > 1 for t in tensors)
+
+
+class MatrixRuntime:
+    """Everything distributed about one optimizer: layouts, plan, routes, pipeline.
+
+    Args:
+        plan_config: Owner assignment and micro-group configuration.
+        pipeline_config: Pipeline configuration.
+        cost: Cost model name or object for the planner.
+    """
+
+    def __init__(
+        self, *, plan_config: PlanConfig, pipeline_config: PipelineConfig, cost: str | CostModel
+    ) -> None:
+        self.plan_config = plan_config
+        self.config = pipeline_config
+        self.cost = cost
+        self.plan: Plan | None = None
+        self.items: list[Item] = []
+        self.routes: dict[str, Route] = {}
+        self.topology: Topology | None = None
+        self.pipeline: Pipeline | None = None
+        self.group: dist.ProcessGroup | None = None
+        self.rank = 0
+        self.world = 1
+        self.digest = ""
+        self._structure = ""
+        self._layout_key: tuple[object, ...] = ()
+        self._layouts: list[ParamLayout] = []
+        self.previous: Snapshot | None = None
+
+    @property
+    def distributed(self) -> bool:
+        """True when the optimizer's collectives run on a process group."""
+        return self.group is not None
+
+    def invalidate(self) -> None:
+        """Forget the plan (e.g. after ``add_param_group``); the next step re-plans."""
+        self.pipeline = None
+
+    def _resolve_group(self, tensors: Sequence[torch.Tensor]) -> None:
+        if needs_communication(tensors):
+            self.group = self.config.process_group or dist.group.WORLD
+            self.rank = dist.get_rank(self.group)
+            self.world = dist.get_world_size(self.group)
+        else:
+            self.group, self.rank, self.world = None, 0, 1
+
+    def layouts(self, names: Sequence[str], tensors: Sequence[torch.Tensor]) -> list[ParamLayout]:
+        """Storage layouts of the parameters (cached while the parameter list is unchanged)."""
+        key = tuple((id(t), n) for n, t in zip(names, tensors, strict=True))
+        if key != self._layout_key:
+            self._resolve_group(tensors)
+            self._layouts = [
+                describe(i, n, t, self.group, self.rank)
+                for i, (n, t) in enumerate(zip(names, tensors, strict=True))
+            ]
+            self._layout_key = key
+        return self._layouts
+
+    def begin_step(
+        self,
+        names: Sequence[str],
+        tensors: Sequence[torch.Tensor],
+        matrix_params: Sequence[int],
+        *,
+        itemsize: Callable[[int], int],
+        extra: str,
+        has_grad: Sequence[bool],
+        hparams: str,
+    ) -> set[int]:
+        """Check the step across ranks, (re)plan if needed, return the active parameters.
+
+        Every collective here is small and entered by every rank in the same order,
+        before the pipeline's first all-to-all. After a re-plan, ``previous`` holds the
+        old plan's snapshot so that owner-held state can be moved to the new owners.
+
+        Args:
+            names: Parameter names, in optimizer order.
+            tensors: The parameters.
+            matrix_params: Indices of parameters updated by the matrix algorithm.
+            itemsize: Bytes per element of a parameter's payload.
+            extra: Algorithm configuration every rank must share.
+            has_grad: Whether each parameter has a gradient on this rank.
+            hparams: Fingerprint of the param groups' hyper-parameters.
+        """
+        self.sync_plan(
+            names, tensors, matrix_params, itemsize=itemsize, extra=extra, hparams=hparams
+        )
+        if self.group is not None and self.config.check_every_step:
+            return check_gradients(
+                names,
+                has_grad,
+                group=self.group,
+                world=self.world,
+                rank=self.rank,
+                timeout_s=self.config.timeout_s,
+            )
+        return {i for i, g in enumerate(has_grad) if g}
+
+    def sync_plan(
+        self,
+        names: Sequence[str],
+        tensors: Sequence[torch.Tensor],
+        matrix_params: Sequence[int],
+        *,
+        itemsize: Callable[[int], int],
+        extra: str,
+        hparams: str,
+    ) -> bool:
+        """Run the cross-rank header check and (re)plan when needed; True if it re-planned."""
+        layouts = self.layouts(names, tensors)
+        config = repr((extra, self.plan_config, self.config.overlap, tuple(matrix_params)))
+        structure = structure_digest(layouts, config)
+        needs_setup = self.pipeline is None or structure != self._structure
+        if self.group is not None and self.config.check_every_step:
+            needs_setup = check_header(
+                num_params=len(tensors),
+                structure=structure,
+                plan=self.digest,
+                hparams=hparams,
+                needs_setup=needs_setup,
+                group=self.group,
+                world=self.world,
+                rank=self.rank,
+                timeout_s=self.config.timeout_s,
+            )
+        self.previous = None
+        if needs_setup:
+            if self.topology is not None:
+                self.previous = snapshot(self)
+            self._setup(layouts, structure, config, matrix_params, itemsize)
+        return needs_setup
+
+    def _setup(
+        self,
+        layouts: Sequence[ParamLayout],
+        structure: str,
+        config: str,
+        matrix_params: Sequence[int],
+        itemsize: Callable[[int], int],
+    ) -> None:
+        self.topology = agree(
+            layouts, group=self.group, rank=self.rank, world=self.world, extra=config
+        )
+        self.items = build_items(
+            self.topology, matrix_params, replica_dedup=self.plan_config.replica_dedup
+        )
+        specs = plan_specs(self.items, itemsize)
+        self.plan = (
+            build_plan(specs, self.world, self.plan_config, optimizer=self.cost) if specs else None
+        )
+        self.routes = route_all(self.items, self.topology, self.plan, self.rank)
+        by_name = {it.name: it for it in self.items}
+        groups = [[by_name[n] for n in g.names] for g in self.plan.groups] if self.plan else []
+        local = [it for it in self.items if it.is_local and it.unit == (self.rank,)]
+        self.pipeline = Pipeline(
+            routes=self.routes,
+            groups=groups,
+            local_items=local,
+            group=self.group,
+            rank=self.rank,
+            world=self.world,
+            config=self.config,
+            replicated=bool(self.plan and self.plan.assignment.replicated),
+        )
+        self.digest = self.plan.digest() if self.plan else structure
+        self._structure = structure
+        if self.group is not None:
+            check_plan_digest(
+                self.digest,
+                group=self.group,
+                world=self.world,
+                rank=self.rank,
+                timeout_s=self.config.timeout_s,
+            )
+
+    def owned_items(self) -> list[Item]:
+        """Items whose full update this rank computes."""
+        return [r.item for r in self.routes.values() if r.computes or r.item.is_local]
+
+    def run(
+        self,
+        *,
+        active: set[int],
+        payloads: dict[int, torch.Tensor],
+        payload_dtype: Callable[[int], torch.dtype],
+        direction_dtype: Callable[[int], torch.dtype],
+        local_shapes: dict[int, tuple[int, ...]],
+        compute: ComputeFn,
+        apply: ApplyFn,
+    ) -> StepStats:
+        """Run the step's gather -> compute -> scatter pipeline."""
+        if self.pipeline is None:
+            raise RuntimeError("MatrixRuntime.begin_step() must run before run()")
+        return self.pipeline.run(
+            active=active,
+            payloads=payloads,
+            payload_dtype=payload_dtype,
+            direction_dtype=direction_dtype,
+            local_shapes=local_shapes,
+            compute=compute,
+            apply=apply,
+        )
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (sharing storage), or the tensor itself."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def snapshot(runtime: MatrixRuntime) -> Snapshot:
+    """What state movement needs from ``runtime`` (valid until its next re-plan)."""
+    if runtime.topology is None:
+        raise RuntimeError("the runtime has no plan yet")
+    return Snapshot(
+        items=tuple(runtime.items),
+        routes=dict(runtime.routes),
+        topology=runtime.topology,
+        group=runtime.group,
+        rank=runtime.rank,
+        world=runtime.world,
+        replica_dedup=runtime.plan_config.replica_dedup,
+        timeout_s=runtime.config.timeout_s,
+    )
+
+
+def check_all_ok(ok: bool, runtime: MatrixRuntime) -> list[int]:
+    """Ranks of the runtime's group where ``ok`` is False (no collective when local)."""
+    if runtime.group is None:
+        return [] if ok else [runtime.rank]
+    return failing_ranks(
+        ok,
+        group=runtime.group,
+        world=runtime.world,
+        rank=runtime.rank,
+        timeout_s=runtime.config.timeout_s,
+    )
+
+
+def param_mesh(p: torch.Tensor) -> object | None:
+    """The DeviceMesh of a DTensor parameter (None for a plain tensor)."""
+    return p.device_mesh if isinstance(p, DTensor) else None
+
+
+def local_grad(name: str, p: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of ``p.grad`` in ``p``'s storage layout.
+
+    Raises:
+        RuntimeError: for sparse gradients.
+        TypeError: for a plain gradient on a DTensor parameter.
+    """
+    grad = p.grad
+    if grad is None:
+        raise RuntimeError(f"parameter {name!r} has no gradient")
+    if grad.is_sparse:
+        raise RuntimeError(f"parameter {name!r}: sparse gradients are not supported")
+    if isinstance(p, DTensor):
+        if not isinstance(grad, DTensor):
+            raise TypeError(
+                f"parameter {name!r} is a DTensor but its gradient is a plain tensor; "
+                "set .grad to a DTensor with the parameter's placements"
+            )
+        if tuple(grad.placements) != tuple(p.placements):
+            grad = grad.redistribute(p.device_mesh, p.placements)
+    return local_tensor(grad)

@@ -1,0 +1,284 @@
+"""Owner-held optimizer state <-> checkpoint layout (DTensors sharded over the mesh)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
+
+from canzona.runtime.checks import wait
+from canzona.runtime.layout import Fragment, fragment_for, full_fragment
+from canzona.runtime.routing import Item, Route, _unravel
+from canzona.runtime.topology import ParamLayout, Topology
+
+StateKey = tuple[int, str]  # (parameter index, state name)
+
+
+@dataclass(frozen=True, slots=True)
+class StateEntry:
+    """One owner-held state tensor of a parameter.
+
+    Attributes:
+        param: Parameter index.
+        key: State name (e.g. ``"factor_left"``).
+        shape: Shape of the state of one matrix (e.g. ``(m, m)``).
+        dtype: Its dtype.
+    """
+
+    param: int
+    key: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """What state movement needs from a runtime (kept across a re-plan)."""
+
+    items: tuple[Item, ...]
+    routes: dict[str, Route]
+    topology: Topology
+    group: dist.ProcessGroup | None
+    rank: int
+    world: int
+    replica_dedup: bool
+    timeout_s: float
+
+    def computing(self, item: Item) -> tuple[int, ...]:
+        """Ranks holding the owner state of ``item`` (this rank must take part in it)."""
+        return self.routes[item.name].computing
+
+
+def checkpoint_placements(layout: ParamLayout, dedup: bool) -> tuple[Placement, ...]:
+    """Placements of owner-state checkpoint tensors on the parameter's mesh.
+
+    Rows (or, for 3-D stacks, matrices) are split over every mesh dimension; with
+    ``replica_dedup=False`` each replica group holds its own copy (``Replicate`` on the
+    parameter's replicate dims).
+    """
+    rep = set(layout.replicate_dims()) if not dedup else set()
+    return tuple(Replicate() if d in rep else Shard(0) for d in range(len(layout.mesh_shape)))
+
+
+def _global_shape(layout: ParamLayout, entry: StateEntry) -> tuple[int, ...]:
+    return (layout.shape[0], *entry.shape) if len(layout.shape) == 3 else entry.shape
+
+
+def _fragment(
+    layout: ParamLayout, entry: StateEntry, coord: tuple[int, ...], dedup: bool
+) -> Fragment:
+    if not layout.mesh_shape:
+        return full_fragment(_global_shape(layout, entry))
+    return fragment_for(
+        _global_shape(layout, entry),
+        layout.mesh_shape,
+        checkpoint_placements(layout, dedup),
+        coord,
+    )
+
+
+def _my_items(snap: Snapshot, param: int) -> list[Item]:
+    return [it for it in snap.items if it.param == param and snap.rank in it.unit]
+
+
+def _coord(layout: ParamLayout, item: Item, rank: int) -> tuple[int, ...]:
+    return _unravel(item.copy.index(rank), layout.mesh_shape) if layout.mesh_shape else ()
+
+
+def _piece(layout: ParamLayout, entry: StateEntry, item: Item, frag: Fragment) -> Fragment | None:
+    """The part of ``item``'s state that the checkpoint fragment ``frag`` holds."""
+    if item.lead is None:
+        return frag if frag.numel else None
+    if item.lead not in frag.leading_positions():
+        return None
+    return full_fragment(entry.shape)
+
+
+def _walk(
+    snap: Snapshot, entries: Sequence[StateEntry]
+) -> Iterator[tuple[StateEntry, ParamLayout, Item]]:
+    """(entry, layout, item) for items this rank takes part in, in a rank-independent order."""
+    for entry in entries:
+        layout = snap.topology.layouts[entry.param]
+        for item in snap.items:
+            if item.param == entry.param:
+                yield entry, layout, item
+
+
+def _all_to_all(
+    snap: Snapshot,
+    sends: dict[int, list[torch.Tensor]],
+    recv_sizes: dict[int, list[int]],
+    dtype: torch.dtype,
+) -> dict[int, list[torch.Tensor]]:
+    world = snap.world
+    in_splits = [sum(t.numel() for t in sends.get(r, ())) for r in range(world)]
+    out_splits = [sum(recv_sizes.get(r, ())) for r in range(world)]
+    chunks = [t.reshape(-1).to(dtype) for r in range(world) for t in sends.get(r, ())]
+    inp = torch.cat(chunks) if chunks else torch.empty(0, dtype=dtype)
+    out = torch.empty(sum(out_splits), dtype=dtype)
+    work = dist.all_to_all_single(out, inp, out_splits, in_splits, group=snap.group, async_op=True)
+    wait(work, timeout_s=snap.timeout_s, what="the optimizer-state exchange", rank=snap.rank)
+    result: dict[int, list[torch.Tensor]] = {}
+    offset = 0
+    for r in range(world):
+        for size in recv_sizes.get(r, ()):
+            result.setdefault(r, []).append(out[offset : offset + size])
+            offset += size
+    return result
+
+
+def _buffer_dtype(entries: Sequence[StateEntry]) -> torch.dtype:
+    return torch.float64 if any(e.dtype == torch.float64 for e in entries) else torch.float32
+
+
+def export_state(
+    snap: Snapshot,
+    entries: Sequence[StateEntry],
+    get: Callable[[Item, str], torch.Tensor],
+    meshes: dict[int, object],
+) -> dict[StateKey, torch.Tensor]:
+    """Owner-held state -> one checkpoint tensor per entry (collective when distributed).
+
+    Args:
+        snap: Runtime snapshot whose owners hold the state.
+        entries: State tensors to export, identical on every rank.
+        get: ``get(item, key)`` returns the owner's full state tensor.
+        meshes: Parameter index -> its DeviceMesh (for DTensor parameters).
+
+    Returns:
+        Per (param, key): a plain full tensor (plain parameters) or a DTensor in the
+        layout of :func:`checkpoint_placements`.
+    """
+    dedup = snap.replica_dedup
+    locals_: dict[StateKey, torch.Tensor] = {}
+    for entry in entries:
+        layout = snap.topology.layouts[entry.param]
+        items = _my_items(snap, entry.param)
+        coord = _coord(layout, items[0], snap.rank) if items else ()
+        locals_[(entry.param, entry.key)] = torch.zeros(
+            _fragment(layout, entry, coord, dedup).shape, dtype=entry.dtype
+        )
+    sends: dict[int, list[torch.Tensor]] = {}
+    recv: dict[int, list[int]] = {}
+    places: dict[int, list[tuple[torch.Tensor, Item, StateEntry, ParamLayout]]] = {}
+    for entry, layout, item in _walk(snap, entries):
+        owner = snap.computing(item)[0] if snap.rank in item.unit else None
+        if owner is None:
+            continue
+        if owner == snap.rank:
+            state = get(item, entry.key)
+            for t in item.unit:
+                frag = _fragment(layout, entry, _coord(layout, item, t), dedup)
+                piece = _piece(layout, entry, item, frag)
+                if piece is not None:
+                    sends.setdefault(t, []).append(
+                        piece.read(state) if item.lead is None else state
+                    )
+        frag = _fragment(layout, entry, _coord(layout, item, snap.rank), dedup)
+        piece = _piece(layout, entry, item, frag)
+        if piece is not None:
+            recv.setdefault(owner, []).append(piece.numel)
+            places.setdefault(owner, []).append(
+                (locals_[(entry.param, entry.key)], item, entry, layout)
+            )
+    if snap.group is None:
+        received = {r: [t.reshape(-1) for t in ts] for r, ts in sends.items()}
+    else:
+        received = _all_to_all(snap, sends, recv, _buffer_dtype(entries))
+    for owner, targets in places.items():
+        for data, (local, item, entry, layout) in zip(
+            received.get(owner, []), targets, strict=True
+        ):
+            if item.lead is None:
+                local.copy_(data.view(local.shape))
+            else:
+                frag = _fragment(layout, entry, _coord(layout, item, snap.rank), dedup)
+                pos = frag.leading_positions()[item.lead]
+                local[pos].copy_(data.view(entry.shape))
+    out: dict[StateKey, torch.Tensor] = {}
+    for entry in entries:
+        local = locals_[(entry.param, entry.key)]
+        layout = snap.topology.layouts[entry.param]
+        mesh = meshes.get(entry.param)
+        if mesh is None:
+            out[(entry.param, entry.key)] = local
+            continue
+        shape = _global_shape(layout, entry)
+        out[(entry.param, entry.key)] = DTensor.from_local(
+            local,
+            device_mesh=mesh,  # type: ignore[arg-type]
+            placements=checkpoint_placements(layout, dedup),
+            run_check=False,
+            shape=torch.Size(shape),
+            stride=torch.empty(shape, device="meta").stride(),
+        )
+    return out
+
+
+def import_state(
+    snap: Snapshot,
+    entries: Sequence[StateEntry],
+    values: dict[StateKey, torch.Tensor],
+    put: Callable[[Item, str, torch.Tensor], None],
+) -> None:
+    """Checkpoint tensors -> owner-held state (collective when distributed).
+
+    ``values`` may hold DTensors in the checkpoint layout (any mesh layout DCP loaded
+    them into is redistributed first) or plain full tensors.
+    """
+    dedup = snap.replica_dedup
+    shards: dict[StateKey, torch.Tensor] = {}
+    for entry in entries:
+        layout = snap.topology.layouts[entry.param]
+        value = values[(entry.param, entry.key)]
+        items = _my_items(snap, entry.param)
+        coord = _coord(layout, items[0], snap.rank) if items else ()
+        frag = _fragment(layout, entry, coord, dedup)
+        if isinstance(value, DTensor):
+            target = checkpoint_placements(layout, dedup)
+            if tuple(value.placements) != target:
+                value = value.redistribute(value.device_mesh, target)
+            shards[(entry.param, entry.key)] = value.to_local()
+        else:
+            shards[(entry.param, entry.key)] = frag.read(value)
+    sends: dict[int, list[torch.Tensor]] = {}
+    recv: dict[int, list[int]] = {}
+    places: dict[int, list[tuple[Item, StateEntry, Fragment]]] = {}
+    for entry, layout, item in _walk(snap, entries):
+        if snap.rank not in item.unit:
+            continue
+        computing = snap.computing(item)
+        frag = _fragment(layout, entry, _coord(layout, item, snap.rank), dedup)
+        piece = _piece(layout, entry, item, frag)
+        if piece is not None:
+            local = shards[(entry.param, entry.key)]
+            data = local if item.lead is None else local[frag.leading_positions()[item.lead]]
+            for c in computing:
+                sends.setdefault(c, []).append(data)
+        if snap.rank in computing:
+            for t in item.unit:
+                tfrag = _fragment(layout, entry, _coord(layout, item, t), dedup)
+                tpiece = _piece(layout, entry, item, tfrag)
+                if tpiece is not None:
+                    recv.setdefault(t, []).append(tpiece.numel)
+                    places.setdefault(t, []).append((item, entry, tpiece))
+    if snap.group is None:
+        received = {r: [t.reshape(-1) for t in ts] for r, ts in sends.items()}
+    else:
+        received = _all_to_all(snap, sends, recv, _buffer_dtype(entries))
+    assembled: dict[tuple[str, str], torch.Tensor] = {}
+    for src, targets in places.items():
+        for data, (item, entry, piece) in zip(received.get(src, []), targets, strict=True):
+            full = assembled.get((item.name, entry.key))
+            if full is None:
+                full = torch.zeros(entry.shape, dtype=entry.dtype)
+                assembled[(item.name, entry.key)] = full
+            piece.write_(full, data.view(piece.shape))
+    by_name = {it.name: it for it in snap.items}
+    for (name, key), full in assembled.items():
+        put(by_name[name], key, full)

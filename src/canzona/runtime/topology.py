@@ -1,0 +1,206 @@
+"""Parameter layouts across ranks: describe each parameter, agree on them, list the matrices."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Placement, Replicate
+
+from canzona.runtime.config import PlanMismatchError
+from canzona.runtime.layout import check_placements
+
+MeshKey = tuple[tuple[int, ...], tuple[str, ...] | None]
+
+
+@dataclass(frozen=True, slots=True)
+class ParamLayout:
+    """How one parameter is stored: global shape, mesh and placements.
+
+    ``mesh_ranks`` are ranks of the optimizer's process group, in the row-major
+    order of the mesh (position i has coordinate ``unravel(i, mesh_shape)``). A
+    plain tensor is a one-rank mesh holding the whole tensor.
+    """
+
+    index: int
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    mesh_shape: tuple[int, ...]
+    mesh_dim_names: tuple[str, ...] | None
+    placements: tuple[Placement, ...]
+    mesh_ranks: tuple[int, ...]
+
+    @property
+    def mesh_key(self) -> MeshKey:
+        """Identifies 'the same mesh' across ranks, independently of which ranks it holds."""
+        return (self.mesh_shape, self.mesh_dim_names)
+
+    @property
+    def is_local(self) -> bool:
+        """True for a plain tensor or a DTensor on a one-rank mesh."""
+        return len(self.mesh_ranks) == 1
+
+    def structure(self) -> str:
+        """Everything that must match on every rank (not the concrete mesh ranks)."""
+        return repr(
+            (
+                self.index,
+                self.name,
+                self.shape,
+                str(self.dtype),
+                self.mesh_shape,
+                self.mesh_dim_names,
+                tuple(repr(p) for p in self.placements),
+            )
+        )
+
+    def replicate_dims(self) -> tuple[int, ...]:
+        """Mesh dimensions along which the tensor is replicated."""
+        return tuple(i for i, p in enumerate(self.placements) if isinstance(p, Replicate))
+
+
+def describe(
+    index: int, name: str, tensor: torch.Tensor, group: dist.ProcessGroup | None, rank: int
+) -> ParamLayout:
+    """Read a parameter's storage layout.
+
+    Args:
+        index: Position of the parameter in the optimizer.
+        name: Parameter name (used in error messages and plan specs).
+        tensor: The parameter (plain tensor or DTensor).
+        group: The optimizer's process group (None when not distributed).
+        rank: This process's rank in ``group``.
+
+    Raises:
+        canzona.runtime.layout.LayoutError: for unsupported placements.
+        ValueError: when the mesh holds ranks outside the optimizer's process group.
+    """
+    if not isinstance(tensor, DTensor):
+        return ParamLayout(index, name, tuple(tensor.shape), tensor.dtype, (), None, (), (rank,))
+    mesh = tensor.device_mesh
+    placements = tuple(tensor.placements)
+    check_placements(name, placements, tensor.ndim)
+    global_ranks = [int(r) for r in mesh.mesh.flatten().tolist()]
+    if group is None or group is dist.group.WORLD or not dist.is_initialized():
+        ranks = tuple(global_ranks)
+    else:
+        try:
+            ranks = tuple(dist.get_group_rank(group, r) for r in global_ranks)
+        except (ValueError, RuntimeError) as exc:
+            raise ValueError(
+                f"parameter {name!r} lives on a mesh with ranks {global_ranks} that are not all "
+                "in the optimizer's process group"
+            ) from exc
+    names = tuple(mesh.mesh_dim_names) if mesh.mesh_dim_names else None
+    return ParamLayout(
+        index, name, tuple(tensor.shape), tensor.dtype, tuple(mesh.shape), names, placements, ranks
+    )
+
+
+def structure_digest(layouts: Sequence[ParamLayout], extra: str = "") -> str:
+    """sha256 over every layout's structure (and ``extra``, e.g. the algorithm config)."""
+    h = hashlib.sha256(extra.encode())
+    for layout in layouts:
+        h.update(layout.structure().encode())
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class Topology:
+    """What every rank agreed on: the layouts and, per mesh, its disjoint copies."""
+
+    layouts: tuple[ParamLayout, ...]
+    copies: dict[MeshKey, tuple[tuple[int, ...], ...]]
+    rank: int
+    world: int
+
+    def param_copies(self, index: int) -> tuple[tuple[int, ...], ...]:
+        """Every copy (rank tuple, row-major) of the mesh parameter ``index`` lives on."""
+        layout = self.layouts[index]
+        if layout.is_local and layout.mesh_key not in self.copies:
+            return tuple((r,) for r in range(self.world))
+        return self.copies[layout.mesh_key]
+
+
+def _group_by_value(values: Sequence[str]) -> list[list[int]]:
+    groups: dict[str, list[int]] = {}
+    for rank, value in enumerate(values):
+        groups.setdefault(value, []).append(rank)
+    return sorted(groups.values(), key=lambda g: (-len(g), g))
+
+
+def _first_difference(lists: Sequence[Sequence[str]], a: int, b: int) -> str:
+    for i, (x, y) in enumerate(itertools.zip_longest(lists[a], lists[b])):
+        if x != y:
+            return f"entry {i}: rank {a} has {x}, rank {b} has {y}"
+    return "no difference found in the parameter layouts (configuration differs)"
+
+
+def agree(
+    layouts: Sequence[ParamLayout],
+    *,
+    group: dist.ProcessGroup | None,
+    rank: int,
+    world: int,
+    extra: str = "",
+) -> Topology:
+    """Check that all ranks hold the same parameters and learn every mesh's copies.
+
+    One ``all_gather_object`` of a digest and the local meshes; on a mismatch a second
+    one gathers the full descriptions so that every rank raises the same
+    :class:`PlanMismatchError` naming the ranks that disagree and the first difference.
+    """
+    meshes: dict[MeshKey, tuple[int, ...]] = {}
+    for layout in layouts:
+        if layout.is_local:
+            continue
+        known = meshes.setdefault(layout.mesh_key, layout.mesh_ranks)
+        if known != layout.mesh_ranks:
+            raise ValueError(
+                f"parameter {layout.name!r} is on a mesh of shape {layout.mesh_shape} and dims "
+                f"{layout.mesh_dim_names} with ranks {layout.mesh_ranks}, while another "
+                f"parameter uses a different mesh of the same shape and names ({known}); "
+                "give distinct meshes distinct mesh_dim_names"
+            )
+    digest = structure_digest(layouts, extra)
+    if world == 1:
+        return Topology(tuple(layouts), {k: (v,) for k, v in meshes.items()}, rank, world)
+    gathered: list[tuple[str, dict[MeshKey, tuple[int, ...]]] | None] = [None] * world
+    dist.all_gather_object(gathered, (digest, meshes), group=group)
+    digests = [g[0] for g in gathered if g is not None]
+    if len(set(digests)) != 1:
+        parts = _group_by_value(digests)
+        full: list[list[str] | None] = [None] * world
+        dist.all_gather_object(full, [extra, *(lo.structure() for lo in layouts)], group=group)
+        lists = [f or [] for f in full]
+        detail = _first_difference(lists, parts[0][0], parts[1][0])
+        raise PlanMismatchError(
+            "ranks disagree on the optimizer's parameters or configuration: "
+            + " vs ".join(f"ranks {p}" for p in parts)
+            + f"; first difference: {detail}"
+        )
+    copies: dict[MeshKey, set[tuple[int, ...]]] = {}
+    for entry in gathered:
+        assert entry is not None
+        for key, ranks in entry[1].items():
+            copies.setdefault(key, set()).add(tuple(ranks))
+    result: dict[MeshKey, tuple[tuple[int, ...], ...]] = {}
+    for key, found in copies.items():
+        ordered = tuple(sorted(found))
+        seen: set[int] = set()
+        for ranks in ordered:
+            if seen & set(ranks):
+                raise PlanMismatchError(
+                    f"meshes of shape {key[0]} and dims {key[1]} overlap across ranks: "
+                    f"{list(ordered)}; each rank must belong to exactly one copy of a mesh"
+                )
+            seen |= set(ranks)
+        result[key] = ordered
+    return Topology(tuple(layouts), result, rank, world)

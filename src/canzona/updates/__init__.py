@@ -1,0 +1,72 @@
+"""Update math on local full matrices ``(..., m, n)``: Newton–Schulz, Muon, Shampoo, SOAP, AdamW.
+
+Every algorithm is split the same way so that a distributed runtime can run the middle phase on
+the one rank that holds the full matrix: an element-wise *prepare* (any shard), an owner-side
+*direction* on full matrices that owns the non-element-wise state, and an element-wise *apply*
+that holds everything that depends on the learning rate. Nothing here imports
+``torch.distributed`` or another canzona layer.
+"""
+
+from __future__ import annotations
+
+from canzona.updates.adamw import adamw_
+from canzona.updates.common import State
+from canzona.updates.muon import (
+    ADJUST_LR_FNS,
+    muon_apply_,
+    muon_direction,
+    muon_lr,
+    muon_prepare_,
+)
+from canzona.updates.newton_schulz import (
+    DEFAULT_NS_COEFFICIENTS,
+    DEFAULT_NS_EPS,
+    DEFAULT_NS_STEPS,
+    MIN_BATCHED_SIDE,
+    batch_kernels_exact,
+    newton_schulz,
+    newton_schulz_flops,
+)
+from canzona.updates.shampoo import (
+    ShampooHParams,
+    inverse_fourth_root,
+    shampoo_apply_,
+    shampoo_direction,
+    shampoo_init,
+    shampoo_refresh_due,
+)
+from canzona.updates.soap import (
+    SOAPHParams,
+    soap_apply_,
+    soap_direction,
+    soap_init,
+    soap_step_size,
+)
+
+__all__ = [
+    "ADJUST_LR_FNS",
+    "DEFAULT_NS_COEFFICIENTS",
+    "DEFAULT_NS_EPS",
+    "DEFAULT_NS_STEPS",
+    "MIN_BATCHED_SIDE",
+    "SOAPHParams",
+    "ShampooHParams",
+    "State",
+    "adamw_",
+    "batch_kernels_exact",
+    "inverse_fourth_root",
+    "muon_apply_",
+    "muon_direction",
+    "muon_lr",
+    "muon_prepare_",
+    "newton_schulz",
+    "newton_schulz_flops",
+    "shampoo_apply_",
+    "shampoo_direction",
+    "shampoo_init",
+    "shampoo_refresh_due",
+    "soap_apply_",
+    "soap_direction",
+    "soap_init",
+    "soap_step_size",
+]

@@ -1,0 +1,143 @@
+"""Helpers of the distributed optimizer tests: sharded params, identical grads, references."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
+
+import canzona
+
+SHAPES: dict[str, tuple[int, ...]] = {
+    "square": (16, 16),
+    "tall": (24, 8),
+    "wide": (8, 24),
+    "odd": (7, 13),
+    "tiny": (5, 3),
+    "stack": (3, 6, 10),
+}
+
+
+def full_tensors(shapes: dict[str, tuple[int, ...]], seed: int = 0) -> dict[str, torch.Tensor]:
+    """Deterministic full parameters (identical on every rank)."""
+    gen = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(s, generator=gen) for n, s in shapes.items()}
+
+
+def grad_steps(
+    shapes: dict[str, tuple[int, ...]], steps: int, seed: int = 1
+) -> list[dict[str, torch.Tensor]]:
+    """Deterministic full gradients for ``steps`` steps."""
+    gen = torch.Generator().manual_seed(seed)
+    return [{n: torch.randn(s, generator=gen) for n, s in shapes.items()} for _ in range(steps)]
+
+
+def placements_for(kind: str, ndim: int) -> tuple[Placement, ...]:
+    """Placements by name for 1-D and 2-D meshes."""
+    last = ndim - 1
+    table: dict[str, tuple[Placement, ...]] = {
+        "row": (Shard(0),),
+        "col": (Shard(last),),
+        "lead": (Shard(0),),
+        "rep": (Replicate(),),
+        "2d": (Shard(0), Shard(last)),
+        "2d_rows": (Shard(0), Shard(0)),
+        "hsdp": (Replicate(), Shard(0)),
+        "hsdp_col": (Replicate(), Shard(last)),
+    }
+    return table[kind]
+
+
+def sharded_params(
+    fulls: dict[str, torch.Tensor], mesh: Any, placements: dict[str, tuple[Placement, ...]]
+) -> list[tuple[str, nn.Parameter]]:
+    """Named DTensor parameters (``mesh`` may differ per parameter: pass a dict)."""
+    out = []
+    for name, full in fulls.items():
+        m = mesh[name] if isinstance(mesh, dict) else mesh
+        out.append((name, nn.Parameter(distribute_tensor(full.clone(), m, placements[name]))))
+    return out
+
+
+def set_grads(params: Sequence[tuple[str, torch.Tensor]], grads: dict[str, torch.Tensor]) -> None:
+    """Give each parameter the gradient ``grads[name]`` in the parameter's own layout."""
+    for name, p in params:
+        g = grads[name].clone()
+        if isinstance(p, DTensor):
+            p.grad = distribute_tensor(g, p.device_mesh, p.placements)
+        else:
+            p.grad = g
+
+
+def full_of(p: torch.Tensor) -> torch.Tensor:
+    """A parameter as a plain full tensor."""
+    return p.full_tensor() if isinstance(p, DTensor) else p.detach().clone()
+
+
+def run_steps(
+    make: Callable[[list[tuple[str, nn.Parameter]]], torch.optim.Optimizer],
+    params: list[tuple[str, nn.Parameter]],
+    grads: list[dict[str, torch.Tensor]],
+) -> dict[str, torch.Tensor]:
+    """Run one optimizer step per entry of ``grads``; return the full parameters."""
+    opt = make(params)
+    for g in grads:
+        set_grads(params, g)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {n: full_of(p) for n, p in params}
+
+
+def reference_muon(
+    fulls: dict[str, torch.Tensor], grads: list[dict[str, torch.Tensor]], **kwargs: Any
+) -> dict[str, torch.Tensor]:
+    """``torch.optim.Muon`` on plain tensors, one matrix at a time (3-D stacks per matrix)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, full in fulls.items():
+        mats = [full.clone()] if full.ndim == 2 else [m.clone() for m in full]
+        ps = [nn.Parameter(m) for m in mats]
+        opt = torch.optim.Muon(ps, **kwargs)
+        for g in grads:
+            gs = [g[name]] if full.ndim == 2 else list(g[name])
+            for p, gg in zip(ps, gs, strict=True):
+                p.grad = gg.clone()
+            opt.step()
+        out[name] = ps[0].detach() if full.ndim == 2 else torch.stack([p.detach() for p in ps])
+    return out
+
+
+def local_optimizer(
+    cls: type[torch.optim.Optimizer],
+    fulls: dict[str, torch.Tensor],
+    grads: list[dict[str, torch.Tensor]],
+    **kwargs: Any,
+) -> dict[str, torch.Tensor]:
+    """A canzona optimizer on plain tensors (single device)."""
+    params = [(n, nn.Parameter(t.clone())) for n, t in fulls.items()]
+    return run_steps(lambda ps: cls(ps, **kwargs), params, grads)
+
+
+def compare(
+    got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]
+) -> dict[str, tuple[bool, float]]:
+    """Per parameter: (bitwise equal, max relative difference)."""
+    out = {}
+    for name, w in want.items():
+        g = got[name]
+        rel = ((g - w).abs().max() / w.abs().max().clamp_min(1e-30)).item() if w.numel() else 0.0
+        out[name] = (bool(torch.equal(g, w)), rel)
+    return out
+
+
+def strategies() -> tuple[str, ...]:
+    """Every planning strategy the runtime executes."""
+    return ("canzona", "replicated", "round_robin", "count", "numel")
+
+
+def plan(strategy: str = "canzona", **kw: Any) -> canzona.PlanConfig:
+    """A PlanConfig."""
+    return canzona.PlanConfig(strategy=strategy, **kw)

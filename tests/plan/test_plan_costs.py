@@ -1,0 +1,112 @@
+"""MatrixSpec validation and the closed forms of the cost models."""
+
+from __future__ import annotations
+
+import pytest
+
+from canzona.plan import (
+    COST_MODELS,
+    AdamWCost,
+    CostModel,
+    MatrixSpec,
+    MuonCost,
+    ShampooCost,
+    SoapCost,
+    cost_model,
+)
+
+
+def test_spec_properties() -> None:
+    s = MatrixSpec("w", (3, 4, 8), itemsize=2)
+    assert (s.batch, s.m, s.n, s.numel, s.nbytes) == (3, 4, 8, 96, 192)
+    t = MatrixSpec("v", (5, 7))
+    assert (t.batch, t.m, t.n, t.numel, t.nbytes, t.ranks) == (1, 5, 7, 35, 140, None)
+    assert MatrixSpec("r", (2, 2), ranks=(1, 3)).eligible(4) == (1, 3)
+    assert t.eligible(3) == (0, 1, 2)
+
+
+def test_spec_normalises_sequences() -> None:
+    s = MatrixSpec("w", [2, 3], ranks=[0, 2])  # type: ignore[arg-type]
+    assert s.shape == (2, 3) and s.ranks == (0, 2)
+    assert hash(s) == hash(MatrixSpec("w", (2, 3), ranks=(0, 2)))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"name": "", "shape": (2, 2)}, "non-empty string"),
+        ({"name": "w", "shape": (2,)}, "2-D or 3-D"),
+        ({"name": "w", "shape": (1, 2, 3, 4)}, "2-D or 3-D"),
+        ({"name": "w", "shape": (0, 2)}, "positive integers"),
+        ({"name": "w", "shape": (2, -1)}, "positive integers"),
+        ({"name": "w", "shape": (2.0, 2)}, "positive integers"),
+        ({"name": "w", "shape": "ab"}, "must be a tuple"),
+        ({"name": "w", "shape": (2, 2), "itemsize": 0}, "itemsize"),
+        ({"name": "w", "shape": (2, 2), "ranks": ()}, "must not be empty"),
+        ({"name": "w", "shape": (2, 2), "ranks": (2, 1)}, "sorted and unique"),
+        ({"name": "w", "shape": (2, 2), "ranks": (1, 1)}, "sorted and unique"),
+        ({"name": "w", "shape": (2, 2), "ranks": (-1, 1)}, ">= 0"),
+    ],
+)
+def test_spec_validation(kwargs: dict[str, object], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        MatrixSpec(**kwargs)  # type: ignore[arg-type]
+
+
+def test_muon_closed_form() -> None:
+    muon = MuonCost()
+    # a=4, b=8: (4 a^2 b + 2 a^3) = 640 per iteration, 5 iterations, + 10 m n
+    assert muon.flops(MatrixSpec("w", (4, 8))) == 5 * 640 + 10 * 32
+    assert muon.flops(MatrixSpec("w", (8, 4))) == 5 * 640 + 10 * 32
+    assert muon.flops(MatrixSpec("w", (3, 4, 8))) == 3 * (5 * 640 + 10 * 32)
+    assert MuonCost(ns_steps=1).flops(MatrixSpec("w", (4, 8))) == 640 + 320
+
+
+def test_shampoo_closed_form() -> None:
+    spec = MatrixSpec("w", (4, 8))
+    # 2 m^2 n (stat) + 2 m^2 n (precond) + 2 m n^2 + 2 m n^2 + 10 (m^3 + n^3) / 20 + 12 m n
+    assert ShampooCost().flops(spec) == pytest.approx(256 + 256 + 512 + 512 + 288 + 384)
+    # the 8-wide side above max_precond_dim: no statistic, preconditioning or root for it
+    assert ShampooCost(max_precond_dim=6).flops(spec) == pytest.approx(512 + 32 + 384)
+    assert ShampooCost(max_precond_dim=2).flops(spec) == pytest.approx(384)
+
+
+def test_soap_closed_form() -> None:
+    spec = MatrixSpec("w", (4, 8))
+    refresh = (2 + 8 / 3) * (64 + 512) / 10
+    assert SoapCost().flops(spec) == pytest.approx(3 * 256 + 3 * 512 + refresh + 384)
+    only_left = 3 * 256 + (2 + 8 / 3) * 64 / 10 + 384
+    assert SoapCost(max_precond_dim=4).flops(spec) == pytest.approx(only_left)
+    assert SoapCost().flops(MatrixSpec("w", (2, 4, 8))) == pytest.approx(2 * SoapCost().flops(spec))
+
+
+def test_adamw_and_bytes() -> None:
+    spec = MatrixSpec("w", (2, 3, 5), itemsize=2)
+    for model in (MuonCost(), ShampooCost(), SoapCost(), AdamWCost()):
+        assert isinstance(model, CostModel)
+        assert model.comm_bytes(spec) == model.memory_bytes(spec) == 60
+    assert AdamWCost().flops(spec) == 12 * 30
+
+
+def test_square_matrix_costs_more_than_tall_skinny_per_byte() -> None:
+    muon = MuonCost()
+    square, tall = MatrixSpec("s", (1024, 1024)), MatrixSpec("t", (8192, 128))
+    assert square.nbytes == tall.nbytes
+    assert muon.flops(square) > 5 * muon.flops(tall)
+
+
+def test_cost_model_factory() -> None:
+    assert set(COST_MODELS) == {"muon", "shampoo", "soap", "adamw"}
+    assert cost_model("muon") == MuonCost()
+    assert cost_model("muon", ns_steps=3).ns_steps == 3  # type: ignore[attr-defined]
+    soap = cost_model("soap", precondition_frequency=5, max_precond_dim=64)
+    assert soap == SoapCost(precondition_frequency=5, max_precond_dim=64)
+    assert cost_model("shampoo").name == "shampoo"
+    with pytest.raises(ValueError, match="unknown optimizer"):
+        cost_model("lion")
+    with pytest.raises(ValueError, match="takes"):
+        cost_model("muon", beta=0.9)
+    with pytest.raises(ValueError, match="ns_steps"):
+        cost_model("muon", ns_steps=0)
+    with pytest.raises(ValueError, match="precondition_frequency"):
+        cost_model("soap", precondition_frequency=0)
