@@ -27,6 +27,7 @@ _EXPORTS: dict[str, str] = {
     "PlanMismatchError": "canzona.runtime",
     "GradientMismatchError": "canzona.runtime",
     "CollectiveTimeoutError": "canzona.runtime",
+    "UpdateFailedError": "canzona.runtime",
     # optimizer front classes
     "Muon": "canzona.optim",
     "Shampoo": "canzona.optim",
@@ -47,6 +48,7 @@ __all__ = [
     "PlanConfig",
     "PlanMismatchError",
     "Shampoo",
+    "UpdateFailedError",
     "__version__",
     "assign_owners",
     "build_plan",
@@ -73,6 +75,7 @@ if TYPE_CHECKING:  # pragma: no cover - import-time only for type checkers
         GradientMismatchError,
         PipelineConfig,
         PlanMismatchError,
+        UpdateFailedError,
     )
 
 

@@ -17,6 +17,7 @@ from canzona.runtime import (
     MatrixRuntime,
     PipelineConfig,
     StepStats,
+    all_finite,
     export_state,
     fingerprint,
     import_state,
@@ -24,6 +25,7 @@ from canzona.runtime import (
     local_tensor,
     param_mesh,
     snapshot,
+    validate_param,
 )
 from canzona.updates import adamw_
 
@@ -76,6 +78,7 @@ class MatrixOptimizer(OwnerStateMixin, Optimizer):
         )
         self._owner_state: dict[tuple[int, int | None, int], dict[str, Tensor]] = {}
         self.last_step_stats: StepStats | None = None
+        self.skipped_steps = 0
         defaults = {"algorithm": self.algorithm, **defaults}
         super().__init__(params, defaults)
 
@@ -90,20 +93,28 @@ class MatrixOptimizer(OwnerStateMixin, Optimizer):
             raise ValueError(
                 f"param group algorithm must be {self.algorithm!r} or {ADAMW!r}, got {algorithm!r}"
             )
-        if algorithm != ADAMW:
-            names = group.get("param_names")
-            for i, p in enumerate(group["params"]):
+        names = group.get("param_names")
+        offset = sum(len(g["params"]) for g in self.param_groups[:-1])
+        labels = [names[i] if names else f"param{offset + i}" for i in range(len(group["params"]))]
+        try:
+            for label, p in zip(labels, group["params"], strict=True):
+                validate_param(label, p)
+                if algorithm == ADAMW:
+                    continue
                 if p.ndim not in (2, 3):
-                    self.param_groups.pop()
-                    label = repr(names[i]) if names else f"with shape {tuple(p.shape)}"
                     raise ValueError(
-                        f"parameter {label} is {p.ndim}-D; {type(self).__name__} updates 2-D "
-                        "matrices and 3-D stacks of matrices only. Put it in a group with "
-                        f'algorithm="{ADAMW}" (canzona.param_groups does this for you).'
+                        f"parameter {label!r} ({tuple(p.shape)}) is {p.ndim}-D; "
+                        f"{type(self).__name__} updates 2-D matrices and 3-D stacks of matrices "
+                        f'only. Put it in a group with algorithm="{ADAMW}" '
+                        "(canzona.param_groups does this for you)."
                     )
                 if torch.is_complex(p):
-                    self.param_groups.pop()
-                    raise ValueError(f"complex parameters are not supported, got {p.dtype}")
+                    raise ValueError(
+                        f"parameter {label!r}: complex dtype {p.dtype} is not supported"
+                    )
+        except ValueError:
+            self.param_groups.pop()
+            raise
         runtime = getattr(self, "_runtime", None)
         if runtime is not None:
             runtime.invalidate()
@@ -182,16 +193,25 @@ class MatrixOptimizer(OwnerStateMixin, Optimizer):
         params, names, groups = self._flat()
         matrix = self._matrix_indices(params, groups)
         matrix_set = set(matrix)
-        active = self._runtime.begin_step(
+        has_grad = [p.grad is not None for p in params]
+        nonfinite = False
+        if self.pipeline_config.skip_nonfinite:
+            nonfinite = not all_finite([p.grad for p in params if p.grad is not None])
+        active, skip = self._runtime.begin_step(
             names,
             params,
             matrix,
             itemsize=lambda i: params[i].element_size(),
             extra=self._config_repr(),
-            has_grad=[p.grad is not None for p in params],
+            has_grad=has_grad,
             hparams=self._hyper_fingerprint(),
+            nonfinite=nonfinite,
         )
         self._migrate_owner_state(params, groups)
+        if skip:
+            self.skipped_steps += 1
+            self.last_step_stats = StepStats(rank=self._runtime.rank, skipped=True)
+            return loss
         for i in sorted(active):
             group = groups[i]
             if group["algorithm"] == ADAMW:

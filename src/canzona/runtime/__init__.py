@@ -5,9 +5,11 @@ from canzona.runtime.config import (
     GradientMismatchError,
     PipelineConfig,
     PlanMismatchError,
+    UpdateFailedError,
 )
 from canzona.runtime.engine import (
     MatrixRuntime,
+    all_finite,
     check_all_ok,
     fingerprint,
     local_grad,
@@ -15,6 +17,7 @@ from canzona.runtime.engine import (
     needs_communication,
     param_mesh,
     snapshot,
+    validate_param,
 )
 from canzona.runtime.layout import Fragment, LayoutError, fragment_for
 from canzona.runtime.pipeline import StepStats
@@ -32,6 +35,8 @@ __all__ = [
     "PlanMismatchError",
     "StateEntry",
     "StepStats",
+    "UpdateFailedError",
+    "all_finite",
     "check_all_ok",
     "export_state",
     "fingerprint",
@@ -42,4 +47,5 @@ __all__ = [
     "needs_communication",
     "param_mesh",
     "snapshot",
+    "validate_param",
 ]

@@ -3,17 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from datetime import timedelta
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from canzona.runtime.config import (
-    CollectiveTimeoutError,
-    GradientMismatchError,
-    PlanMismatchError,
-)
+from canzona.runtime.config import GradientMismatchError, PlanMismatchError
+from canzona.runtime.watchdog import Watchdog, gather_ints
 
 HEADER_FIELDS = ("parameters", "structure", "plan", "hyper-parameters", "setup")
 _CHUNKS = 3  # 40-bit chunks per digest: exact in int64
@@ -26,17 +21,6 @@ def digest_chunks(hexdigest: str) -> list[int]:
     return [int(hexdigest[i : i + 10], 16) for i in range(0, 10 * _CHUNKS, 10)]
 
 
-def wait(work: Any, *, timeout_s: float, what: str, rank: int) -> None:
-    """Wait for an async collective, turning a stuck wait into :class:`CollectiveTimeoutError`."""
-    try:
-        work.wait(timeout=timedelta(seconds=timeout_s))
-    except RuntimeError as exc:
-        raise CollectiveTimeoutError(
-            f"rank {rank}: {what} did not complete within {timeout_s:g}s; a peer rank is stuck, "
-            f"crashed or did not call optimizer.step() ({exc})"
-        ) from exc
-
-
 def check_header(
     *,
     num_params: int,
@@ -44,10 +28,7 @@ def check_header(
     plan: str,
     hparams: str,
     needs_setup: bool,
-    group: dist.ProcessGroup,
-    world: int,
-    rank: int,
-    timeout_s: float,
+    watchdog: Watchdog,
 ) -> bool:
     """All-gather a small fixed-size header and compare it across ranks.
 
@@ -63,12 +44,10 @@ def check_header(
         *digest_chunks(plan),
         *digest_chunks(hparams),
     ]
-    header = torch.tensor([*values, int(needs_setup)], dtype=torch.int64)
-    size = header.numel()
-    gathered = torch.empty(world * size, dtype=torch.int64)
-    work = dist.all_gather_single(gathered, header, group=group, async_op=True)
-    wait(work, timeout_s=timeout_s, what="the step's cross-rank check", rank=rank)
-    rows = [tuple(r) for r in gathered.view(world, size).tolist()]
+    gathered = gather_ints(
+        [*values, int(needs_setup)], watchdog=watchdog, phase=0, what="the step's cross-rank check"
+    )
+    rows = [tuple(r) for r in gathered]
     setups = [r[-1] for r in rows]
     compared = [r[:-1] for r in rows]
     # a rank that is about to re-plan has no valid plan digest yet: compare it only
@@ -96,26 +75,24 @@ def _raise_mismatch(rows: list[tuple[int, ...]], replanning: bool) -> None:
     what = [
         name for name, sl in spans.items() if a[sl] != b[sl] and not (replanning and "plan" in name)
     ]
-    detail = f" ({a[0]} vs {b[0]})" if a[0] != b[0] else ""
+    if a[0] != b[0]:
+        what[0] += f" ({a[0]} vs {b[0]})"
     raise PlanMismatchError(
-        f"ranks {ranks_a} and ranks {ranks_b} disagree on {' and '.join(what)}{detail}; every "
+        f"ranks {ranks_a} and ranks {ranks_b} disagree on {' and '.join(what)}; every "
         "rank must call step() with the same parameters, param groups and configuration"
     )
 
 
-def check_plan_digest(
-    digest: str, *, group: dist.ProcessGroup, world: int, rank: int, timeout_s: float
-) -> None:
+def check_plan_digest(digest: str, *, watchdog: Watchdog) -> None:
     """Compare ``Plan.digest()`` across ranks right after (re)planning.
 
     Raises:
         PlanMismatchError: on every rank, naming the ranks that disagree.
     """
-    mine = torch.tensor(digest_chunks(digest), dtype=torch.int64)
-    gathered = torch.empty(world * _CHUNKS, dtype=torch.int64)
-    work = dist.all_gather_single(gathered, mine, group=group, async_op=True)
-    wait(work, timeout_s=timeout_s, what="the plan digest check", rank=rank)
-    rows = [tuple(r) for r in gathered.view(world, _CHUNKS).tolist()]
+    gathered = gather_ints(
+        digest_chunks(digest), watchdog=watchdog, phase=1, what="the plan digest check"
+    )
+    rows = [tuple(r) for r in gathered]
     if len(set(rows)) != 1:
         groups: dict[tuple[int, ...], list[int]] = {}
         for r, row in enumerate(rows):
@@ -128,30 +105,33 @@ def check_gradients(
     names: Sequence[str],
     has_grad: Sequence[bool],
     *,
-    group: dist.ProcessGroup,
-    world: int,
-    rank: int,
-    timeout_s: float,
-) -> set[int]:
-    """One all-reduce of gradient presence; returns the parameters active on every rank.
+    watchdog: Watchdog,
+    nonfinite: bool = False,
+) -> tuple[set[int], bool]:
+    """One all-reduce of gradient presence (and of a non-finite flag).
 
     A parameter without a gradient on any rank is skipped consistently.
+
+    Returns:
+        The parameters with a gradient on every rank, and whether any rank flagged a
+        non-finite gradient.
 
     Raises:
         GradientMismatchError: on every rank, naming parameters whose gradient exists on
             some ranks only, and the ranks that miss it.
     """
     mine = torch.tensor([1 if g else 0 for g in has_grad], dtype=torch.int32)
-    counts = mine.clone()
-    work = dist.all_reduce(counts, group=group, async_op=True)
-    wait(work, timeout_s=timeout_s, what="the gradient-presence check", rank=rank)
-    totals = counts.tolist()
+    counts = torch.cat([mine, torch.tensor([int(nonfinite)], dtype=torch.int32)])
+    world = watchdog.world
+    watchdog.mark(2, "the gradient-presence check")
+    work = dist.all_reduce(counts, group=watchdog.group, async_op=True)
+    watchdog.wait(work, "the gradient-presence check")
+    *totals, flagged = counts.tolist()
     partial = [i for i, c in enumerate(totals) if 0 < c < world]
     if partial:
-        every = torch.empty(world * len(has_grad), dtype=torch.int32)
-        work = dist.all_gather_single(every, mine, group=group, async_op=True)
-        wait(work, timeout_s=timeout_s, what="the gradient-presence report", rank=rank)
-        table = every.view(world, len(has_grad)).tolist()
+        table = gather_ints(
+            mine.tolist(), watchdog=watchdog, phase=3, what="the gradient-presence report"
+        )
         lines = [
             f"{names[i]!r} has a gradient on {totals[i]} of {world} ranks (missing on ranks "
             f"{[r for r in range(world) if not table[r][i]]})"
@@ -164,15 +144,12 @@ def check_gradients(
             + more
             + ". Every rank must produce a gradient for the same parameters (or none)."
         )
-    return {i for i, c in enumerate(totals) if c == world}
+    return {i for i, c in enumerate(totals) if c == world}, flagged > 0
 
 
 def failing_ranks(
-    ok: bool, *, group: dist.ProcessGroup, world: int, rank: int, timeout_s: float
+    ok: bool, *, watchdog: Watchdog, what: str = "the cross-rank success check"
 ) -> list[int]:
     """All-gather a success flag; returns the ranks where it was False."""
-    mine = torch.tensor([0 if ok else 1], dtype=torch.int32)
-    every = torch.empty(world, dtype=torch.int32)
-    work = dist.all_gather_single(every, mine, group=group, async_op=True)
-    wait(work, timeout_s=timeout_s, what="the cross-rank success check", rank=rank)
-    return [r for r, bad in enumerate(every.tolist()) if bad]
+    rows = gather_ints([0 if ok else 1], watchdog=watchdog, phase=4, what=what)
+    return [r for r, (bad,) in enumerate(rows) if bad]

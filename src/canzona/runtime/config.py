@@ -14,6 +14,10 @@ class GradientMismatchError(RuntimeError):
     """A parameter has a gradient on some ranks and not on others."""
 
 
+class UpdateFailedError(RuntimeError):
+    """Computing some matrix's update raised on some rank; every rank raises this."""
+
+
 class CollectiveTimeoutError(RuntimeError):
     """A collective owned by the optimizer did not complete within the configured timeout."""
 
@@ -33,12 +37,21 @@ class PipelineConfig:
             step but turns mismatches into hangs or wrong results.
         process_group: Process group the optimizer's collectives run on (default: the
             default group). Every rank of it must hold the same parameter list.
+        progress_markers: Record, before each collective, which one this rank is about
+            to enter (one small write to the default store), so that a timeout can name
+            the ranks that never arrived.
+        skip_nonfinite: Skip the whole step on every rank when any rank's gradient holds
+            NaN or Inf (counted in ``optimizer.skipped_steps``), as a gradient scaler
+            does. Off by default: non-finite values then propagate exactly as on one
+            device. Costs one device-to-host read per step.
     """
 
     overlap: bool = True
     timeout_s: float = 600.0
     check_every_step: bool = True
     process_group: Any = None
+    progress_markers: bool = True
+    skip_nonfinite: bool = False
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:

@@ -17,10 +17,12 @@ from canzona.runtime.checks import (
     failing_ranks,
 )
 from canzona.runtime.config import PipelineConfig
+from canzona.runtime.layout import check_placements
 from canzona.runtime.pipeline import ApplyFn, ComputeFn, Pipeline, StepStats
 from canzona.runtime.routing import Item, Route, build_items, plan_specs, route_all
 from canzona.runtime.statecomm import Snapshot
 from canzona.runtime.topology import ParamLayout, Topology, agree, describe, structure_digest
+from canzona.runtime.watchdog import Watchdog
 
 
 def fingerprint(value: object) -> str:
@@ -38,11 +40,16 @@ def needs_communication(tensors: Sequence[torch.Tensor]) -> bool:
 class MatrixRuntime:
     """Everything distributed about one optimizer: layouts, plan, routes, pipeline.
 
+    Attributes:
+        _instances: Runtimes created in this process (names progress markers).
+
     Args:
         plan_config: Owner assignment and micro-group configuration.
         pipeline_config: Pipeline configuration.
         cost: Cost model name or object for the planner.
     """
+
+    _instances = 0
 
     def __init__(
         self, *, plan_config: PlanConfig, pipeline_config: PipelineConfig, cost: str | CostModel
@@ -63,6 +70,10 @@ class MatrixRuntime:
         self._layout_key: tuple[object, ...] = ()
         self._layouts: list[ParamLayout] = []
         self.previous: Snapshot | None = None
+        self.watchdog = Watchdog(None, 0, 1, pipeline_config.timeout_s)
+        # ranks build their optimizers in the same order: the n-th one shares a namespace
+        MatrixRuntime._instances += 1
+        self._instance = MatrixRuntime._instances
 
     @property
     def distributed(self) -> bool:
@@ -80,6 +91,14 @@ class MatrixRuntime:
             self.world = dist.get_world_size(self.group)
         else:
             self.group, self.rank, self.world = None, 0, 1
+        self.watchdog = Watchdog(
+            self.group,
+            self.rank,
+            self.world,
+            self.config.timeout_s,
+            markers=self.config.progress_markers,
+            step=self.watchdog.step,
+        )
 
     def layouts(self, names: Sequence[str], tensors: Sequence[torch.Tensor]) -> list[ParamLayout]:
         """Storage layouts of the parameters (cached while the parameter list is unchanged)."""
@@ -103,7 +122,8 @@ class MatrixRuntime:
         extra: str,
         has_grad: Sequence[bool],
         hparams: str,
-    ) -> set[int]:
+        nonfinite: bool = False,
+    ) -> tuple[set[int], bool]:
         """Check the step across ranks, (re)plan if needed, return the active parameters.
 
         Every collective here is small and entered by every rank in the same order,
@@ -118,20 +138,19 @@ class MatrixRuntime:
             extra: Algorithm configuration every rank must share.
             has_grad: Whether each parameter has a gradient on this rank.
             hparams: Fingerprint of the param groups' hyper-parameters.
+            nonfinite: This rank saw a non-finite gradient (with ``skip_nonfinite``).
+
+        Returns:
+            The parameters with a gradient on every rank, and whether any rank saw a
+            non-finite gradient (then every rank skips the step).
         """
+        self.watchdog.step += 1
         self.sync_plan(
             names, tensors, matrix_params, itemsize=itemsize, extra=extra, hparams=hparams
         )
         if self.group is not None and self.config.check_every_step:
-            return check_gradients(
-                names,
-                has_grad,
-                group=self.group,
-                world=self.world,
-                rank=self.rank,
-                timeout_s=self.config.timeout_s,
-            )
-        return {i for i, g in enumerate(has_grad) if g}
+            return check_gradients(names, has_grad, watchdog=self.watchdog, nonfinite=nonfinite)
+        return {i for i, g in enumerate(has_grad) if g}, nonfinite
 
     def sync_plan(
         self,
@@ -148,6 +167,7 @@ class MatrixRuntime:
         config = repr((extra, self.plan_config, self.config.overlap, tuple(matrix_params)))
         structure = structure_digest(layouts, config)
         needs_setup = self.pipeline is None or structure != self._structure
+        self.watchdog.tag = f"{self._instance}-{structure[:16]}"
         if self.group is not None and self.config.check_every_step:
             needs_setup = check_header(
                 num_params=len(tensors),
@@ -155,10 +175,7 @@ class MatrixRuntime:
                 plan=self.digest,
                 hparams=hparams,
                 needs_setup=needs_setup,
-                group=self.group,
-                world=self.world,
-                rank=self.rank,
-                timeout_s=self.config.timeout_s,
+                watchdog=self.watchdog,
             )
         self.previous = None
         if needs_setup:
@@ -198,17 +215,12 @@ class MatrixRuntime:
             world=self.world,
             config=self.config,
             replicated=bool(self.plan and self.plan.assignment.replicated),
+            watchdog=self.watchdog,
         )
         self.digest = self.plan.digest() if self.plan else structure
         self._structure = structure
         if self.group is not None:
-            check_plan_digest(
-                self.digest,
-                group=self.group,
-                world=self.world,
-                rank=self.rank,
-                timeout_s=self.config.timeout_s,
-            )
+            check_plan_digest(self.digest, watchdog=self.watchdog)
 
     def owned_items(self) -> list[Item]:
         """Items whose full update this rank computes."""
@@ -256,7 +268,7 @@ def snapshot(runtime: MatrixRuntime) -> Snapshot:
         rank=runtime.rank,
         world=runtime.world,
         replica_dedup=runtime.plan_config.replica_dedup,
-        timeout_s=runtime.config.timeout_s,
+        watchdog=runtime.watchdog,
     )
 
 
@@ -264,13 +276,23 @@ def check_all_ok(ok: bool, runtime: MatrixRuntime) -> list[int]:
     """Ranks of the runtime's group where ``ok`` is False (no collective when local)."""
     if runtime.group is None:
         return [] if ok else [runtime.rank]
-    return failing_ranks(
-        ok,
-        group=runtime.group,
-        world=runtime.world,
-        rank=runtime.rank,
-        timeout_s=runtime.config.timeout_s,
-    )
+    return failing_ranks(ok, watchdog=runtime.watchdog)
+
+
+def validate_param(name: str, p: torch.Tensor) -> None:
+    """Reject storage layouts the runtime cannot reconstruct (e.g. ``Partial``), by name.
+
+    Raises:
+        canzona.runtime.layout.LayoutError: a ``ValueError`` naming the parameter.
+    """
+    if isinstance(p, DTensor):
+        check_placements(name, tuple(p.placements), p.ndim)
+
+
+def all_finite(grads: Sequence[torch.Tensor]) -> bool:
+    """True when every local gradient shard is free of NaN and Inf (one host read)."""
+    flags = [torch.isfinite(local_tensor(g)).all() for g in grads if local_tensor(g).numel()]
+    return bool(torch.stack(flags).all()) if flags else True
 
 
 def param_mesh(p: torch.Tensor) -> object | None:

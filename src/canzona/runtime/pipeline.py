@@ -10,16 +10,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from canzona.runtime.checks import wait
-from canzona.runtime.config import PipelineConfig
+from canzona.runtime.config import PipelineConfig, UpdateFailedError
 from canzona.runtime.layout import Fragment
 from canzona.runtime.routing import Item, Route
+from canzona.runtime.watchdog import Watchdog
 
 ComputeFn = Callable[[Sequence[Item], torch.Tensor], torch.Tensor]
 """Owner side: full payloads ``(k, m, n)`` of same-shape items -> directions ``(k, m, n)``."""
 
 ApplyFn = Callable[[int, torch.Tensor], None]
 """Storage side: (parameter index, this rank's fragment of its direction) -> None."""
+
+Batches = dict[tuple[int, int, torch.dtype], list[Route]]
 
 
 @dataclass
@@ -35,6 +37,7 @@ class StepStats:
     compute_s: float = 0.0
     wait_s: float = 0.0
     total_s: float = 0.0
+    skipped: bool = False
     group_compute_s: list[float] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
@@ -49,6 +52,7 @@ class StepStats:
             "compute_s": self.compute_s,
             "wait_s": self.wait_s,
             "total_s": self.total_s,
+            "skipped": self.skipped,
         }
 
 
@@ -64,11 +68,84 @@ def common_dtype(dtypes: Sequence[torch.dtype]) -> torch.dtype:
 
 @dataclass
 class _Pending:
+    """An all-to-all in flight and how to read what it receives."""
+
     work: Any
     out: torch.Tensor
     plan: list[tuple[int, list[tuple[Route, Fragment]]]]
     what: str
     group_index: int
+    status: bool  # each source segment starts with one status element
+
+    def segments(self) -> tuple[list[int], list[tuple[Route, Fragment, torch.Tensor]]]:
+        """(ranks that reported a failure, [(route, fragment, received data)])."""
+        failed: list[int] = []
+        out: list[tuple[Route, Fragment, torch.Tensor]] = []
+        offset = 0
+        for src, entries in self.plan:
+            if self.status:
+                if self.out[offset].item() != 0:
+                    failed.append(src)
+                offset += 1
+            for route, frag in entries:
+                n = frag.numel
+                out.append((route, frag, self.out[offset : offset + n].view(frag.shape)))
+                offset += n
+        return failed, out
+
+
+@dataclass
+class _Step:
+    """Per-step inputs and bookkeeping of :meth:`Pipeline.run`."""
+
+    active: set[int]
+    payloads: dict[int, torch.Tensor]
+    payload_dtype: Callable[[int], torch.dtype]
+    direction_dtype: Callable[[int], torch.dtype]
+    compute: ComputeFn
+    apply: ApplyFn
+    stats: StepStats
+    dirs: dict[int, torch.Tensor] = field(default_factory=dict)
+    pending: dict[int, int] = field(default_factory=dict)
+    applied: set[int] = field(default_factory=set)
+    error: BaseException | None = None
+    error_where: str = ""
+    remote: list[tuple[int, list[int]]] = field(default_factory=list)
+
+    def local_view(self, route: Route) -> torch.Tensor:
+        data = self.payloads[route.item.param]
+        return data if route.pos is None else data[route.pos]
+
+    def deliver(self, route: Route, data: torch.Tensor) -> None:
+        p = route.item.param
+        target = self.dirs[p] if route.pos is None else self.dirs[p][route.pos]
+        target.copy_(data.view(target.shape))
+        self.pending[p] -= 1
+        if self.pending[p] == 0:
+            self.applied.add(p)
+            self.apply(p, self.dirs[p])
+
+    def run_compute(
+        self, batches: Batches, fill: Callable[[list[Route], torch.Tensor], None], where: str
+    ) -> list[tuple[list[Route], torch.Tensor]]:
+        """Compute every batch; an exception is recorded and zeros stand in for the result."""
+        results = []
+        for (m, n, dtype), members in batches.items():
+            if self.error is None:
+                try:
+                    full = torch.empty((len(members), m, n), dtype=dtype)
+                    fill(members, full)
+                    start = time.perf_counter()
+                    out = self.compute([r.item for r in members], full)
+                    self.stats.compute_s += time.perf_counter() - start
+                    self.stats.matrices_computed += len(members)
+                    results.append((members, out))
+                    continue
+                except Exception as exc:  # every rank must still enter the collectives
+                    self.error, self.error_where = exc, where
+            dt = common_dtype([self.direction_dtype(r.item.param) for r in members])
+            results.append((members, torch.zeros((len(members), m, n), dtype=dt)))
+        return results
 
 
 class Pipeline:
@@ -83,6 +160,7 @@ class Pipeline:
         world: Size of ``group``.
         config: Pipeline configuration.
         replicated: The plan's strategy is ``replicated`` (no scatter phase).
+        watchdog: Deadline and progress markers of the collectives.
     """
 
     def __init__(
@@ -96,9 +174,8 @@ class Pipeline:
         world: int,
         config: PipelineConfig,
         replicated: bool = False,
+        watchdog: Watchdog | None = None,
     ) -> None:
-        self.replicated = replicated
-        self._payload_dtype: Callable[[int], torch.dtype] = lambda p: torch.float32
         self.routes = routes
         self.groups = [list(g) for g in groups]
         self.local_items = list(local_items)
@@ -106,17 +183,8 @@ class Pipeline:
         self.rank = rank
         self.world = world
         self.config = config
-
-    # ------------------------------------------------------------------ helpers
-    def _wait(self, pending: _Pending, stats: StepStats) -> None:
-        start = time.perf_counter()
-        wait(
-            pending.work,
-            timeout_s=self.config.timeout_s,
-            what=f"the {pending.what} of micro-group {pending.group_index}",
-            rank=self.rank,
-        )
-        stats.wait_s += time.perf_counter() - start
+        self.replicated = replicated
+        self.watchdog = watchdog or Watchdog(group, rank, world, config.timeout_s)
 
     def _exchange(
         self,
@@ -126,34 +194,39 @@ class Pipeline:
         what: str,
         group_index: int,
         stats: StepStats,
+        status: float | None = None,
     ) -> _Pending:
-        in_splits = [sum(t.numel() for t in sends.get(r, ())) for r in range(self.world)]
-        out_splits = [sum(f.numel for _, f in recvs.get(r, ())) for r in range(self.world)]
-        chunks = [t.reshape(-1).to(dtype) for r in range(self.world) for t in sends.get(r, ())]
+        """Issue one packed all_to_all_single; with ``status``, every pair exchanges a flag."""
+        extra = 0 if status is None else 1
+        in_splits = [extra + sum(t.numel() for t in sends.get(r, ())) for r in range(self.world)]
+        out_splits = [extra + sum(f.numel for _, f in recvs.get(r, ())) for r in range(self.world)]
+        chunks: list[torch.Tensor] = []
+        for r in range(self.world):
+            if status is not None:
+                chunks.append(torch.full((1,), status, dtype=dtype))
+            chunks += [t.reshape(-1).to(dtype) for t in sends.get(r, ())]
         inp = torch.cat(chunks) if chunks else torch.empty(0, dtype=dtype)
         out = torch.empty(sum(out_splits), dtype=dtype)
+        phase = 10 + 2 * group_index + (1 if what == "scatter" else 0)
+        self.watchdog.mark(phase, f"the {what} of micro-group {group_index}")
         work = dist.all_to_all_single(
             out, inp, out_splits, in_splits, group=self.group, async_op=True
         )
         stats.collectives += 1
-        size = torch.empty((), dtype=dtype).element_size()
+        size = out.element_size()
         stats.bytes_sent += (inp.numel() - in_splits[self.rank]) * size
         stats.bytes_received += (out.numel() - out_splits[self.rank]) * size
-        plan = [(r, recvs[r]) for r in range(self.world) if recvs.get(r)]
-        return _Pending(work, out, plan, what, group_index)
+        if status is None:
+            plan = [(r, recvs[r]) for r in range(self.world) if recvs.get(r)]
+        else:
+            plan = [(r, recvs.get(r, [])) for r in range(self.world)]
+        return _Pending(work, out, plan, what, group_index, status is not None)
 
-    @staticmethod
-    def _segments(pending: _Pending) -> list[tuple[Route, Fragment, torch.Tensor]]:
-        out: list[tuple[Route, Fragment, torch.Tensor]] = []
-        offset = 0
-        for _, entries in pending.plan:
-            for route, frag in entries:
-                n = frag.numel
-                out.append((route, frag, pending.out[offset : offset + n].view(frag.shape)))
-                offset += n
-        return out
+    def _wait(self, pending: _Pending, stats: StepStats) -> None:
+        start = time.perf_counter()
+        self.watchdog.wait(pending.work, f"the {pending.what} of micro-group {pending.group_index}")
+        stats.wait_s += time.perf_counter() - start
 
-    # ------------------------------------------------------------------ step
     def run(
         self,
         *,
@@ -165,179 +238,160 @@ class Pipeline:
         compute: ComputeFn,
         apply: ApplyFn,
     ) -> StepStats:
-        """Update every active matrix; ``apply`` is called once per local active parameter."""
-        stats = StepStats(rank=self.rank)
-        self._payload_dtype = payload_dtype
+        """Update every active matrix; ``apply`` is called once per local active parameter.
+
+        Raises:
+            UpdateFailedError: on every rank, when the computation of some matrix raised
+                on some rank. The collectives still complete; the micro-group where the
+                failure happened, and every later one, is not applied on any rank.
+        """
+        step = _Step(active, payloads, payload_dtype, direction_dtype, compute, apply, StepStats())
+        step.stats.rank = self.rank
         t0 = time.perf_counter()
-        dirs: dict[int, torch.Tensor] = {}
-        pending_count: dict[int, int] = {}
-        applied: set[int] = set()
         for p in active:
             if p in local_shapes:
-                dirs[p] = torch.empty(local_shapes[p], dtype=direction_dtype(p))
-                pending_count[p] = 0
+                step.dirs[p] = torch.empty(local_shapes[p], dtype=direction_dtype(p))
+                step.pending[p] = 0
         for route in self.routes.values():
-            p = route.item.param
-            if p in active and route.frag is not None:
-                pending_count[p] += 1
-
-        def deliver(route: Route, data: torch.Tensor) -> None:
-            p = route.item.param
-            target = dirs[p] if route.pos is None else dirs[p][route.pos]
-            target.copy_(data.view(target.shape))
-            pending_count[p] -= 1
-            if pending_count[p] == 0:
-                applied.add(p)
-                apply(p, dirs[p])
-
-        def local_view(route: Route) -> torch.Tensor:
-            data = payloads[route.item.param]
-            return data if route.pos is None else data[route.pos]
-
-        groups = [[it for it in g if it.param in active] for g in self.groups]
-        groups = [g for g in groups if g]
-        stats.micro_groups = len(groups)
-
-        def start_gather(k: int) -> _Pending:
-            items = groups[k]
-            dtype = common_dtype([payload_dtype(it.param) for it in items])
-            sends: dict[int, list[torch.Tensor]] = {}
-            recvs: dict[int, list[tuple[Route, Fragment]]] = {}
-            for it in items:
-                route = self.routes.get(it.name)
-                if route is None:
-                    continue
-                for c in route.send_to:
-                    sends.setdefault(c, []).append(local_view(route))
-                for s, f in route.sources:
-                    recvs.setdefault(s, []).append((route, f))
-            return self._exchange(sends, recvs, dtype, "gather", k, stats)
-
-        def run_compute(batches: dict[tuple[int, int, torch.dtype], list[Route]], fill: Any) -> Any:
-            results = []
-            for (m, n, dtype), members in batches.items():
-                full = torch.empty((len(members), m, n), dtype=dtype)
-                fill(members, full)
-                start = time.perf_counter()
-                out = compute([r.item for r in members], full)
-                stats.compute_s += time.perf_counter() - start
-                stats.matrices_computed += len(members)
-                results.append((members, out))
-            return results
-
-        # local items first: they need no communication
+            if route.item.param in active and route.frag is not None:
+                step.pending[route.item.param] += 1
         local = [self.routes[it.name] for it in self.local_items if it.param in active]
         if local:
-            batches: dict[tuple[int, int, torch.dtype], list[Route]] = {}
+            batches: Batches = {}
             for r in local:
                 batches.setdefault((r.item.m, r.item.n, payload_dtype(r.item.param)), []).append(r)
 
             def fill_local(members: list[Route], full: torch.Tensor) -> None:
                 for i, r in enumerate(members):
-                    full[i].copy_(local_view(r))
+                    full[i].copy_(step.local_view(r))
 
-            for members, out in run_compute(batches, fill_local):
-                for i, r in enumerate(members):
-                    deliver(r, out[i])
-
+            results = step.run_compute(batches, fill_local, "a local matrix")
+            if step.error is None:
+                for members, out in results:
+                    for i, r in enumerate(members):
+                        step.deliver(r, out[i])
+        groups = [[it for it in g if it.param in active] for g in self.groups]
+        groups = [g for g in groups if g]
+        step.stats.micro_groups = len(groups)
         if groups and self.group is not None:
-            self._run_groups(groups, start_gather, run_compute, deliver, direction_dtype, stats)
-        for p, count in pending_count.items():
-            if p not in applied:
+            self._run_groups(groups, step)
+        self._finish(step)
+        step.stats.total_s = time.perf_counter() - t0
+        return step.stats
+
+    def _finish(self, step: _Step) -> None:
+        if step.error is not None:
+            raise UpdateFailedError(
+                f"rank {self.rank}: computing {step.error_where} raised "
+                f"{type(step.error).__name__}: {step.error}; the step stopped on every rank"
+            ) from step.error
+        if step.remote:
+            k, ranks = step.remote[0]
+            raise UpdateFailedError(
+                f"rank {self.rank}: the update of micro-group {k} failed on ranks {ranks} "
+                "(see their errors); that micro-group and the later ones were not applied"
+            )
+        for p, count in step.pending.items():
+            if p not in step.applied:
                 assert count == 0, f"parameter {p}: {count} fragments never arrived"
-                apply(p, dirs[p])
-        stats.total_s = time.perf_counter() - t0
-        return stats
+                step.apply(p, step.dirs[p])
 
-    def _run_groups(
-        self,
-        groups: list[list[Item]],
-        start_gather: Callable[[int], _Pending],
-        run_compute: Callable[..., Any],
-        deliver: Callable[[Route, torch.Tensor], None],
-        direction_dtype: Callable[[int], torch.dtype],
-        stats: StepStats,
-    ) -> None:
-        overlap = self.config.overlap
-        gathers: dict[int, _Pending] = {0: start_gather(0)}
-        scatter_pending: list[_Pending] = []
-
-        def finish_scatter(pending: _Pending) -> None:
-            self._wait(pending, stats)
-            for route, _, data in self._segments(pending):
-                deliver(route, data)
-
-        for k in range(len(groups)):
-            if overlap and k + 1 < len(groups):
-                gathers[k + 1] = start_gather(k + 1)
-            pending = gathers.pop(k)
-            self._wait(pending, stats)
-            frags: dict[str, list[tuple[Fragment, torch.Tensor]]] = {}
-            for route, frag, data in self._segments(pending):
-                frags.setdefault(route.item.name, []).append((frag, data))
-            items = groups[k]
-            batches: dict[tuple[int, int, torch.dtype], list[Route]] = {}
-            for it in items:
-                if it.name in frags:
-                    dt = self._payload_dtype(it.param)
-                    batches.setdefault((it.m, it.n, dt), []).append(self.routes[it.name])
-
-            def fill(
-                members: list[Route],
-                full: torch.Tensor,
-                frags: dict[str, list[tuple[Fragment, torch.Tensor]]] = frags,
-            ) -> None:
-                for i, r in enumerate(members):
-                    for frag, data in frags[r.item.name]:
-                        frag.write_(full[i], data)
-
-            start = time.perf_counter()
-            results = run_compute(batches, fill)
-            stats.group_compute_s.append(time.perf_counter() - start)
-            sends = self._order_sends(items, results, deliver)
-            if not self.replicated:  # replicated: every rank computed everything itself
-                dtype = common_dtype([direction_dtype(it.param) for it in items])
-                recvs: dict[int, list[tuple[Route, Fragment]]] = {}
-                for it in items:
-                    mine = self.routes.get(it.name)
-                    if mine is None or mine.frag is None or mine.replicated:
-                        continue
-                    recvs.setdefault(mine.computing[0], []).append((mine, mine.frag))
-                scatter = self._exchange(sends, recvs, dtype, "scatter", k, stats)
-                if overlap:
-                    if scatter_pending:
-                        finish_scatter(scatter_pending.pop())
-                    scatter_pending.append(scatter)
-                else:
-                    finish_scatter(scatter)
-            if not overlap and k + 1 < len(groups):
-                gathers[k + 1] = start_gather(k + 1)
-        while scatter_pending:
-            finish_scatter(scatter_pending.pop(0))
-
-    @staticmethod
-    def _order_sends(
-        items: list[Item], results: list[Any], deliver: Callable[[Route, torch.Tensor], None]
-    ) -> dict[int, list[torch.Tensor]]:
-        """Owner side of a scatter, in the group's item order (the receivers' order).
-
-        With the replicated strategy every rank computed the matrix itself: it keeps
-        its own fragment and nothing is sent.
-        """
-        by_name: dict[str, tuple[Route, torch.Tensor]] = {}
-        for members, out in results:
-            for i, r in enumerate(members):
-                by_name[r.item.name] = (r, out[i])
+    def _gather(self, items: list[Item], step: _Step, k: int) -> _Pending:
+        dtype = common_dtype([step.payload_dtype(it.param) for it in items])
         sends: dict[int, list[torch.Tensor]] = {}
+        recvs: dict[int, list[tuple[Route, Fragment]]] = {}
         for it in items:
-            entry = by_name.get(it.name)
-            if entry is None:
+            route = self.routes.get(it.name)
+            if route is None:
                 continue
-            route, direction = entry
-            if route.replicated:
-                if route.frag is not None:
-                    deliver(route, route.frag.read(direction))
+            for c in route.send_to:
+                sends.setdefault(c, []).append(step.local_view(route))
+            for s, f in route.sources:
+                recvs.setdefault(s, []).append((route, f))
+        return self._exchange(sends, recvs, dtype, "gather", k, step.stats)
+
+    def _compute_group(
+        self, items: list[Item], pending: _Pending, step: _Step, k: int
+    ) -> list[tuple[list[Route], torch.Tensor]]:
+        _, segments = pending.segments()
+        frags: dict[str, list[tuple[Fragment, torch.Tensor]]] = {}
+        for route, frag, data in segments:
+            frags.setdefault(route.item.name, []).append((frag, data))
+        batches: Batches = {}
+        for it in items:
+            if it.name in frags:
+                key = (it.m, it.n, step.payload_dtype(it.param))
+                batches.setdefault(key, []).append(self.routes[it.name])
+
+        def fill(members: list[Route], full: torch.Tensor) -> None:
+            for i, r in enumerate(members):
+                for frag, data in frags[r.item.name]:
+                    frag.write_(full[i], data)
+
+        start = time.perf_counter()
+        results = step.run_compute(batches, fill, f"micro-group {k}")
+        step.stats.group_compute_s.append(time.perf_counter() - start)
+        return results
+
+    def _scatter(
+        self,
+        items: list[Item],
+        results: list[tuple[list[Route], torch.Tensor]],
+        step: _Step,
+        k: int,
+    ) -> _Pending:
+        by_name = {r.item.name: out[i] for members, out in results for i, r in enumerate(members)}
+        sends: dict[int, list[torch.Tensor]] = {}
+        recvs: dict[int, list[tuple[Route, Fragment]]] = {}
+        for it in items:  # owners send and holders receive in the group's item order
+            route = self.routes.get(it.name)
+            if route is None:
                 continue
-            for t, f in route.targets:
-                sends.setdefault(t, []).append(f.read(direction))
-        return sends
+            direction = by_name.get(it.name)
+            if direction is not None:
+                for t, f in route.targets:
+                    sends.setdefault(t, []).append(f.read(direction))
+            if route.frag is not None:
+                recvs.setdefault(route.computing[0], []).append((route, route.frag))
+        dtype = common_dtype([step.direction_dtype(it.param) for it in items])
+        failed = 1.0 if step.error is not None else 0.0
+        return self._exchange(sends, recvs, dtype, "scatter", k, step.stats, status=failed)
+
+    def _apply_scatter(self, pending: _Pending, step: _Step) -> None:
+        self._wait(pending, step.stats)
+        failed, segments = pending.segments()
+        if failed or step.remote:
+            if failed and not step.remote:
+                step.remote.append((pending.group_index, failed))
+            return
+        for route, _, data in segments:
+            step.deliver(route, data)
+
+    def _run_groups(self, groups: list[list[Item]], step: _Step) -> None:
+        overlap = self.config.overlap
+        gathers = {0: self._gather(groups[0], step, 0)}
+        in_flight: list[_Pending] = []
+        for k, items in enumerate(groups):
+            if overlap and k + 1 < len(groups):
+                gathers[k + 1] = self._gather(groups[k + 1], step, k + 1)
+            pending = gathers.pop(k)
+            self._wait(pending, step.stats)
+            results = self._compute_group(items, pending, step, k)
+            if self.replicated:  # every rank computed every matrix: keep its own fragment
+                if step.error is None:
+                    for members, out in results:
+                        for i, r in enumerate(members):
+                            if r.frag is not None:
+                                step.deliver(r, r.frag.read(out[i]))
+            else:
+                scatter = self._scatter(items, results, step, k)
+                if overlap:
+                    if in_flight:
+                        self._apply_scatter(in_flight.pop(), step)
+                    in_flight.append(scatter)
+                else:
+                    self._apply_scatter(scatter, step)
+            if not overlap and k + 1 < len(groups):
+                gathers[k + 1] = self._gather(groups[k + 1], step, k + 1)
+        while in_flight:
+            self._apply_scatter(in_flight.pop(0), step)

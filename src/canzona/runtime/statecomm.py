@@ -10,10 +10,10 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
-from canzona.runtime.checks import wait
 from canzona.runtime.layout import Fragment, fragment_for, full_fragment
 from canzona.runtime.routing import Item, Route, _unravel
 from canzona.runtime.topology import ParamLayout, Topology
+from canzona.runtime.watchdog import Watchdog
 
 StateKey = tuple[int, str]  # (parameter index, state name)
 
@@ -46,7 +46,7 @@ class Snapshot:
     rank: int
     world: int
     replica_dedup: bool
-    timeout_s: float
+    watchdog: Watchdog
 
     def computing(self, item: Item) -> tuple[int, ...]:
         """Ranks holding the owner state of ``item`` (this rank must take part in it)."""
@@ -122,7 +122,7 @@ def _all_to_all(
     inp = torch.cat(chunks) if chunks else torch.empty(0, dtype=dtype)
     out = torch.empty(sum(out_splits), dtype=dtype)
     work = dist.all_to_all_single(out, inp, out_splits, in_splits, group=snap.group, async_op=True)
-    wait(work, timeout_s=snap.timeout_s, what="the optimizer-state exchange", rank=snap.rank)
+    snap.watchdog.wait(work, "the optimizer-state exchange")
     result: dict[int, list[torch.Tensor]] = {}
     offset = 0
     for r in range(world):

@@ -1,0 +1,119 @@
+"""Watchdog for the optimizer's collectives: timeouts that name the ranks left behind."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from canzona.runtime.config import CollectiveTimeoutError
+
+_PREFIX = "canzona/progress"
+
+
+def default_store() -> Any:
+    """The default process group's key-value store, or None where it is not reachable."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (RuntimeError, AttributeError, ValueError):
+        return None
+
+
+@dataclass
+class Watchdog:
+    """Waits on async collectives with a deadline and records each rank's progress.
+
+    Before every collective it issues, a rank writes ``(step, phase, label)`` under its
+    own key in the default store. When a wait times out, the rank reads every peer's
+    key and names the ranks that have not reached the collective it is stuck in.
+
+    Attributes:
+        group: Process group of the collectives.
+        rank: This rank in ``group``.
+        world: Size of ``group``.
+        timeout_s: Deadline of every wait.
+        tag: Namespace shared by the ranks of one optimizer (its plan digest).
+        markers: Write progress markers (one small store write per collective).
+    """
+
+    group: dist.ProcessGroup | None
+    rank: int
+    world: int
+    timeout_s: float
+    tag: str = ""
+    markers: bool = True
+    step: int = 0
+    _store: Any = field(default=None, repr=False)
+    _position: tuple[int, int] = (0, 0)
+
+    def __post_init__(self) -> None:
+        if self.markers and self.group is not None:
+            self._store = default_store()
+
+    def _key(self, rank: int) -> str:
+        return f"{_PREFIX}/{self.tag}/{rank}"
+
+    def mark(self, phase: int, label: str) -> None:
+        """Record that this rank is about to enter collective ``phase`` of the step."""
+        self._position = (self.step, phase)
+        if self._store is None:
+            return
+        try:
+            self._store.set(self._key(self.rank), f"{self.step}|{phase}|{label}")
+        except RuntimeError:
+            self._store = None  # the store went away: keep running without markers
+
+    def behind(self) -> list[tuple[int, str]]:
+        """Ranks whose last marker is before this rank's, with what they last entered."""
+        if self._store is None:
+            return []
+        out: list[tuple[int, str]] = []
+        for r in range(self.world):
+            key = self._key(r)
+            try:
+                if not self._store.check([key]):
+                    out.append((r, "nothing yet"))
+                    continue
+                step, phase, label = self._store.get(key).decode().split("|", 2)
+            except (RuntimeError, ValueError):
+                continue
+            if (int(step), int(phase)) < self._position:
+                out.append((r, f"step {step}: {label}"))
+        return out
+
+    def wait(self, work: Any, what: str) -> None:
+        """Wait for ``work``; on timeout raise :class:`CollectiveTimeoutError`.
+
+        Raises:
+            CollectiveTimeoutError: naming the collective and, where the default store
+                is reachable, the ranks that have not reached it.
+        """
+        try:
+            work.wait(timeout=timedelta(seconds=self.timeout_s))
+        except RuntimeError as exc:
+            late = self.behind()
+            who = (
+                "ranks that have not reached it: "
+                + ", ".join(f"{r} (last: {label})" for r, label in late)
+                if late
+                else "a peer rank is stuck, crashed or did not call the same method"
+            )
+            raise CollectiveTimeoutError(
+                f"rank {self.rank}: {what} (step {self.step}) did not complete within "
+                f"{self.timeout_s:g}s; {who} ({exc})"
+            ) from exc
+
+
+def gather_ints(values: list[int], *, watchdog: Watchdog, phase: int, what: str) -> list[list[int]]:
+    """All-gather a short int64 vector (same length on every rank); rows in rank order."""
+    import torch
+
+    mine = torch.tensor(values, dtype=torch.int64)
+    out = torch.empty(watchdog.world * len(values), dtype=torch.int64)
+    watchdog.mark(phase, what)
+    work = dist.all_gather_single(out, mine, group=watchdog.group, async_op=True)
+    watchdog.wait(work, what)
+    rows: list[list[int]] = out.view(watchdog.world, len(values)).tolist()
+    return rows

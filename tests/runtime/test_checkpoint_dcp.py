@@ -1,0 +1,214 @@
+"""torch.distributed.checkpoint round trips: same mesh bit-exact, other meshes within fp32."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as tdist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+import canzona
+
+from _cases import full_of, set_grads
+from _dist import mesh
+
+TIMEOUT = 120
+OPTIMIZERS: dict[str, tuple[str, dict[str, Any]]] = {
+    "muon": ("Muon", {"lr": 0.02}),
+    "shampoo": (
+        "Shampoo",
+        {"lr": 0.01, "precondition_frequency": 2, "start_preconditioning_step": 2},
+    ),
+    "soap": ("SOAP", {"lr": 0.01, "precondition_frequency": 2}),
+}
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(12, 20, bias=False)
+        self.down = nn.Linear(20, 12, bias=True)
+        self.head = nn.Linear(12, 7, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.down(torch.relu(self.up(x)))))
+
+
+def _model(layout: str) -> nn.Module:
+    torch.manual_seed(0)
+    model = Net()
+    if layout == "fsdp_tp":  # (2, 2): up/down tensor parallel, head on the dp sub-mesh only
+        dm = mesh((2, 2), ("dp", "tp"))
+        parallelize_module(model, dm["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        fully_shard(model, mesh=dm["dp"])
+    elif layout == "fsdp":
+        fully_shard(model, mesh=mesh((tdist.get_world_size(),), ("dp",)))
+    return model
+
+
+def _grads(step: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 + step)
+    shapes = {"up.weight": (20, 12), "down.weight": (12, 20), "down.bias": (12,)}
+    shapes["head.weight"] = (7, 12)
+    return {n: torch.randn(s, generator=gen) for n, s in shapes.items()}
+
+
+def _optimizer(model: nn.Module, name: str) -> torch.optim.Optimizer:
+    cls, kw = OPTIMIZERS[name]
+    return getattr(canzona, cls)(canzona.param_groups(model), **kw)
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: range) -> None:
+    params = list(model.named_parameters())
+    for step in steps:
+        set_grads(params, _grads(step))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def _fulls(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: full_of(p) for n, p in model.named_parameters()}
+
+
+def _state_fulls(opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    out = {}
+    for pid, entry in opt.state_dict()["state"].items():
+        for key, value in entry.items():
+            out[f"{pid}.{key}"] = value.full_tensor() if isinstance(value, DTensor) else value
+    return out
+
+
+def _save(layout: str, name: str, steps: int, path: str) -> dict[str, torch.Tensor]:
+    model = _model(layout)
+    opt = _optimizer(model, name)
+    _train(model, opt, range(steps))
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    return _fulls(model)
+
+
+def _load_and_continue(layout: str, name: str, start: int, stop: int, path: str) -> dict[str, Any]:
+    model = _model(layout)
+    opt = _optimizer(model, name)
+    before = _fulls(model)
+    model_sd, optim_sd = get_state_dict(model, opt)  # builds the state with one lr=0 step
+    after_init = _fulls(model)
+    sd = {"model": model_sd, "optim": optim_sd}
+    dcp.load(sd, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    _train(model, opt, range(start, stop))
+    unchanged = all(torch.equal(before[n], after_init[n]) for n in before)
+    return {"params": _fulls(model), "state": _state_fulls(opt), "init_unchanged": unchanged}
+
+
+def _uninterrupted(layout: str, name: str, stop: int) -> dict[str, Any]:
+    model = _model(layout)
+    opt = _optimizer(model, name)
+    _train(model, opt, range(stop))
+    return {"params": _fulls(model), "state": _state_fulls(opt)}
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_same_mesh_resume_is_bit_exact(dist: Any, tmp_path: Path, name: str) -> None:
+    pool = dist(4)
+    path = str(tmp_path / "ckpt")
+    pool.run(_save, "fsdp_tp", name, 3, path, timeout=TIMEOUT)
+    resumed = pool.run(_load_and_continue, "fsdp_tp", name, 3, 6, path, timeout=TIMEOUT)[0]
+    straight = pool.run(_uninterrupted, "fsdp_tp", name, 6, timeout=TIMEOUT)[0]
+    assert resumed["init_unchanged"]
+    for key in ("params", "state"):
+        assert resumed[key].keys() == straight[key].keys()
+        for n, want in straight[key].items():
+            assert torch.equal(resumed[key][n], want), f"{name}: {key} {n} differs"
+
+
+def _close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> dict[str, float]:
+    return {
+        n: float((got[n] - w).abs().max() / w.abs().max().clamp_min(1e-12)) for n, w in want.items()
+    }
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_resume_on_other_meshes(dist: Any, tmp_path: Path, name: str) -> None:
+    """Save on (2, 2) FSDPxTP at world 4; resume on (2,) FSDP and on one process; and back."""
+    want = dist(1).run(_uninterrupted, "plain", name, 6, timeout=TIMEOUT)[0]["params"]
+    path4 = str(tmp_path / "from4")
+    dist(4).run(_save, "fsdp_tp", name, 3, path4, timeout=TIMEOUT)
+    on2 = dist(2).run(_load_and_continue, "fsdp", name, 3, 6, path4, timeout=TIMEOUT)[0]
+    on1 = dist(1).run(_load_and_continue, "plain", name, 3, 6, path4, timeout=TIMEOUT)[0]
+    path2 = str(tmp_path / "from2")
+    dist(2).run(_save, "fsdp", name, 3, path2, timeout=TIMEOUT)
+    on4 = dist(4).run(_load_and_continue, "fsdp_tp", name, 3, 6, path2, timeout=TIMEOUT)[0]
+    for label, got in (("4->2", on2), ("4->1", on1), ("2->4", on4)):
+        assert got["init_unchanged"]
+        worst = _close(got["params"], want)
+        assert max(worst.values()) < 1e-5, f"{name} {label}: {worst}"
+
+
+def _state_keys_identical(name: str) -> list[list[str]]:
+    model = _model("fsdp_tp")
+    opt = _optimizer(model, name)
+    _train(model, opt, range(2))
+    sd = opt.state_dict()
+    keys = sorted(f"{pid}.{k}" for pid, e in sd["state"].items() for k in e)
+    kinds = sorted(
+        f"{pid}.{k}:{'dtensor' if isinstance(v, DTensor) else 'tensor'}"
+        for pid, e in sd["state"].items()
+        for k, v in e.items()
+    )
+    return [keys, kinds]
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_state_keys_and_kinds_identical_on_every_rank(dist: Any, name: str) -> None:
+    out = dist(4).run(_state_keys_identical, name, timeout=TIMEOUT)
+    assert all(o == out[0] for o in out)
+    for entry in out[0][1]:
+        if not entry.endswith(".step:tensor"):
+            assert entry.endswith(":dtensor"), entry
+
+
+def _bad_load(kind: str) -> dict[str, Any]:
+    model = _model("fsdp")
+    opt = _optimizer(model, "shampoo")
+    _train(model, opt, range(2))
+    before = _state_fulls(opt)
+    sd = copy.copy(opt.state_dict())
+    sd["state"] = {k: dict(v) for k, v in sd["state"].items()}
+    rank = tdist.get_rank()
+    if kind == "missing_key" and rank == 1:
+        del sd["state"][0]["factor_left"]
+    elif kind == "extra_key":
+        sd["state"][0]["bogus"] = torch.zeros(1)
+    elif kind == "other_optimizer":
+        sd = torch.optim.AdamW(model.parameters()).state_dict()
+    try:
+        opt.load_state_dict(sd)
+        outcome = ("ok", "")
+    except Exception as exc:
+        outcome = (type(exc).__name__, str(exc))
+    after = _state_fulls(opt)
+    unchanged = before.keys() == after.keys() and all(
+        torch.equal(before[k], after[k]) for k in before
+    )
+    return {"outcome": outcome, "unchanged": unchanged}
+
+
+@pytest.mark.parametrize("kind", ["missing_key", "extra_key", "other_optimizer"])
+def test_bad_state_dict_raises_everywhere_and_changes_nothing(dist: Any, kind: str) -> None:
+    out = dist(4).run(_bad_load, kind, timeout=TIMEOUT)
+    for rank, o in enumerate(out):
+        assert o["unchanged"], (rank, o)
+        assert o["outcome"][0] == "ValueError", (rank, o)
+    if kind == "missing_key":  # only rank 1's dict is bad: it names the key, the others the rank
+        assert "'factor_left'" in out[1]["outcome"][1]
+        assert "failed on ranks [1]" in out[0]["outcome"][1]

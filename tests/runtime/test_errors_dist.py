@@ -1,0 +1,259 @@
+"""Bad input on a mesh: the same clear error on every rank, or a correct result; never a hang."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as tdist
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor.placement_types import Partial, Shard
+
+import canzona
+
+from _cases import SHAPES, full_of, full_tensors, grad_steps, set_grads, sharded_params
+from _dist import mesh
+
+TIMEOUT = 60  # per scenario; the errors below come within seconds
+
+
+def _outcome(fn: Any) -> tuple[str, str]:
+    try:
+        fn()
+    except Exception as exc:  # report the exception type and message to the test
+        return type(exc).__name__, str(exc)
+    return "ok", ""
+
+
+def _params(names: tuple[str, ...]) -> list[tuple[str, nn.Parameter]]:
+    shapes = {n: SHAPES[n] for n in names}
+    return sharded_params(full_tensors(shapes), mesh((4,)), {n: (Shard(0),) for n in names})
+
+
+def _order_mismatch() -> tuple[str, str]:
+    params = _params(("square", "tall", "wide"))
+    if tdist.get_rank() == 2:
+        params = [params[1], params[0], params[2]]
+    opt = canzona.Muon(params, lr=0.02)
+    for _, p in params:
+        p.grad = torch.ones_like(p)
+    return _outcome(opt.step)
+
+
+def test_parameter_order_mismatch_raises_everywhere(dist: Any) -> None:
+    out = dist(4).run(_order_mismatch, timeout=TIMEOUT)
+    assert {kind for kind, _ in out} == {"PlanMismatchError"}
+    for _, msg in out:
+        assert "[0, 1, 3]" in msg and "[2]" in msg and "parameter list" in msg
+
+
+def _set_mismatch() -> tuple[str, str]:
+    names = ("square", "tall") if tdist.get_rank() == 1 else ("square", "tall", "wide")
+    params = _params(("square", "tall", "wide"))
+    params = [(n, p) for n, p in params if n in names]
+    opt = canzona.Muon(params, lr=0.02)
+    for _, p in params:
+        p.grad = torch.ones_like(p)
+    return _outcome(opt.step)
+
+
+def test_parameter_set_mismatch_raises_everywhere(dist: Any) -> None:
+    out = dist(4).run(_set_mismatch, timeout=TIMEOUT)
+    assert {kind for kind, _ in out} == {"PlanMismatchError"}
+    assert all("number of parameters (3 vs 2)" in msg for _, msg in out)
+
+
+def _hyper_mismatch() -> tuple[str, str]:
+    params = _params(("square", "tall"))
+    opt = canzona.Muon(params, lr=0.02 if tdist.get_rank() else 0.03)
+    for _, p in params:
+        p.grad = torch.ones_like(p)
+    return _outcome(opt.step)
+
+
+def test_hyper_parameter_mismatch_raises_everywhere(dist: Any) -> None:
+    out = dist(4).run(_hyper_mismatch, timeout=TIMEOUT)
+    assert {kind for kind, _ in out} == {"PlanMismatchError"}
+    assert all("hyper-parameters" in msg for _, msg in out)
+
+
+def _partial_grads() -> tuple[str, str]:
+    params = _params(("square", "tall"))
+    opt = canzona.Muon(params, lr=0.02)
+    for name, p in params:
+        if not (name == "tall" and tdist.get_rank() in (1, 3)):
+            p.grad = torch.ones_like(p)
+    return _outcome(opt.step)
+
+
+def test_gradient_on_some_ranks_only(dist: Any) -> None:
+    out = dist(4).run(_partial_grads, timeout=TIMEOUT)
+    assert {kind for kind, _ in out} == {"GradientMismatchError"}
+    for _, msg in out:
+        assert "'tall' has a gradient on 2 of 4 ranks (missing on ranks [1, 3])" in msg
+
+
+def _no_grads_anywhere() -> dict[str, Any]:
+    params = _params(("square", "tall"))
+    before = {n: full_of(p) for n, p in params}
+    opt = canzona.Muon(params, lr=0.02)
+    kind, _ = _outcome(opt.step)  # step() before any backward
+    params[0][1].grad = torch.ones_like(params[0][1])
+    params[1][1].requires_grad_(False)  # frozen after construction
+    kind2, _ = _outcome(opt.step)
+    return {
+        "first": kind,
+        "second": kind2,
+        "tall_unchanged": bool(torch.equal(full_of(params[1][1]), before["tall"])),
+        "square_changed": not torch.equal(full_of(params[0][1]), before["square"]),
+        "tall_state": len(opt.state[params[1][1]]),
+    }
+
+
+def test_missing_grads_everywhere_are_skipped(dist: Any) -> None:
+    for out in dist(4).run(_no_grads_anywhere, timeout=TIMEOUT):
+        assert out == {
+            "first": "ok",
+            "second": "ok",
+            "tall_unchanged": True,
+            "square_changed": True,
+            "tall_state": 0,
+        }
+
+
+def _partial_placement() -> tuple[str, str]:
+    full = torch.randn(8, 8)
+    dt = DTensor.from_local(full, mesh((4,)), [Partial()], run_check=False)
+    return _outcome(lambda: canzona.Muon([("proj.weight", nn.Parameter(dt))], lr=0.02))
+
+
+def test_partial_placement_rejected_at_construction(dist: Any) -> None:
+    for kind, msg in dist(4).run(_partial_placement, timeout=TIMEOUT):
+        assert kind == "LayoutError"
+        assert "'proj.weight'" in msg and "Partial" in msg
+
+
+def _one_d_in_matrix_group() -> tuple[str, str]:
+    p = nn.Parameter(distribute_tensor(torch.randn(12), mesh((4,)), [Shard(0)]))
+    return _outcome(lambda: canzona.Shampoo([("norm.weight", p)]))
+
+
+def test_vector_in_matrix_group_rejected(dist: Any) -> None:
+    for kind, msg in dist(4).run(_one_d_in_matrix_group, timeout=TIMEOUT):
+        assert kind == "ValueError"
+        assert "'norm.weight'" in msg and 'algorithm="adamw"' in msg
+
+
+def _nonfinite(cls_name: str, skip: bool, at: int = 1) -> dict[str, Any]:
+    cls = getattr(canzona, cls_name)
+    shapes = {"square": SHAPES["square"], "odd": SHAPES["odd"]}
+    fulls = full_tensors(shapes)
+    grads = grad_steps(shapes, 3)
+    grads[at]["square"][3, 5] = float("nan")
+    grads[at]["odd"][0, 0] = float("inf")
+    cfg = canzona.PipelineConfig(skip_nonfinite=skip)
+    local = [(n, nn.Parameter(t.clone())) for n, t in fulls.items()]
+    dist_params = sharded_params(fulls, mesh((4,)), {n: (Shard(0),) for n in shapes})
+    outs, errors, skipped = [], [], []
+    for params in (local, dist_params):
+        opt = cls(params, lr=0.01, pipeline=cfg)
+        error = "ok"
+        for g in grads:
+            set_grads(params, g)
+            kind, _ = _outcome(opt.step)
+            error = kind if kind != "ok" else error
+        outs.append({n: full_of(p) for n, p in params})
+        errors.append(error)
+        skipped.append(opt.skipped_steps)
+    same = {
+        n: bool(torch.equal(outs[0][n].nan_to_num(7.0), outs[1][n].nan_to_num(7.0)))
+        and bool(torch.equal(outs[0][n].isnan(), outs[1][n].isnan()))
+        for n in shapes
+    }
+    return {
+        "same": same,
+        "errors": errors,
+        "skipped": skipped,
+        "nan": bool(outs[1]["square"].isnan().any()),
+    }
+
+
+def test_nonfinite_gradients_propagate_as_on_one_device(dist: Any) -> None:
+    """Muon: NaN/Inf flow into the parameters exactly as on one device, on every rank."""
+    for out in dist(4).run(_nonfinite, "Muon", False, timeout=TIMEOUT):
+        assert out == {
+            "same": {"square": True, "odd": True},
+            "errors": ["ok", "ok"],
+            "skipped": [0, 0],
+            "nan": True,
+        }
+
+
+def test_nonfinite_gradients_fail_the_eigendecomposition_on_every_rank(dist: Any) -> None:
+    """SOAP: eigh rejects NaN on the owner; every rank raises UpdateFailedError, none hangs."""
+    for out in dist(4).run(_nonfinite, "SOAP", False, 0, timeout=TIMEOUT):
+        assert out["errors"] == ["UpdateFailedError", "UpdateFailedError"]
+        assert out["same"] == {"square": True, "odd": True}
+
+
+def test_skip_nonfinite_skips_the_step_on_every_rank(dist: Any) -> None:
+    for name in ("Muon", "SOAP"):
+        for out in dist(4).run(_nonfinite, name, True, timeout=TIMEOUT):
+            assert out == {
+                "same": {"square": True, "odd": True},
+                "errors": ["ok", "ok"],
+                "skipped": [1, 1],
+                "nan": False,
+            }
+
+
+def _skip_step_on_rank1() -> tuple[str, str]:
+    group = tdist.new_group(backend="gloo", timeout=timedelta(seconds=20))
+    params = _params(("square", "tall"))
+    opt = canzona.Muon(
+        params, lr=0.02, pipeline=canzona.PipelineConfig(process_group=group, timeout_s=2.0)
+    )
+    for _, p in params:
+        p.grad = torch.ones_like(p)
+    if tdist.get_rank() == 1:
+        return "skipped", ""
+    return _outcome(opt.step)
+
+
+def test_watchdog_names_the_rank_that_never_arrived(dist: Any) -> None:
+    out = dist(4).run(_skip_step_on_rank1, timeout=TIMEOUT)
+    assert out[1] == ("skipped", "")
+    for rank in (0, 2, 3):
+        kind, msg = out[rank]
+        assert kind == "CollectiveTimeoutError", msg
+        assert "ranks that have not reached it: 1 (last: nothing yet)" in msg
+        assert "did not complete within 2s" in msg
+
+
+def _replan_after_add_param_group() -> dict[str, Any]:
+    shapes = {n: SHAPES[n] for n in ("square", "tall", "wide")}
+    fulls = full_tensors(shapes)
+    grads = grad_steps(shapes, 4)
+    kw = {"lr": 0.01, "precondition_frequency": 2, "start_preconditioning_step": 1}
+
+    def run(params: list[tuple[str, nn.Parameter]]) -> dict[str, torch.Tensor]:
+        opt = canzona.Shampoo(params[:2], **kw)
+        for step, g in enumerate(grads):
+            if step == 2:
+                opt.add_param_group({"params": params[2:]})
+            set_grads(params if step >= 2 else params[:2], g)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return {n: full_of(p) for n, p in params}
+
+    want = run([(n, nn.Parameter(t.clone())) for n, t in fulls.items()])
+    got = run(sharded_params(fulls, mesh((4,)), {n: (Shard(0),) for n in shapes}))
+    return {n: bool(torch.equal(got[n], want[n])) for n in shapes}
+
+
+def test_add_param_group_after_the_plan_replans_everywhere(dist: Any) -> None:
+    """Owner-held Shampoo state moves to the new owners; the result equals one device."""
+    for out in dist(4).run(_replan_after_add_param_group, timeout=TIMEOUT):
+        assert out == {"square": True, "tall": True, "wide": True}
