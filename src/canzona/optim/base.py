@@ -252,7 +252,9 @@ class MatrixOptimizer(OwnerStateMixin, Optimizer):
                     members, full[ks], groups[members[0].param], steps_of(members)
                 )
                 if out is None:
-                    out = torch.empty((len(items), *sub.shape[1:]), dtype=sub.dtype)
+                    out = torch.empty(
+                        (len(items), *sub.shape[1:]), dtype=sub.dtype, device=sub.device
+                    )
                 out[ks] = sub
             assert out is not None
             return out

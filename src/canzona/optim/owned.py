@@ -57,7 +57,7 @@ class OwnerStateOptimizer(MatrixOptimizer):
         for k, item in enumerate(items):
             state = self._owner_state.get(item.key)
             if state is None:
-                state = init((item.m, item.n), hp, dtype=out.dtype)
+                state = init((item.m, item.n), hp, dtype=out.dtype, device=full.device)
                 self._owner_state[item.key] = state
             out[k] = direction(full[k].to(out.dtype), state, steps[k], hp)
         return out

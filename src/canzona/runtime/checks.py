@@ -120,8 +120,8 @@ def check_gradients(
         GradientMismatchError: on every rank, naming parameters whose gradient exists on
             some ranks only, and the ranks that miss it.
     """
-    mine = torch.tensor([1 if g else 0 for g in has_grad], dtype=torch.int32)
-    counts = torch.cat([mine, torch.tensor([int(nonfinite)], dtype=torch.int32)])
+    flags = [1 if g else 0 for g in has_grad]
+    counts = torch.tensor([*flags, int(nonfinite)], dtype=torch.int32, device=watchdog.device)
     world = watchdog.world
     watchdog.mark(2, "the gradient-presence check")
     work = dist.all_reduce(counts, group=watchdog.group, async_op=True)
@@ -129,9 +129,7 @@ def check_gradients(
     *totals, flagged = counts.tolist()
     partial = [i for i, c in enumerate(totals) if 0 < c < world]
     if partial:
-        table = gather_ints(
-            mine.tolist(), watchdog=watchdog, phase=3, what="the gradient-presence report"
-        )
+        table = gather_ints(flags, watchdog=watchdog, phase=3, what="the gradient-presence report")
         lines = [
             f"{names[i]!r} has a gradient on {totals[i]} of {world} ranks (missing on ranks "
             f"{[r for r in range(world) if not table[r][i]]})"

@@ -30,6 +30,14 @@ def fingerprint(value: object) -> str:
     return hashlib.sha256(repr(value).encode()).hexdigest()
 
 
+def tensor_device(tensors: Sequence[torch.Tensor]) -> torch.device:
+    """Where the parameters live (the device of communication buffers and checks)."""
+    for t in tensors:
+        if isinstance(t, DTensor):
+            return t._local_tensor.device
+    return tensors[0].device if tensors else torch.device("cpu")
+
+
 def needs_communication(tensors: Sequence[torch.Tensor]) -> bool:
     """True when some parameter is a DTensor on a mesh of more than one rank."""
     if not (dist.is_available() and dist.is_initialized()):
@@ -71,6 +79,7 @@ class MatrixRuntime:
         self._layouts: list[ParamLayout] = []
         self.previous: Snapshot | None = None
         self.watchdog = Watchdog(None, 0, 1, pipeline_config.timeout_s)
+        self.device = torch.device("cpu")
         # ranks build their optimizers in the same order: the n-th one shares a namespace
         MatrixRuntime._instances += 1
         self._instance = MatrixRuntime._instances
@@ -91,6 +100,7 @@ class MatrixRuntime:
             self.world = dist.get_world_size(self.group)
         else:
             self.group, self.rank, self.world = None, 0, 1
+        self.device = tensor_device(tensors)
         self.watchdog = Watchdog(
             self.group,
             self.rank,
@@ -98,6 +108,7 @@ class MatrixRuntime:
             self.config.timeout_s,
             markers=self.config.progress_markers,
             step=self.watchdog.step,
+            device=self.device,
         )
 
     def layouts(self, names: Sequence[str], tensors: Sequence[torch.Tensor]) -> list[ParamLayout]:
@@ -216,6 +227,7 @@ class MatrixRuntime:
             config=self.config,
             replicated=bool(self.plan and self.plan.assignment.replicated),
             watchdog=self.watchdog,
+            device=self.device,
         )
         self.digest = self.plan.digest() if self.plan else structure
         self._structure = structure

@@ -111,6 +111,7 @@ class _Step:
     error: BaseException | None = None
     error_where: str = ""
     remote: list[tuple[int, list[int]]] = field(default_factory=list)
+    device: torch.device | None = None
 
     def local_view(self, route: Route) -> torch.Tensor:
         data = self.payloads[route.item.param]
@@ -133,7 +134,7 @@ class _Step:
         for (m, n, dtype), members in batches.items():
             if self.error is None:
                 try:
-                    full = torch.empty((len(members), m, n), dtype=dtype)
+                    full = torch.empty((len(members), m, n), dtype=dtype, device=self.device)
                     fill(members, full)
                     start = time.perf_counter()
                     out = self.compute([r.item for r in members], full)
@@ -144,7 +145,8 @@ class _Step:
                 except Exception as exc:  # every rank must still enter the collectives
                     self.error, self.error_where = exc, where
             dt = common_dtype([self.direction_dtype(r.item.param) for r in members])
-            results.append((members, torch.zeros((len(members), m, n), dtype=dt)))
+            zeros = torch.zeros((len(members), m, n), dtype=dt, device=self.device)
+            results.append((members, zeros))
         return results
 
 
@@ -161,6 +163,7 @@ class Pipeline:
         config: Pipeline configuration.
         replicated: The plan's strategy is ``replicated`` (no scatter phase).
         watchdog: Deadline and progress markers of the collectives.
+        device: Device of the communication buffers (the parameters' device).
     """
 
     def __init__(
@@ -175,6 +178,7 @@ class Pipeline:
         config: PipelineConfig,
         replicated: bool = False,
         watchdog: Watchdog | None = None,
+        device: torch.device | None = None,
     ) -> None:
         self.routes = routes
         self.groups = [list(g) for g in groups]
@@ -185,6 +189,7 @@ class Pipeline:
         self.config = config
         self.replicated = replicated
         self.watchdog = watchdog or Watchdog(group, rank, world, config.timeout_s)
+        self.device = device or torch.device("cpu")
 
     def _exchange(
         self,
@@ -203,10 +208,10 @@ class Pipeline:
         chunks: list[torch.Tensor] = []
         for r in range(self.world):
             if status is not None:
-                chunks.append(torch.full((1,), status, dtype=dtype))
+                chunks.append(torch.full((1,), status, dtype=dtype, device=self.device))
             chunks += [t.reshape(-1).to(dtype) for t in sends.get(r, ())]
-        inp = torch.cat(chunks) if chunks else torch.empty(0, dtype=dtype)
-        out = torch.empty(sum(out_splits), dtype=dtype)
+        inp = torch.cat(chunks) if chunks else torch.empty(0, dtype=dtype, device=self.device)
+        out = torch.empty(sum(out_splits), dtype=dtype, device=self.device)
         phase = 10 + 2 * group_index + (1 if what == "scatter" else 0)
         self.watchdog.mark(phase, f"the {what} of micro-group {group_index}")
         work = dist.all_to_all_single(
@@ -246,11 +251,14 @@ class Pipeline:
                 failure happened, and every later one, is not applied on any rank.
         """
         step = _Step(active, payloads, payload_dtype, direction_dtype, compute, apply, StepStats())
+        step.device = self.device
         step.stats.rank = self.rank
         t0 = time.perf_counter()
         for p in active:
             if p in local_shapes:
-                step.dirs[p] = torch.empty(local_shapes[p], dtype=direction_dtype(p))
+                step.dirs[p] = torch.empty(
+                    local_shapes[p], dtype=direction_dtype(p), device=self.device
+                )
                 step.pending[p] = 0
         for route in self.routes.values():
             if route.item.param in active and route.frag is not None:

@@ -119,8 +119,9 @@ def _all_to_all(
     in_splits = [sum(t.numel() for t in sends.get(r, ())) for r in range(world)]
     out_splits = [sum(recv_sizes.get(r, ())) for r in range(world)]
     chunks = [t.reshape(-1).to(dtype) for r in range(world) for t in sends.get(r, ())]
-    inp = torch.cat(chunks) if chunks else torch.empty(0, dtype=dtype)
-    out = torch.empty(sum(out_splits), dtype=dtype)
+    device = snap.watchdog.device
+    inp = torch.cat(chunks) if chunks else torch.empty(0, dtype=dtype, device=device)
+    out = torch.empty(sum(out_splits), dtype=dtype, device=device)
     work = dist.all_to_all_single(out, inp, out_splits, in_splits, group=snap.group, async_op=True)
     snap.watchdog.wait(work, "the optimizer-state exchange")
     result: dict[int, list[torch.Tensor]] = {}
@@ -161,7 +162,9 @@ def export_state(
         items = _my_items(snap, entry.param)
         coord = _coord(layout, items[0], snap.rank) if items else ()
         locals_[(entry.param, entry.key)] = torch.zeros(
-            _fragment(layout, entry, coord, dedup).shape, dtype=entry.dtype
+            _fragment(layout, entry, coord, dedup).shape,
+            dtype=entry.dtype,
+            device=snap.watchdog.device,
         )
     sends: dict[int, list[torch.Tensor]] = {}
     recv: dict[int, list[int]] = {}
@@ -276,7 +279,7 @@ def import_state(
         for data, (item, entry, piece) in zip(received.get(src, []), targets, strict=True):
             full = assembled.get((item.name, entry.key))
             if full is None:
-                full = torch.zeros(entry.shape, dtype=entry.dtype)
+                full = torch.zeros(entry.shape, dtype=entry.dtype, device=data.device)
                 assembled[(item.name, entry.key)] = full
             piece.write_(full, data.view(piece.shape))
     by_name = {it.name: it for it in snap.items}

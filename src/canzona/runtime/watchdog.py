@@ -36,6 +36,8 @@ class Watchdog:
         timeout_s: Deadline of every wait.
         tag: Namespace shared by the ranks of one optimizer (its plan digest).
         markers: Write progress markers (one small store write per collective).
+        step: Steps begun so far (markers and messages name it).
+        device: Device of the small check tensors (the parameters' device; None: CPU).
     """
 
     group: dist.ProcessGroup | None
@@ -45,6 +47,7 @@ class Watchdog:
     tag: str = ""
     markers: bool = True
     step: int = 0
+    device: Any = None
     _store: Any = field(default=None, repr=False)
     _position: tuple[int, int] = (0, 0)
 
@@ -110,8 +113,8 @@ def gather_ints(values: list[int], *, watchdog: Watchdog, phase: int, what: str)
     """All-gather a short int64 vector (same length on every rank); rows in rank order."""
     import torch
 
-    mine = torch.tensor(values, dtype=torch.int64)
-    out = torch.empty(watchdog.world * len(values), dtype=torch.int64)
+    mine = torch.tensor(values, dtype=torch.int64, device=watchdog.device)
+    out = torch.empty(watchdog.world * len(values), dtype=torch.int64, device=watchdog.device)
     watchdog.mark(phase, what)
     work = dist.all_gather_single(out, mine, group=watchdog.group, async_op=True)
     watchdog.wait(work, what)

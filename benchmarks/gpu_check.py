@@ -1,0 +1,135 @@
+"""GPU check: batched Newton–Schulz throughput vs the matmul peak, and single-GPU step latency.
+
+Runs on one CUDA device (``benchmarks/gpu_check.sh`` wraps it, ≤ 5 minutes). Measures:
+
+* the bf16 matmul peak of the device (large square ``mm``),
+* batched Newton–Schulz (``canzona.updates.newton_schulz``) on stacks of Qwen3-8B and
+  Qwen3-32B shapes: matrices/s and achieved TFLOP/s against that peak,
+* one optimizer step of ``canzona.Muon`` vs ``torch.optim.Muon`` on the matrices of a
+  Qwen3-1.7B-sized layer stack (single GPU, same gradients, same bf16 Newton–Schulz).
+
+Writes ``benchmarks/results/gpu_check.json`` (or ``--out``) and the ``gpu_check`` section of
+``docs/benchmarks.md`` (unless ``--no-doc``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import canzona
+from canzona.updates import newton_schulz, newton_schulz_flops
+
+from _report import markdown_table, update_section, write_json
+
+SHAPES = {
+    "qwen3-8b q/o (4096x4096)": (4096, 4096),
+    "qwen3-8b k/v (1024x4096)": (1024, 4096),
+    "qwen3-8b up (12288x4096)": (12288, 4096),
+    "qwen3-32b q (8192x5120)": (8192, 5120),
+    "qwen3-32b up (25600x5120)": (25600, 5120),
+}
+
+
+def _time(fn: Any, repeat: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def matmul_peak(size: int = 8192) -> float:
+    a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    seconds = _time(lambda: a @ b, 10)
+    return 2 * size**3 / seconds
+
+
+def ns_throughput(peak: float, batch: int) -> list[dict[str, Any]]:
+    rows = []
+    for label, (m, n) in SHAPES.items():
+        x = torch.randn(batch, m, n, device="cuda")
+        seconds = _time(lambda x=x: newton_schulz(x, dtype=torch.bfloat16, batched=True), 5)
+        flops = batch * newton_schulz_flops(m, n)
+        rows.append(
+            {
+                "shape": label,
+                "batch": batch,
+                "matrices_per_s": batch / seconds,
+                "tflops": flops / seconds / 1e12,
+                "fraction_of_peak": flops / seconds / peak,
+            }
+        )
+    return rows
+
+
+def step_latency(layers: int) -> dict[str, Any]:
+    shapes = [(2048, 2048), (1024, 2048), (1024, 2048), (2048, 2048)]
+    shapes += [(6144, 2048), (6144, 2048), (2048, 6144)]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    fulls = [torch.randn(s, device="cuda", generator=gen) for _ in range(layers) for s in shapes]
+    grads = [torch.randn_like(t) for t in fulls]
+    out: dict[str, Any] = {"matrices": len(fulls)}
+    for name, make in (
+        ("torch.optim.Muon", lambda ps: torch.optim.Muon(ps, lr=0.02)),
+        ("canzona.Muon", lambda ps: canzona.Muon(ps, lr=0.02)),
+    ):
+        params = [torch.nn.Parameter(t.clone()) for t in fulls]
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g.clone()
+        opt = make(params)
+        out[name] = _time(opt.step, 5)
+    out["ratio"] = out["canzona.Muon"] / out["torch.optim.Muon"]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=8, help="matrices per Newton–Schulz stack")
+    parser.add_argument("--layers", type=int, default=8, help="layers of the step-latency model")
+    parser.add_argument("--out", type=Path, default=None, help="directory of the JSON result")
+    parser.add_argument("--no-doc", action="store_true", help="do not rewrite docs/benchmarks.md")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("gpu_check: no CUDA device; nothing measured", file=sys.stderr)
+        return 2
+    name = torch.cuda.get_device_name(0)
+    peak = matmul_peak()
+    ns = ns_throughput(peak, args.batch)
+    step = step_latency(args.layers)
+    write_json(
+        "gpu_check",
+        {"gpu": name, "bf16_peak_tflops": peak / 1e12, "ns": ns, "step": step},
+        out_dir=args.out,
+    )
+    rows = [
+        [r["shape"], r["batch"], r["matrices_per_s"], r["tflops"], r["fraction_of_peak"]]
+        for r in ns
+    ]
+    md = (
+        f"## GPU check ({name})\n\n`bash benchmarks/gpu_check.sh`; bf16 matmul peak measured "
+        f"{peak / 1e12:.0f} TFLOP/s.\n\n"
+        + markdown_table(["shape", "batch", "matrices/s", "TFLOP/s", "of peak"], rows)
+        + f"\n\nOne step on {step['matrices']} matrices of Qwen3-1.7B shapes: canzona.Muon "
+        f"{step['canzona.Muon'] * 1e3:.1f} ms vs torch.optim.Muon "
+        f"{step['torch.optim.Muon'] * 1e3:.1f} ms (ratio {step['ratio']:.2f}).\n"
+    )
+    if not args.no_doc:
+        update_section("gpu_check", md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
