@@ -93,6 +93,15 @@ class MatrixOptimizer(OwnerStateMixin, Optimizer):
             raise ValueError(
                 f"param group algorithm must be {self.algorithm!r} or {ADAMW!r}, got {algorithm!r}"
             )
+        try:
+            self._check_common(
+                group["lr"], group["weight_decay"], group["adamw_betas"], group["adamw_eps"]
+            )
+            if algorithm != ADAMW:
+                self._validate_group(group)
+        except (ValueError, TypeError, KeyError) as exc:
+            self.param_groups.pop()
+            raise ValueError(f"param group {len(self.param_groups)}: {exc}") from exc
         names = group.get("param_names")
         offset = sum(len(g["params"]) for g in self.param_groups[:-1])
         labels = [names[i] if names else f"param{offset + i}" for i in range(len(group["params"]))]
@@ -144,6 +153,9 @@ class MatrixOptimizer(OwnerStateMixin, Optimizer):
         return fingerprint(tuple(rows))
 
     # ------------------------------------------------------------------ phases
+    def _validate_group(self, group: dict[str, Any]) -> None:
+        """Raise ``ValueError`` for invalid hyper-parameters of a matrix group."""
+
     def _init_storage_state(self, p: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
         """Create the element-wise state of a matrix parameter (storage layout)."""
 
@@ -245,18 +257,23 @@ class MatrixOptimizer(OwnerStateMixin, Optimizer):
                 by_group.setdefault(id(groups[it.param]), []).append(k)
             if len(by_group) == 1:
                 return self._directions(items, full, groups[items[0].param], steps_of(items))
-            out: Tensor | None = None
+            subs = []
             for ks in by_group.values():
                 members = [items[k] for k in ks]
-                sub = self._directions(
-                    members, full[ks], groups[members[0].param], steps_of(members)
-                )
-                if out is None:
-                    out = torch.empty(
-                        (len(items), *sub.shape[1:]), dtype=sub.dtype, device=sub.device
+                subs.append(
+                    (
+                        ks,
+                        self._directions(
+                            members, full[ks], groups[members[0].param], steps_of(members)
+                        ),
                     )
-                out[ks] = sub
-            assert out is not None
+                )
+            dtype = subs[0][1].dtype
+            for _, sub in subs[1:]:
+                dtype = torch.promote_types(dtype, sub.dtype)
+            out = torch.empty((len(items), *subs[0][1].shape[1:]), dtype=dtype, device=full.device)
+            for ks, sub in subs:
+                out[ks] = sub.to(dtype)
             return out
 
         def apply(i: int, direction: Tensor) -> None:

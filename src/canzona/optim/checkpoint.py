@@ -92,6 +92,8 @@ class OwnerStateMixin:
         if group.get("algorithm") == ADAMW:
             return {"step": (), "exp_avg": tuple(p.shape), "exp_avg_sq": tuple(p.shape)}
         keys: dict[str, tuple[int, ...]] = {"step": ()}
+        if p.numel() == 0:  # nothing to update: only the step counter
+            return keys
         for key in self.storage_keys:
             keys[key] = tuple(p.shape)
         lead = (p.shape[0],) if p.ndim == 3 else ()

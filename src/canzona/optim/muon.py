@@ -78,16 +78,6 @@ class Muon(MatrixOptimizer):
         pipeline: PipelineConfig | None = None,
     ) -> None:
         self._check_common(lr, weight_decay, adamw_betas, adamw_eps)
-        if not momentum >= 0.0:
-            raise ValueError(f"momentum should be >= 0 but is: {momentum}")
-        if adjust_lr_fn not in _ADJUST:
-            raise ValueError(f"Adjust learning rate function {adjust_lr_fn} is not supported")
-        if len(tuple(ns_coefficients)) != 3:
-            raise ValueError(f"ns_coefficients must hold 3 values, got {ns_coefficients!r}")
-        if not 0 <= ns_steps < 100:
-            raise ValueError(f"ns_steps must be in [0, 100), got {ns_steps!r}")
-        if not isinstance(ns_dtype, torch.dtype) or not ns_dtype.is_floating_point:
-            raise ValueError(f"ns_dtype must be a floating torch.dtype, got {ns_dtype!r}")
         defaults = {
             "lr": lr,
             "weight_decay": weight_decay,
@@ -101,7 +91,27 @@ class Muon(MatrixOptimizer):
             "adamw_betas": tuple(adamw_betas),
             "adamw_eps": adamw_eps,
         }
+        self._validate_group(defaults)
         super().__init__(params, defaults, plan=plan, pipeline=pipeline)
+
+    def _validate_group(self, group: dict[str, Any]) -> None:
+        momentum, steps, dtype = group["momentum"], group["ns_steps"], group["ns_dtype"]
+        if not momentum >= 0.0:
+            raise ValueError(f"momentum should be >= 0 but is: {momentum}")
+        if group["adjust_lr_fn"] not in _ADJUST:
+            raise ValueError(
+                f"Adjust learning rate function {group['adjust_lr_fn']} is not supported"
+            )
+        if len(tuple(group["ns_coefficients"])) != 3:
+            raise ValueError(
+                f"ns_coefficients must hold 3 values, got {group['ns_coefficients']!r}"
+            )
+        if not isinstance(steps, int) or not 0 <= steps < 100:
+            raise ValueError(f"ns_steps must be an int in [0, 100), got {steps!r}")
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(f"ns_dtype must be a floating torch.dtype, got {dtype!r}")
+        if not group["eps"] > 0:
+            raise ValueError(f"eps must be > 0, got {group['eps']!r}")
 
     def _init_storage_state(self, p: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
         state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
@@ -135,6 +145,10 @@ class Muon(MatrixOptimizer):
         self, p: Tensor, direction: Tensor, state: dict[str, Any], group: dict[str, Any]
     ) -> None:
         lr = scalar(group["lr"])
+        if p.dtype == direction.dtype and p.shape[-2] > p.shape[-1]:
+            # torch adds the transposed (column-major) Newton–Schulz output of a tall
+            # matrix, and a same-dtype low-precision add_ rounds by memory layout
+            direction = direction.mT.contiguous().mT
         muon_apply_(
             local_tensor(p),
             direction,

@@ -30,6 +30,9 @@ class OwnerStateOptimizer(MatrixOptimizer):
         """The algorithm's hyper-parameter object for a param group."""
         raise NotImplementedError
 
+    def _validate_group(self, group: dict[str, Any]) -> None:
+        self.hparams(group)
+
     def _prepare(
         self, p: Tensor, grad: Tensor, state: dict[str, Any], group: dict[str, Any]
     ) -> Tensor:

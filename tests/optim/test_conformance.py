@@ -1,0 +1,468 @@
+"""The torch.optim contract that Muon, Shampoo and SOAP all honour, on one device."""
+
+from __future__ import annotations
+
+import copy
+import io
+from typing import Any
+
+import pytest
+import torch
+from _optim_cases import (
+    NAMES,
+    OPTIMIZERS,
+    SHAPES,
+    assert_params_equal,
+    assert_state_dicts_equal,
+    gradients,
+    initial,
+    make,
+    parameters,
+    set_grads,
+    snapshot,
+    split_groups,
+    train,
+)
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.optim.lr_scheduler import LambdaLR, StepLR
+
+pytestmark = pytest.mark.parametrize("name", NAMES)
+
+
+def _transport(sd: dict[str, Any], how: str) -> dict[str, Any]:
+    if how == "deepcopy":
+        return copy.deepcopy(sd)
+    buffer = io.BytesIO()
+    torch.save(sd, buffer)
+    buffer.seek(0)
+    return torch.load(buffer)  # weights_only: dtypes and tuples in the groups must load
+
+
+# ------------------------------------------------------------------ state_dict
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
+def test_state_dict_round_trip_is_bitwise(name: str, how: str) -> None:
+    """Save after 3 steps, load into a fresh optimizer, continue 3 steps: nothing differs."""
+    grads = gradients(steps=6)
+    params, opt = make(name)
+    train(params, opt, grads[:3])
+    saved = _transport(opt.state_dict(), how)
+    at_save = snapshot(params)
+    train(params, opt, grads[3:])
+
+    params2, opt2 = make(name, at_save)
+    opt2.load_state_dict(saved)
+    assert_state_dicts_equal(opt2.state_dict(), saved)  # load -> state_dict is the identity
+    train(params2, opt2, grads[3:])
+    assert_params_equal(params2, params)
+    assert_state_dicts_equal(opt2.state_dict(), opt.state_dict())
+
+
+def test_state_dict_round_trip_before_the_first_step(name: str) -> None:
+    grads = gradients(steps=3)
+    params, opt = make(name)
+    saved = _transport(opt.state_dict(), "deepcopy")
+    assert saved["state"] == {}
+    params2, opt2 = make(name)
+    opt2.load_state_dict(saved)
+    train(params, opt, grads)
+    train(params2, opt2, grads)
+    assert_params_equal(params2, params)
+    assert_state_dicts_equal(opt2.state_dict(), opt.state_dict())
+
+
+def test_state_dict_keeps_named_parameters(name: str) -> None:
+    grads = gradients(steps=4)
+    params, opt = make(name, named=True)
+    train(params, opt, grads[:2])
+    saved = _transport(opt.state_dict(), "torch.save")
+    assert saved["param_groups"][0]["param_names"] == ["square", "tall", "wide", "stack"]
+    assert saved["param_groups"][1]["param_names"] == ["bias", "gain"]
+    params2, opt2 = make(name, snapshot(params), named=True)
+    opt2.load_state_dict(saved)
+    train(params, opt, grads[2:])
+    train(params2, opt2, grads[2:])
+    assert_params_equal(params2, params)
+
+
+def test_dcp_state_dict_api(name: str) -> None:
+    """``torch.distributed.checkpoint.state_dict`` without a process group: FQN keys, round trip.
+
+    ``get_optimizer_state_dict`` on a fresh optimizer initialises the state with one step of
+    zero gradients at ``lr=0``; that step must leave the parameters alone.
+    """
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    cls, kwargs = OPTIMIZERS[name]
+    opt = cls(split_groups(dict(model.named_parameters())), **kwargs)
+    fresh = get_optimizer_state_dict(model, opt)
+    assert set(fresh["state"]) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+    x, y = torch.randn(16, 6), torch.randn(16, 3)
+
+    def run(m: nn.Module, o: torch.optim.Optimizer, steps: int) -> None:
+        for _ in range(steps):
+            o.zero_grad()
+            nn.functional.mse_loss(m(x), y).backward()
+            o.step()
+
+    run(model, opt, 3)
+    saved = copy.deepcopy(get_optimizer_state_dict(model, opt))
+    model2 = copy.deepcopy(model)
+    opt2 = cls(split_groups(dict(model2.named_parameters())), **kwargs)
+    set_optimizer_state_dict(model2, opt2, saved)
+    run(model, opt, 3)
+    run(model2, opt2, 3)
+    for (n, p), (_, q) in zip(model.named_parameters(), model2.named_parameters(), strict=True):
+        assert torch.equal(p, q), n
+
+
+# ------------------------------------------------------------------ param groups
+GROUP_HPARAMS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "muon": (
+        {"lr": 0.03, "ns_steps": 3, "momentum": 0.8},
+        {"lr": 0.01, "nesterov": False, "adjust_lr_fn": "match_rms_adamw", "weight_decay": 0.0},
+    ),
+    "shampoo": (
+        {"lr": 0.02, "betas": (0.5, 0.99), "precondition_frequency": 3},
+        {"lr": 0.005, "grafting": "none", "epsilon": 1e-8, "start_preconditioning_step": 3},
+    ),
+    "soap": (
+        {"lr": 0.02, "betas": (0.9, 0.99), "precondition_frequency": 3},
+        {"lr": 0.005, "shampoo_beta": 0.5, "normalize_grads": True, "eps": 1e-6},
+    ),
+}
+
+
+def test_param_groups_behave_like_separate_optimizers(name: str) -> None:
+    """Two matrix groups with different hyper-parameters (and same-shape matrices in both)."""
+    cls, kwargs = OPTIMIZERS[name]
+    first, second = GROUP_HPARAMS[name]
+    shapes = {"a": (8, 8), "s": (2, 8, 8), "b": (8, 8), "t": (10, 4), "bias": (5,)}
+    values, grads = initial(shapes), gradients(shapes, steps=6)
+    split = [["a", "s"], ["b", "t"], ["bias"]]
+
+    joint = parameters(values)
+    opt = cls(
+        [
+            {"params": [joint[n] for n in split[0]], **first},
+            {"params": [joint[n] for n in split[1]], **second},
+            {"params": [joint["bias"]], "algorithm": "adamw", "lr": 0.003},
+        ],
+        **kwargs,
+    )
+    alone = parameters(values)
+    separate = [
+        cls([alone[n] for n in split[0]], **{**kwargs, **first}),
+        cls([alone[n] for n in split[1]], **{**kwargs, **second}),
+        cls([{"params": [alone["bias"]], "algorithm": "adamw"}], **{**kwargs, "lr": 0.003}),
+    ]
+    for g in grads:
+        set_grads(joint, g)
+        set_grads(alone, g)
+        opt.step()
+        for o in separate:
+            o.step()
+    assert_params_equal(joint, alone)
+
+
+# ------------------------------------------------------------------ step
+def test_step_with_closure(name: str) -> None:
+    params, opt = make(name)
+    reference, ref_opt = make(name)
+    grads = gradients(steps=2)
+    calls = []
+
+    def closure() -> torch.Tensor:
+        calls.append(torch.is_grad_enabled())
+        opt.zero_grad()
+        loss = sum((p * grads[0][n]).sum() for n, p in params.items())
+        assert isinstance(loss, torch.Tensor)
+        loss.backward()
+        return loss
+
+    loss = opt.step(closure)
+    assert calls == [True]
+    assert isinstance(loss, torch.Tensor)
+    assert loss.item() == pytest.approx(
+        sum((v * grads[0][n]).sum().item() for n, v in initial().items()), rel=1e-6
+    )
+    train(reference, ref_opt, grads[:1])  # the closure's gradients are grads[0]
+    assert_params_equal(params, reference)
+    assert opt.step() is None
+
+
+def test_lr_scheduler_scales_the_update(name: str) -> None:
+    """The direction does not depend on the learning rate: with weight decay 0 the update of a
+    scheduled run is the scheduled factor times the update of a constant-lr run, lr=0 leaves the
+    parameters bitwise unchanged, and ``group["lr"]`` follows the schedule in every group."""
+    factors = [1.0, 0.5, 0.0, 2.0, 0.25, 0.0]
+    grads = gradients(steps=len(factors))
+    constant, opt = make(name, weight_decay=0.0)
+    scheduled, sched_opt = make(name, weight_decay=0.0)
+    base = OPTIMIZERS[name][1]["lr"]
+    scheduler = LambdaLR(sched_opt, lambda t: factors[min(t, len(factors) - 1)])
+    for t, g in enumerate(grads):
+        assert all(grp["lr"] == pytest.approx(base * factors[t]) for grp in sched_opt.param_groups)
+        before_c, before_s = snapshot(constant), snapshot(scheduled)
+        set_grads(constant, g)
+        set_grads(scheduled, g)
+        opt.step()
+        sched_opt.step()
+        scheduler.step()
+        for n in constant:
+            delta_c = constant[n].detach() - before_c[n]
+            delta_s = scheduled[n].detach() - before_s[n]
+            if factors[t] == 0.0:
+                assert torch.equal(scheduled[n].detach(), before_s[n]), (t, n)
+            else:
+                # each delta is a difference of O(1) fp32 values: up to an ulp (~5e-7) of noise
+                torch.testing.assert_close(delta_s, factors[t] * delta_c, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("tensor_lr", [False, True])
+def test_step_lr_equals_setting_the_lr_by_hand(name: str, tensor_lr: bool) -> None:
+    """StepLR (also on a tensor lr, which schedulers fill in place) is read at every step."""
+    grads = gradients(steps=6)
+    base = OPTIMIZERS[name][1]["lr"]
+    lr0: float | torch.Tensor = torch.tensor(base, dtype=torch.float64) if tensor_lr else base
+    scheduled, sched_opt = make(name, lr=lr0)
+    by_hand, hand_opt = make(name)
+    scheduler = StepLR(sched_opt, step_size=2, gamma=0.5)
+    for t, g in enumerate(grads):
+        for group in hand_opt.param_groups:
+            group["lr"] = base * 0.5 ** (t // 2)
+        set_grads(scheduled, g)
+        set_grads(by_hand, g)
+        sched_opt.step()
+        hand_opt.step()
+        scheduler.step()
+    assert_params_equal(scheduled, by_hand)
+
+
+def test_tensor_lr_equals_float_lr(name: str) -> None:
+    grads = gradients(steps=4)
+    for lr in (2.0**-6, 0.01):
+        floats, opt = make(name, lr=lr)
+        tensors, topt = make(name, lr=torch.tensor(lr, dtype=torch.float64))
+        train(floats, opt, grads)
+        train(tensors, topt, grads)
+        assert_params_equal(tensors, floats)
+    dyadic, dopt = make(name, lr=torch.tensor(2.0**-6))  # float32, exactly representable
+    train(dyadic, dopt, grads)
+    floats, opt = make(name, lr=2.0**-6)
+    train(floats, opt, grads)
+    assert_params_equal(dyadic, floats)
+
+
+def test_parameters_without_gradient_are_skipped(name: str) -> None:
+    grads = gradients(steps=5)
+    values = initial()
+    params, opt = make(name)
+    assert opt.step() is None  # no gradient at all: nothing happens
+    assert not opt.state
+    assert_params_equal(params, values)
+    frozen = ("tall", "gain")
+    without = {n: v for n, v in values.items() if n not in frozen}
+    reference, ref_opt = make(name, without)
+    for g in grads[:3]:
+        set_grads(params, g)
+        for n in frozen:
+            params[n].grad = None
+        opt.step()
+        set_grads(reference, {n: g[n] for n in without})
+        ref_opt.step()
+    for n in frozen:
+        assert torch.equal(params[n].detach(), values[n])
+        assert not opt.state.get(params[n])
+    for n in without:
+        assert torch.equal(params[n].detach(), reference[n].detach()), n
+
+    # partial state survives a round trip, and the frozen parameters start later
+    saved = copy.deepcopy(opt.state_dict())
+    params2, opt2 = make(name, snapshot(params))
+    opt2.load_state_dict(saved)
+    train(params, opt, grads[3:])
+    train(params2, opt2, grads[3:])
+    assert_params_equal(params2, params)
+    assert int(opt.state[params["tall"]]["step"]) == 2
+    assert int(opt.state[params["square"]]["step"]) == 5
+
+
+@pytest.mark.parametrize("shape", [(3, 5, 7), (2, 16, 20), (2, 24, 16)])
+def test_stack_equals_separate_matrices(name: str, shape: tuple[int, int, int]) -> None:
+    """A 3-D parameter is a stack of independent matrices: bitwise what separate 2-D ones get."""
+    cls, kwargs = OPTIMIZERS[name]
+    gen = torch.Generator().manual_seed(3)
+    start = torch.randn(shape, generator=gen)
+    grads = [torch.randn(shape, generator=gen) for _ in range(5)]
+    stack = nn.Parameter(start.clone())
+    mats = [nn.Parameter(start[i].clone()) for i in range(shape[0])]
+    opt, opt_mats = cls([stack], **kwargs), cls(mats, **kwargs)
+    for g in grads:
+        stack.grad = g.clone()
+        for i, p in enumerate(mats):
+            p.grad = g[i].clone()
+        opt.step()
+        opt_mats.step()
+    for i, p in enumerate(mats):
+        assert torch.equal(stack[i].detach(), p.detach()), i
+
+
+def test_named_parameters_are_accepted(name: str) -> None:
+    cls, kwargs = OPTIMIZERS[name]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8, bias=False), nn.Tanh(), nn.Linear(8, 4, bias=False))
+    twin = copy.deepcopy(model)
+    opt = cls(model.named_parameters(), **kwargs)
+    plain = cls(twin.parameters(), **kwargs)
+    assert opt.param_groups[0]["param_names"] == ["0.weight", "2.weight"]
+    x = torch.randn(10, 6)
+    for _ in range(4):
+        for m, o in ((model, opt), (twin, plain)):
+            o.zero_grad()
+            m(x).square().mean().backward()
+            o.step()
+    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+    grads = gradients(steps=3)
+    named, nopt = make(name, named=True)
+    unnamed, uopt = make(name)
+    train(named, nopt, grads)
+    train(unnamed, uopt, grads)
+    assert_params_equal(named, unnamed)
+
+
+def test_zero_grad(name: str) -> None:
+    params, opt = make(name)
+    set_grads(params, gradients(steps=1)[0])
+    opt.zero_grad(set_to_none=False)
+    assert all(p.grad is not None and not p.grad.any() for p in params.values())
+    opt.zero_grad()
+    assert all(p.grad is None for p in params.values())
+
+
+# ------------------------------------------------------------------ add_param_group
+def test_add_param_group_before_the_first_step(name: str) -> None:
+    cls, kwargs = OPTIMIZERS[name]
+    grads = gradients(steps=4)
+    values = initial()
+    added = parameters(values)
+    opt = cls([added["square"], added["stack"]], **kwargs)
+    opt.add_param_group({"params": [added["tall"], added["wide"]], "lr": 0.004})
+    opt.add_param_group({"params": [added["bias"], added["gain"]], "algorithm": "adamw"})
+    built = parameters(values)
+    ref = cls(
+        [
+            {"params": [built["square"], built["stack"]]},
+            {"params": [built["tall"], built["wide"]], "lr": 0.004},
+            {"params": [built["bias"], built["gain"]], "algorithm": "adamw"},
+        ],
+        **kwargs,
+    )
+    train(added, opt, grads)
+    train(built, ref, grads)
+    assert_params_equal(added, built)
+
+
+def test_add_param_group_after_the_first_step(name: str) -> None:
+    """The optimizer re-plans: old state is kept, the new groups start from scratch."""
+    cls, kwargs = OPTIMIZERS[name]
+    grads = gradients(steps=6)
+    values = initial()
+    first, later = ["square", "stack"], ["tall", "wide", "bias", "gain"]
+    params = parameters(values)
+    opt = cls([params[n] for n in first], **kwargs)
+    old = parameters(values)
+    old_opt = cls([old[n] for n in first], **kwargs)
+    new = parameters(values)
+    new_opt = cls(
+        [
+            {"params": [new["tall"], new["wide"]], "lr": 0.004},
+            {"params": [new["bias"], new["gain"]], "algorithm": "adamw"},
+        ],
+        **kwargs,
+    )
+    for t, g in enumerate(grads):
+        if t == 3:
+            before = copy.deepcopy(opt.state_dict())
+            opt.add_param_group({"params": [params["tall"], params["wide"]], "lr": 0.004})
+            opt.add_param_group({"params": [params["bias"], params["gain"]], "algorithm": "adamw"})
+            after = opt.state_dict()
+            assert len(after["param_groups"]) == 3
+            assert_state_dicts_equal({**after, "param_groups": []}, {**before, "param_groups": []})
+        for n in first:
+            params[n].grad = g[n].clone()
+            old[n].grad = g[n].clone()
+        old_opt.step()
+        if t >= 3:
+            for n in later:
+                params[n].grad = g[n].clone()
+                new[n].grad = g[n].clone()
+            new_opt.step()
+        opt.step()
+    for n in first:
+        assert torch.equal(params[n].detach(), old[n].detach()), n
+    for n in later:
+        assert torch.equal(params[n].detach(), new[n].detach()), n
+    assert int(opt.state[params["square"]]["step"]) == 6
+    assert int(opt.state[params["tall"]]["step"]) == 3
+
+
+# ------------------------------------------------------------------ edge cases
+def test_zero_size_parameter_is_a_no_op(name: str) -> None:
+    """A ``(0, n)`` matrix is accepted, left as it is, and does not disturb the others."""
+    shapes = {"empty": (0, 4), "empty_stack": (2, 0, 3), "square": (8, 8)}
+    values, grads = initial(shapes), gradients(shapes, steps=3)
+    params, opt = make(name, values)
+    reference, ref_opt = make(name, {"square": values["square"]})
+    train(params, opt, grads)
+    train(reference, ref_opt, [{"square": g["square"]} for g in grads])
+    assert params["empty"].shape == (0, 4)
+    assert params["empty_stack"].shape == (2, 0, 3)
+    assert torch.equal(params["square"].detach(), reference["square"].detach())
+
+
+def test_zero_size_parameter_state_dict_round_trip(name: str) -> None:
+    shapes = {"empty": (0, 4), "square": (8, 8)}
+    values, grads = initial(shapes), gradients(shapes, steps=4)
+    params, opt = make(name, values)
+    train(params, opt, grads[:2])
+    saved = copy.deepcopy(opt.state_dict())
+    params2, opt2 = make(name, snapshot(params))
+    opt2.load_state_dict(saved)
+    train(params, opt, grads[2:])
+    train(params2, opt2, grads[2:])
+    assert_params_equal(params2, params)
+
+
+def test_zero_gradients_at_lr_zero_change_nothing(name: str) -> None:
+    """What ``torch.distributed.checkpoint`` does to create the state: one step of zero
+    gradients with ``lr = 0`` (weight decay still on). Parameters unchanged, state finite; then
+    the optimizer trains as usual."""
+    params, opt = make(name)
+    values = snapshot(params)
+    for p in params.values():
+        p.grad = torch.zeros_like(p)
+    for group in opt.param_groups:
+        group["lr"] = 0.0
+    opt.step()
+    assert_params_equal(params, values)
+    sd = opt.state_dict()
+    assert set(sd["state"]) == set(range(len(SHAPES)))
+    for entry in sd["state"].values():
+        for key, value in entry.items():
+            assert torch.isfinite(value).all(), key
+    for group in opt.param_groups:
+        group["lr"] = OPTIMIZERS[name][1]["lr"]
+    train(params, opt, gradients(steps=3))
+    for n, p in params.items():
+        assert torch.isfinite(p).all(), n
+        assert not torch.equal(p.detach(), values[n]), n

@@ -1,0 +1,199 @@
+"""canzona.Muon on one device gives torch.optim.Muon's parameters, bit for bit."""
+
+from __future__ import annotations
+
+import copy
+import io
+import itertools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.optim.lr_scheduler import StepLR
+
+import canzona
+
+SHAPES = {
+    "square": (16, 16),
+    "tall": (24, 8),
+    "wide": (8, 24),
+    "odd": (7, 13),
+    "skinny": (33, 5),
+    "row": (1, 9),
+}
+STEPS = 4
+
+
+def _start(
+    shapes: Sequence[tuple[int, int]], seed: int = 0, dtype: torch.dtype = torch.float32
+) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
+    gen = torch.Generator().manual_seed(seed)
+    values = [torch.randn(s, generator=gen).to(dtype) for s in shapes]
+    grads = [[torch.randn(s, generator=gen).to(dtype) for s in shapes] for _ in range(2 * STEPS)]
+    return values, grads
+
+
+def _run(
+    make: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+    values: list[torch.Tensor],
+    grads: list[list[torch.Tensor]],
+) -> tuple[list[nn.Parameter], torch.optim.Optimizer]:
+    params = [nn.Parameter(v.clone()) for v in values]
+    opt = make(params)
+    for step in grads:
+        for p, g in zip(params, step, strict=True):
+            p.grad = g.clone()
+        opt.step()
+    return params, opt
+
+
+def _assert_same(ours: list[nn.Parameter], theirs: list[nn.Parameter], what: Any) -> None:
+    for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+        assert torch.equal(a, b), (
+            f"{what}: parameter {i} differs by {(a - b).abs().max().item():.3g}"
+        )
+
+
+@pytest.mark.parametrize("adjust_lr_fn", [None, "original", "match_rms_adamw"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_matches_torch_muon(shape: str, adjust_lr_fn: str | None) -> None:
+    values, grads = _start([SHAPES[shape]])
+    for weight_decay, nesterov, momentum in itertools.product(
+        [0.0, 0.1], [True, False], [0.9, 0.95]
+    ):
+        kw = {
+            "lr": 0.02,
+            "weight_decay": weight_decay,
+            "nesterov": nesterov,
+            "momentum": momentum,
+            "adjust_lr_fn": adjust_lr_fn,
+        }
+        ours, opt = _run(lambda ps, kw=kw: canzona.Muon(ps, **kw), values, grads[:STEPS])
+        theirs, ref = _run(lambda ps, kw=kw: torch.optim.Muon(ps, **kw), values, grads[:STEPS])
+        _assert_same(ours, theirs, kw)
+        assert torch.equal(
+            opt.state[ours[0]]["momentum_buffer"], ref.state[theirs[0]]["momentum_buffer"]
+        )
+
+
+def test_many_parameters_and_groups() -> None:
+    """Same-shape matrices (batched together) in two groups with different hyper-parameters."""
+    shapes = [(16, 16), (16, 16), (24, 8), (24, 8), (8, 24), (7, 13), (16, 16)]
+    values, grads = _start(shapes, seed=1)
+
+    def groups(ps: list[nn.Parameter]) -> list[dict[str, Any]]:
+        return [
+            {"params": ps[:4] + ps[5:6], "lr": 0.03, "ns_steps": 4},
+            {"params": ps[4:5] + ps[6:], "momentum": 0.8, "nesterov": False, "weight_decay": 0.0},
+        ]
+
+    ours, _ = _run(lambda ps: canzona.Muon(groups(ps), lr=0.02), values, grads)
+    theirs, _ = _run(lambda ps: torch.optim.Muon(groups(ps), lr=0.02), values, grads)
+    _assert_same(ours, theirs, "groups")
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
+def test_state_dict_save_and_load_mid_run(how: str) -> None:
+    shapes = list(SHAPES.values())
+    values, grads = _start(shapes, seed=2)
+    kw = {"lr": 0.02, "weight_decay": 0.1, "adjust_lr_fn": "match_rms_adamw"}
+    theirs, _ = _run(lambda ps: torch.optim.Muon(ps, **kw), values, grads)
+
+    half, opt = _run(lambda ps: canzona.Muon(ps, **kw), values, grads[:STEPS])
+    if how == "deepcopy":
+        saved = copy.deepcopy(opt.state_dict())
+    else:
+        buffer = io.BytesIO()
+        torch.save(opt.state_dict(), buffer)
+        buffer.seek(0)
+        saved = torch.load(buffer)
+    del opt
+    resumed = [nn.Parameter(p.detach().clone()) for p in half]
+    fresh = canzona.Muon(resumed, **kw)
+    fresh.load_state_dict(saved)
+    for step in grads[STEPS:]:
+        for p, g in zip(resumed, step, strict=True):
+            p.grad = g.clone()
+        fresh.step()
+    _assert_same(resumed, theirs, "resumed")
+
+
+@pytest.mark.parametrize("tensor_lr", [False, True])
+def test_step_lr_scheduler(tensor_lr: bool) -> None:
+    values, grads = _start([(16, 16), (24, 8)], seed=3)
+
+    def run(cls: type[torch.optim.Optimizer]) -> list[nn.Parameter]:
+        params = [nn.Parameter(v.clone()) for v in values]
+        lr: float | torch.Tensor = torch.tensor(0.02) if tensor_lr else 0.02
+        opt = cls(params, lr=lr)  # type: ignore[call-arg]
+        scheduler = StepLR(opt, step_size=2, gamma=0.3)
+        for step in grads:
+            for p, g in zip(params, step, strict=True):
+                p.grad = g.clone()
+            opt.step()
+            scheduler.step()
+        return params
+
+    _assert_same(run(canzona.Muon), run(torch.optim.Muon), "scheduled")
+
+
+def test_float64_parameters() -> None:
+    values, grads = _start(list(SHAPES.values()), seed=4, dtype=torch.float64)
+    ours, _ = _run(lambda ps: canzona.Muon(ps, lr=0.02), values, grads)
+    theirs, _ = _run(lambda ps: torch.optim.Muon(ps, lr=0.02), values, grads)
+    _assert_same(ours, theirs, "float64")
+
+
+@pytest.mark.parametrize("shape", ["square", "wide", "odd", "row"])
+def test_bfloat16_parameters(shape: str) -> None:
+    """bf16 parameters with Nesterov (without it, torch's Newton–Schulz rescales its own momentum
+    buffer in place: a documented torch quirk that canzona does not copy)."""
+    values, grads = _start([SHAPES[shape]], seed=5, dtype=torch.bfloat16)
+    ours, _ = _run(lambda ps: canzona.Muon(ps, lr=0.02), values, grads)
+    theirs, _ = _run(lambda ps: torch.optim.Muon(ps, lr=0.02), values, grads)
+    _assert_same(ours, theirs, "bfloat16")
+
+
+@pytest.mark.parametrize("shape", ["tall", "skinny"])
+def test_bfloat16_tall_parameters(shape: str) -> None:
+    values, grads = _start([SHAPES[shape]], seed=5, dtype=torch.bfloat16)
+    ours, _ = _run(lambda ps: canzona.Muon(ps, lr=0.02), values, grads)
+    theirs, _ = _run(lambda ps: torch.optim.Muon(ps, lr=0.02), values, grads)
+    _assert_same(ours, theirs, "bfloat16")
+
+
+def test_bfloat16_add_depends_on_the_memory_layout() -> None:
+    """The torch behaviour behind the tall-matrix case above (a torch change shows up here)."""
+    gen = torch.Generator().manual_seed(0)
+    param = torch.randn(64, 24, generator=gen).bfloat16()
+    update = torch.randn(24, 64, generator=gen).bfloat16().T
+    strided = param.clone().add_(update, alpha=-0.0346)
+    dense = param.clone().add_(update.contiguous(), alpha=-0.0346)
+    assert not torch.equal(strided, dense)
+    assert torch.equal(
+        param.float().add_(update, alpha=-0.0346),
+        param.float().add_(update.contiguous(), alpha=-0.0346),
+    )
+
+
+def test_groups_with_different_ns_dtype() -> None:
+    values, grads = _start([(16, 16), (16, 16)], seed=6)
+
+    def joint(ps: list[nn.Parameter]) -> torch.optim.Optimizer:
+        return canzona.Muon(
+            [
+                {"params": ps[:1], "ns_dtype": torch.bfloat16},
+                {"params": ps[1:], "ns_dtype": torch.float32},
+            ]
+        )
+
+    ours, _ = _run(joint, values, grads)
+    first, _ = _run(
+        lambda ps: canzona.Muon(ps, ns_dtype=torch.bfloat16), values[:1], [g[:1] for g in grads]
+    )
+    second, _ = _run(
+        lambda ps: canzona.Muon(ps, ns_dtype=torch.float32), values[1:], [g[1:] for g in grads]
+    )
+    _assert_same(ours, first + second, "ns_dtype groups")

@@ -1,0 +1,344 @@
+"""Errors of the optimizer classes: what raises, what the message names, what stays unchanged."""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from _optim_cases import (
+    NAMES,
+    OPTIMIZERS,
+    assert_params_equal,
+    assert_state_dicts_equal,
+    gradients,
+    make,
+    train,
+)
+from torch import nn
+
+import canzona
+
+
+# ------------------------------------------------------------------ parameters and groups
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("shape", [(5,), (2, 3, 4, 5), ()])
+@pytest.mark.parametrize("named", [False, True])
+def test_non_matrix_parameter_in_a_matrix_group(
+    name: str, shape: tuple[int, ...], named: bool
+) -> None:
+    cls, kwargs = OPTIMIZERS[name]
+    odd = nn.Parameter(torch.zeros(shape))
+    params: list[Any] = [("blocks.0.odd", odd)] if named else [odd]
+    label = "'blocks.0.odd'" if named else str(shape)
+
+    def check(error: pytest.ExceptionInfo[ValueError]) -> None:
+        message = str(error.value)
+        assert label in message
+        assert f"is {len(shape)}-D" in message
+        assert 'algorithm="adamw"' in message
+
+    with pytest.raises(ValueError) as error:
+        cls(params, **kwargs)
+    check(error)
+
+    square = nn.Parameter(torch.zeros(4, 4))
+    opt = cls([("square", square)] if named else [square], **kwargs)
+    with pytest.raises(ValueError) as error:
+        opt.add_param_group({"params": params})
+    check(error)
+    assert len(opt.param_groups) == 1
+    opt.add_param_group({"params": params, "algorithm": "adamw"})  # the way out works
+    assert len(opt.param_groups) == 2
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("algorithm", ["sgd", "Muon", None, "other"])
+def test_unknown_algorithm(name: str, algorithm: str | None) -> None:
+    cls, kwargs = OPTIMIZERS[name]
+    others = [n for n in NAMES if n != name]
+    for value in (algorithm, others[0]):
+        group = {"params": [nn.Parameter(torch.zeros(3, 3))], "algorithm": value}
+        with pytest.raises(ValueError, match=re.escape(f"got {value!r}")):
+            cls([group], **kwargs)
+        opt = cls([nn.Parameter(torch.zeros(3, 3))], **kwargs)
+        with pytest.raises(ValueError, match="algorithm"):
+            opt.add_param_group(group)
+        assert len(opt.param_groups) == 1
+
+
+def test_complex_parameters_are_refused() -> None:
+    with pytest.raises(ValueError, match="complex"):
+        canzona.Muon([nn.Parameter(torch.zeros(3, 3, dtype=torch.complex64))])
+
+
+BAD_HPARAMS: list[tuple[str, dict[str, Any], str]] = [
+    ("muon", {"lr": -1e-3}, "-0.001"),
+    ("muon", {"lr": torch.tensor([1e-3, 2e-3])}, "1-element"),
+    ("muon", {"weight_decay": -0.1}, "-0.1"),
+    ("muon", {"momentum": -0.5}, "-0.5"),
+    ("muon", {"ns_steps": 100}, "100"),
+    ("muon", {"ns_steps": -1}, "-1"),
+    ("muon", {"adjust_lr_fn": "spectral"}, "spectral"),
+    ("muon", {"ns_coefficients": (3.4, -4.7)}, "ns_coefficients"),
+    ("muon", {"ns_dtype": torch.int32}, "int32"),
+    ("muon", {"adamw_betas": (0.9, 1.0)}, "adamw_betas"),
+    ("muon", {"adamw_eps": -1e-8}, "adamw_eps"),
+    ("shampoo", {"lr": -1e-3}, "-0.001"),
+    ("shampoo", {"betas": (1.0, 0.999)}, "betas"),
+    ("shampoo", {"betas": (0.9, 1.5)}, "1.5"),
+    ("shampoo", {"betas": (-0.1, 0.999)}, "-0.1"),
+    ("shampoo", {"epsilon": 0.0}, "epsilon"),
+    ("shampoo", {"weight_decay": -0.1}, "-0.1"),
+    ("shampoo", {"precondition_frequency": 0}, "precondition_frequency"),
+    ("shampoo", {"start_preconditioning_step": 0}, "start_preconditioning_step"),
+    ("shampoo", {"grafting": "sgd"}, "sgd"),
+    ("shampoo", {"grafting_beta2": 1.0}, "grafting_beta2"),
+    ("soap", {"lr": -1e-3}, "-0.001"),
+    ("soap", {"betas": (0.95, 1.0)}, "betas"),
+    ("soap", {"betas": (1.2, 0.95)}, "1.2"),
+    ("soap", {"eps": 0.0}, "eps"),
+    ("soap", {"weight_decay": -0.1}, "-0.1"),
+    ("soap", {"precondition_frequency": 0}, "precondition_frequency"),
+    ("soap", {"adamw_betas": (1.0, 0.9)}, "adamw_betas"),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "kwargs", "match"),
+    BAD_HPARAMS,
+    ids=[f"{n}-{next(iter(kw))}={next(iter(kw.values()))}" for n, kw, _ in BAD_HPARAMS],
+)
+def test_bad_hyper_parameters(name: str, kwargs: dict[str, Any], match: str) -> None:
+    cls, defaults = OPTIMIZERS[name]
+    with pytest.raises(ValueError, match=re.escape(match)):
+        cls([nn.Parameter(torch.zeros(4, 4))], **{**defaults, **kwargs})
+
+
+BAD_GROUPS: list[tuple[str, dict[str, Any], str]] = [
+    ("muon", {"ns_steps": 200}, "200"),
+    ("muon", {"adjust_lr_fn": "spectral"}, "spectral"),
+    ("shampoo", {"betas": (1.5, 0.9)}, "1.5"),
+    ("shampoo", {"grafting": "sgd"}, "sgd"),
+    ("soap", {"betas": (0.9, 1.5)}, "1.5"),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "group", "value"), BAD_GROUPS, ids=[f"{n}-{v}" for n, _, v in BAD_GROUPS]
+)
+def test_bad_group_hyper_parameters_raise_by_the_first_step(
+    name: str, group: dict[str, Any], value: str
+) -> None:
+    """Values given per param group are not checked by the constructor (as in torch.optim);
+    the update math refuses them at the latest on the first step, naming the value."""
+    cls, kwargs = OPTIMIZERS[name]
+    p = nn.Parameter(torch.randn(4, 4))
+    p.grad = torch.randn(4, 4)
+    with pytest.raises((ValueError, RuntimeError), match=re.escape(value)):
+        opt = cls([{"params": [p], **group}], **kwargs)
+        opt.step()
+
+
+@pytest.mark.parametrize(
+    ("name", "group"),
+    [
+        ("muon", {"lr": -0.02}),
+        ("muon", {"momentum": -0.5}),
+        ("shampoo", {"lr": -0.01}),
+        ("soap", {"lr": -0.01}),
+        *[(name, group) for name, group, _ in BAD_GROUPS],
+    ],
+    ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}={x}" for k, x in v.items()),
+)
+def test_bad_group_hyper_parameters_are_refused_when_the_group_is_added(
+    name: str, group: dict[str, Any]
+) -> None:
+    cls, kwargs = OPTIMIZERS[name]
+    good = nn.Parameter(torch.randn(4, 4))
+    opt = cls([good], **kwargs)
+    bad = nn.Parameter(torch.randn(4, 4))
+    with pytest.raises(ValueError):
+        opt.add_param_group({"params": [bad], **group})
+    with pytest.raises(ValueError):
+        cls([{"params": [bad], **group}], **kwargs)
+
+
+# ------------------------------------------------------------------ load_state_dict
+def _trained(
+    name: str, *, named: bool = False, shapes: dict[str, tuple[int, ...]] | None = None
+) -> Any:
+    values = None
+    if shapes is not None:
+        gen = torch.Generator().manual_seed(0)
+        values = {n: torch.randn(s, generator=gen) for n, s in shapes.items()}
+    params, opt = make(name, values, named=named)
+    gen = torch.Generator().manual_seed(7)
+    for _ in range(3):
+        for p in params.values():
+            p.grad = torch.randn(p.shape, generator=gen)
+        opt.step()
+    return params, opt
+
+
+def _first_matrix_key(sd: dict[str, Any], pid: Any) -> str:
+    return next(k for k in sd["state"][pid] if k != "step")
+
+
+def _drop_key(sd: dict[str, Any]) -> str:
+    key = _first_matrix_key(sd, 1)
+    del sd["state"][1][key]
+    return f"state of parameter 'param1' is missing key '{key}'"
+
+
+def _extra_key(sd: dict[str, Any]) -> str:
+    sd["state"][1]["bogus"] = torch.zeros(1)
+    return "state of parameter 'param1' has unexpected key 'bogus'"
+
+
+def _bad_shape(sd: dict[str, Any]) -> str:
+    key = _first_matrix_key(sd, 2)
+    sd["state"][2][key] = torch.zeros(3, 3)
+    return f"state '{key}' of parameter 'param2' has shape (3, 3)"
+
+
+def _bad_adamw_shape(sd: dict[str, Any]) -> str:
+    sd["state"][4]["exp_avg_sq"] = torch.zeros(6)
+    return "state 'exp_avg_sq' of parameter 'param4' has shape (6,), expected (7,)"
+
+
+def _not_a_tensor(sd: dict[str, Any]) -> str:
+    key = _first_matrix_key(sd, 0)
+    sd["state"][0][key] = 1.0
+    return f"state '{key}' of parameter 'param0' is not a tensor"
+
+
+def _bad_step(sd: dict[str, Any]) -> str:
+    sd["state"][0]["step"] = torch.tensor([1.0, 2.0])
+    return "state 'step' of parameter 'param0' must hold one value"
+
+
+def _unknown_id(sd: dict[str, Any]) -> str:
+    sd["state"][99] = {"step": torch.tensor(1.0)}
+    return "unknown parameter id 99"
+
+
+def _fewer_groups(sd: dict[str, Any]) -> str:
+    del sd["param_groups"][1]
+    return "state_dict has 1 param groups, the optimizer has 2"
+
+
+def _swapped_algorithm(sd: dict[str, Any]) -> str:
+    mine = sd["param_groups"][0]["algorithm"]
+    sd["param_groups"][0]["algorithm"] = "adamw"
+    return f"param group 0: state dict algorithm 'adamw' does not match '{mine}'"
+
+
+def _no_state(sd: dict[str, Any]) -> str:
+    del sd["state"]
+    return "'state' and 'param_groups'"
+
+
+EDITS: dict[str, Callable[[dict[str, Any]], str]] = {
+    "missing_key": _drop_key,
+    "extra_key": _extra_key,
+    "shape": _bad_shape,
+    "adamw_shape": _bad_adamw_shape,
+    "not_a_tensor": _not_a_tensor,
+    "step": _bad_step,
+    "unknown_id": _unknown_id,
+    "fewer_groups": _fewer_groups,
+    "algorithm": _swapped_algorithm,
+    "no_state": _no_state,
+}
+
+
+def _assert_refused(name: str, opt: Any, params: Any, bad: Any, match: str) -> None:
+    """``load_state_dict(bad)`` raises ValueError(match) and the optimizer is left as it was:
+    same state dict, and it continues exactly like an untouched copy."""
+    before = copy.deepcopy(opt.state_dict())
+    twin_params, twin = make(name, {n: p.detach() for n, p in params.items()})
+    twin.load_state_dict(copy.deepcopy(before))
+    with pytest.raises(ValueError, match=re.escape(match)):
+        opt.load_state_dict(bad)
+    assert_state_dicts_equal(opt.state_dict(), before)
+    grads = gradients(steps=3, seed=11)
+    train(params, opt, grads)
+    train(twin_params, twin, grads)
+    assert_params_equal(params, twin_params)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("edit", list(EDITS))
+def test_load_state_dict_refuses_a_damaged_state_dict(name: str, edit: str) -> None:
+    params, opt = _trained(name)
+    bad = copy.deepcopy(opt.state_dict())
+    match = EDITS[edit](bad)
+    _assert_refused(name, opt, params, bad, match)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_load_state_dict_refuses_torch_adamw(name: str) -> None:
+    params, opt = _trained(name)
+    twins = [nn.Parameter(p.detach().clone()) for p in params.values()]
+    adamw = torch.optim.AdamW([{"params": twins[:4]}, {"params": twins[4:]}])
+    for p in twins:
+        p.grad = torch.ones_like(p)
+    adamw.step()
+    match = "param group 0 of the state dict has no 'algorithm' entry"
+    _assert_refused(name, opt, params, adamw.state_dict(), match)
+
+
+@pytest.mark.parametrize(
+    ("name", "other"),
+    [("muon", "shampoo"), ("shampoo", "soap"), ("soap", "shampoo"), ("soap", "muon")],
+)
+def test_load_state_dict_refuses_another_optimizer_type(name: str, other: str) -> None:
+    params, opt = _trained(name)
+    _, foreign = _trained(other)
+    match = f"state dict algorithm '{other}' does not match '{name}'"
+    _assert_refused(name, opt, params, foreign.state_dict(), match)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_load_state_dict_refuses_another_model(name: str) -> None:
+    params, opt = _trained(name)
+    fewer = {"square": (8, 8), "tall": (12, 6), "stack": (3, 5, 7), "bias": (7,), "gain": (12,)}
+    _, other = _trained(name, shapes=fewer)
+    match = "param group 0: state dict has 3 parameters, the optimizer has 4"
+    _assert_refused(name, opt, params, other.state_dict(), match)
+
+    transposed = {
+        "square": (8, 8),
+        "tall": (6, 12),
+        "wide": (6, 12),
+        "stack": (3, 5, 7),
+        "bias": (7,),
+        "gain": (12,),
+    }
+    _, other = _trained(name, shapes=transposed)
+    key = _first_matrix_key(other.state_dict(), 1)
+    match = f"state '{key}' of parameter 'param1' has shape (6, 12), expected (12, 6)"
+    _assert_refused(name, opt, params, other.state_dict(), match)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_load_state_dict_errors_use_parameter_names(name: str) -> None:
+    _, opt = _trained(name, named=True)
+    bad = copy.deepcopy(opt.state_dict())
+    key = _first_matrix_key(bad, 1)
+    del bad["state"][1][key]
+    with pytest.raises(
+        ValueError, match=re.escape(f"state of parameter 'tall' is missing key '{key}'")
+    ):
+        opt.load_state_dict(bad)
+
+    renamed = copy.deepcopy(opt.state_dict())
+    renamed["param_groups"][0]["param_names"] = ["square", "tall", "vide", "stack"]
+    before = copy.deepcopy(opt.state_dict())
+    with pytest.raises(ValueError, match="parameter names differ, first at 'wide'"):
+        opt.load_state_dict(renamed)
+    assert_state_dicts_equal(opt.state_dict(), before)

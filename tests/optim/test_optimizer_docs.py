@@ -1,0 +1,66 @@
+"""docs/optimizers.md agrees with the classes: the routing example runs, the defaults are right."""
+
+from __future__ import annotations
+
+import inspect
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import canzona
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "optimizers.md"
+
+
+def _section(title: str) -> str:
+    text = DOC.read_text()
+    start = text.index(f"\n## {title}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end != -1 else len(text)]
+
+
+def _defaults(cls: type) -> dict[str, object]:
+    params = inspect.signature(cls.__init__).parameters
+    return {n: p.default for n, p in params.items() if p.default is not inspect.Parameter.empty}
+
+
+def test_routing_example_runs() -> None:
+    blocks = re.findall(r"```python\n(.*?)```", _section("Parameter routing"), flags=re.DOTALL)
+    assert blocks, "the routing section has no python example"
+    namespace: dict[str, object] = {"__name__": "routing_example"}
+    for block in blocks:
+        exec(compile(block, f"{DOC}:routing", "exec"), namespace)
+    opt = namespace["opt"]
+    assert isinstance(opt, canzona.Muon)
+    assert all(int(s["step"]) == 3 for s in opt.state.values())
+
+
+@pytest.mark.parametrize(
+    ("title", "cls"), [("Muon", canzona.Muon), ("Shampoo", canzona.Shampoo), ("SOAP", canzona.SOAP)]
+)
+def test_hyper_parameter_tables_match_the_classes(title: str, cls: type) -> None:
+    rows = re.findall(r"^\| `(\w+)` \| `([^`|]+)` \|", _section(title), flags=re.MULTILINE)
+    defaults = _defaults(cls)
+    documented = {name: value for name, value in rows if name in defaults}
+    assert "lr" in documented
+    for name, value in documented.items():
+        assert eval(value, {"torch": torch}) == defaults[name], (title, name, value)
+    missing = (
+        set(defaults) - set(documented) - {"params", "plan", "pipeline", "adamw_betas", "adamw_eps"}
+    )
+    assert not missing, f"{title}: hyper-parameters without a row: {sorted(missing)}"
+
+
+def test_adamw_entries_match_the_classes() -> None:
+    rows = dict(
+        re.findall(
+            r"^\| `(adamw_\w+)` \| `([^`|]+)` \|", _section("Parameter routing"), flags=re.MULTILINE
+        )
+    )
+    assert set(rows) == {"adamw_betas", "adamw_eps"}
+    for cls in (canzona.Muon, canzona.Shampoo, canzona.SOAP):
+        defaults = _defaults(cls)
+        for name, value in rows.items():
+            assert eval(value) == defaults[name], (cls.__name__, name)

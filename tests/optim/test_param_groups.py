@@ -1,0 +1,227 @@
+"""canzona.param_groups routes a model's parameters as documented, and AdamW groups are AdamW."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import canzona
+
+V, D = 32, 8
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn_norm = nn.LayerNorm(D)
+        self.qkv = nn.Linear(D, 3 * D)
+        self.proj = nn.Linear(D, D, bias=False)
+        self.mlp_norm = nn.RMSNorm(D)
+        self.experts = nn.Parameter(torch.randn(4, D, 2 * D) / D**0.5)  # grouped experts
+        self.gate = nn.Parameter(torch.ones(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(self.attn_norm(x)).chunk(3, dim=-1)
+        x = x + self.proj(v * torch.sigmoid(q * k))
+        h = torch.einsum("btd,edf->btef", self.mlp_norm(x), self.experts).mean(dim=2)
+        a, b = h.chunk(2, dim=-1)
+        return x + self.gate * torch.tanh(a) * b
+
+
+class Tiny(nn.Module):
+    def __init__(self, *, tied: bool, head: str = "lm_head") -> None:
+        super().__init__()
+        self.embed = nn.Embedding(V, D)
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.norm = nn.RMSNorm(D)
+        self.head_name = head
+        self.add_module(head, nn.Linear(D, V, bias=False))
+        if tied:
+            getattr(self, head).weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        out: torch.Tensor = getattr(self, self.head_name)(self.norm(x))
+        return out
+
+
+def _model(*, tied: bool = False, head: str = "lm_head") -> Tiny:
+    torch.manual_seed(0)
+    return Tiny(tied=tied, head=head)
+
+
+MATRICES = [f"blocks.{i}.{n}" for i in range(2) for n in ("qkv.weight", "proj.weight", "experts")]
+OTHERS = [
+    f"blocks.{i}.{n}"
+    for i in range(2)
+    for n in (
+        "attn_norm.weight",
+        "attn_norm.bias",
+        "qkv.bias",
+        "mlp_norm.weight",
+        "gate",
+    )
+]
+
+
+def _routing(groups: list[dict[str, Any]]) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for group in groups:
+        out[group.get("algorithm", "matrix")] = [n for n, _ in group["params"]]
+    return out
+
+
+@pytest.mark.parametrize("head", ["lm_head", "output"])
+def test_default_routing_untied(head: str) -> None:
+    model = _model(head=head)
+    routing = _routing(canzona.param_groups(model))
+    assert sorted(routing["matrix"]) == sorted(MATRICES)
+    assert sorted(routing["adamw"]) == sorted(
+        ["embed.weight", "norm.weight", f"{head}.weight", *OTHERS]
+    )
+
+
+def test_default_routing_tied() -> None:
+    model = _model(tied=True)
+    routing = _routing(canzona.param_groups(model))
+    assert sorted(routing["matrix"]) == sorted(MATRICES)
+    # named_parameters() lists a tied weight once, under its first name
+    assert sorted(routing["adamw"]) == sorted(["embed.weight", "norm.weight", *OTHERS])
+
+
+def test_weight_tied_to_an_embedding_under_any_name() -> None:
+    model = _model(tied=True, head="unembed")
+    routing = _routing(canzona.param_groups(model))
+    assert "embed.weight" in routing["adamw"]
+    assert sorted(routing["matrix"]) == sorted(MATRICES)
+
+
+def test_groups_hold_named_parameters_of_the_model() -> None:
+    model = _model()
+    groups = canzona.param_groups(model)
+    by_name = dict(model.named_parameters())
+    for group in groups:
+        for name, p in group["params"]:
+            assert p is by_name[name]
+    assert sum(len(g["params"]) for g in groups) == len(by_name)
+
+
+def test_overrides() -> None:
+    model = _model()
+    groups = canzona.param_groups(
+        model,
+        to_adamw=["blocks.1.*"],
+        to_matrix=["lm_head.weight", "embed.weight", "blocks.1.proj.weight"],
+    )
+    routing = _routing(groups)
+    assert sorted(routing["matrix"]) == sorted(
+        [
+            "blocks.0.qkv.weight",
+            "blocks.0.proj.weight",
+            "blocks.0.experts",
+            "lm_head.weight",
+            "embed.weight",
+        ]
+    )
+    # to_adamw wins over to_matrix
+    assert "blocks.1.proj.weight" in routing["adamw"]
+    assert "blocks.1.experts" in routing["adamw"]
+
+
+@pytest.mark.parametrize("pattern", ["*.bias", "blocks.0.gate", "*norm.weight"])
+def test_forcing_a_non_matrix_to_the_matrix_algorithm_raises(pattern: str) -> None:
+    with pytest.raises(ValueError, match=r"parameter 'blocks\.0\.[a-z_.]+' is [01]-D"):
+        canzona.param_groups(_model(), to_matrix=[pattern])
+
+
+def test_group_entries_and_empty_groups() -> None:
+    model = _model()
+    groups = canzona.param_groups(model, lr=0.02, adamw={"lr": 3e-4, "weight_decay": 0.0})
+    matrix, adamw = groups
+    assert {k: v for k, v in matrix.items() if k != "params"} == {"lr": 0.02}
+    assert {k: v for k, v in adamw.items() if k != "params"} == {
+        "lr": 3e-4,
+        "weight_decay": 0.0,
+        "algorithm": "adamw",
+    }
+    only_vectors = nn.LayerNorm(4)
+    assert [g["algorithm"] for g in canzona.param_groups(only_vectors)] == ["adamw"]
+    only_matrices = nn.Linear(4, 4, bias=False)
+    (group,) = canzona.param_groups(only_matrices)
+    assert "algorithm" not in group
+
+
+@pytest.mark.parametrize("cls", [canzona.Muon, canzona.Shampoo, canzona.SOAP])
+@pytest.mark.parametrize("tied", [False, True])
+def test_groups_work_with_every_optimizer(cls: type[torch.optim.Optimizer], tied: bool) -> None:
+    model = _model(tied=tied)
+    opt = cls(canzona.param_groups(model, lr=0.01, adamw={"lr": 1e-3}))
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ids = torch.randint(0, V, (2, 5), generator=torch.Generator().manual_seed(0))
+    for _ in range(2):  # SOAP's first step only computes its eigenbases
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.flatten()).backward()
+        opt.step()
+    for n, p in model.named_parameters():
+        assert int(opt.state[p]["step"]) == 2, n
+        assert not torch.equal(p.detach(), start[n]), n
+
+
+# ------------------------------------------------------------------ the AdamW route
+@pytest.mark.parametrize("cls", [canzona.Muon, canzona.Shampoo, canzona.SOAP])
+def test_adamw_group_is_torch_adamw(cls: type[torch.optim.Optimizer]) -> None:
+    """``lr`` and ``weight_decay`` of the group, ``adamw_betas`` and ``adamw_eps`` of the
+    optimizer (or the group), and nothing else: bitwise ``torch.optim.AdamW(foreach=False)``."""
+    gen = torch.Generator().manual_seed(0)
+    values = [torch.randn(7, generator=gen), torch.randn(3, 4, generator=gen)]
+    grads = [[torch.randn(v.shape, generator=gen) for v in values] for _ in range(5)]
+    cases: list[tuple[dict[str, Any], dict[str, Any], dict[str, Any]]] = [
+        # (optimizer kwargs, group entries, torch.optim.AdamW kwargs)
+        (
+            {"lr": 0.1, "weight_decay": 0.2, "adamw_betas": (0.8, 0.99), "adamw_eps": 1e-6},
+            {"lr": 3e-3, "weight_decay": 0.05},
+            {"lr": 3e-3, "weight_decay": 0.05, "betas": (0.8, 0.99), "eps": 1e-6},
+        ),
+        (
+            {"lr": 0.01, "weight_decay": 0.0},
+            {"adamw_betas": (0.5, 0.9), "adamw_eps": 1e-3},
+            {"lr": 0.01, "weight_decay": 0.0, "betas": (0.5, 0.9), "eps": 1e-3},
+        ),
+        (  # nothing given: the optimizer's lr and weight_decay, adamw_betas=(0.9, 0.95)
+            {},
+            {},
+            {
+                "lr": cls([nn.Parameter(torch.zeros(2, 2))]).defaults["lr"],
+                "weight_decay": cls([nn.Parameter(torch.zeros(2, 2))]).defaults["weight_decay"],
+                "betas": (0.9, 0.95),
+                "eps": 1e-8,
+            },
+        ),
+    ]
+    for kwargs, entries, torch_kwargs in cases:
+        ours = [nn.Parameter(v.clone()) for v in values]
+        theirs = [nn.Parameter(v.clone()) for v in values]
+        opt = cls([{"params": ours, "algorithm": "adamw", **entries}], **kwargs)
+        ref = torch.optim.AdamW(theirs, foreach=False, **torch_kwargs)
+        for step in grads:
+            for a, b, g in zip(ours, theirs, step, strict=True):
+                a.grad, b.grad = g.clone(), g.clone()
+            opt.step()
+            ref.step()
+        for a, b in zip(ours, theirs, strict=True):
+            assert torch.equal(a, b), (kwargs, entries)
+
+
+def test_adamw_group_takes_any_shape() -> None:
+    """Embeddings, 4-D convolution kernels and scalars go to AdamW without complaint."""
+    params = [nn.Parameter(torch.randn(s)) for s in [(), (5,), (3, 3), (2, 3, 3, 3)]]
+    opt = canzona.Muon([{"params": params, "algorithm": "adamw"}])
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert all(int(opt.state[p]["step"]) == 1 for p in params)
