@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -18,6 +19,7 @@ from _cases import (
     plan,
     reference_muon,
     run_steps,
+    set_grads,
     sharded_params,
     strategies,
 )
@@ -149,3 +151,34 @@ def test_single_process_matches_torch() -> None:
     got = local_optimizer(canzona.Muon, fulls, grads, **KW)
     for name, (eq, rel) in compare(got, want).items():
         assert eq, f"{name}: {rel}"
+
+
+def _fully_shard_case(world_mesh: tuple[int, ...]) -> dict[str, bool]:
+    """FSDP2's own sharding (uneven dims included) against torch.optim.Muon on one device."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(
+        torch.nn.Linear(13, 7, bias=False), torch.nn.Linear(7, 30, bias=False)
+    )
+    model = copy.deepcopy(ref)
+    fully_shard(model, mesh=mesh(world_mesh))
+    opt = canzona.Muon(model.parameters(), **KW)
+    ref_opt = torch.optim.Muon(ref.parameters(), **KW)
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(3):
+        grads = {n: torch.randn(p.shape, generator=gen) for n, p in ref.named_parameters()}
+        set_grads(list(model.named_parameters()), grads)
+        set_grads(list(ref.named_parameters()), grads)
+        opt.step()
+        ref_opt.step()
+    return {
+        n: bool(torch.equal(p.full_tensor(), q.detach()))
+        for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True)
+    }
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_fully_shard_bitwise(dist: Any, world: int) -> None:
+    for out in dist(world).run(_fully_shard_case, (world,)):
+        assert all(out.values()), out
