@@ -11,7 +11,11 @@ import torch
 import torch.distributed as tdist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -87,24 +91,40 @@ def _state_fulls(opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
     return out
 
 
-def _save(layout: str, name: str, steps: int, path: str) -> dict[str, torch.Tensor]:
+def _options(flat: bool) -> StateDictOptions:
+    """TorchTitan saves flattened optimizer state dicts; both forms must round trip."""
+    return StateDictOptions(flatten_optimizer_state_dict=flat)
+
+
+def _save(
+    layout: str, name: str, steps: int, path: str, flat: bool = False
+) -> dict[str, torch.Tensor]:
     model = _model(layout)
     opt = _optimizer(model, name)
     _train(model, opt, range(steps))
-    model_sd, optim_sd = get_state_dict(model, opt)
+    model_sd, optim_sd = get_state_dict(model, opt, options=_options(flat))
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
     return _fulls(model)
 
 
-def _load_and_continue(layout: str, name: str, start: int, stop: int, path: str) -> dict[str, Any]:
+def _load_and_continue(
+    layout: str, name: str, start: int, stop: int, path: str, flat: bool = False
+) -> dict[str, Any]:
     model = _model(layout)
     opt = _optimizer(model, name)
     before = _fulls(model)
-    model_sd, optim_sd = get_state_dict(model, opt)  # builds the state with one lr=0 step
+    # builds the optimizer state with one lr=0 step
+    model_sd, optim_sd = get_state_dict(model, opt, options=_options(flat))
     after_init = _fulls(model)
     sd = {"model": model_sd, "optim": optim_sd}
     dcp.load(sd, checkpoint_id=path)
-    set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    set_state_dict(
+        model,
+        opt,
+        model_state_dict=sd["model"],
+        optim_state_dict=sd["optim"],
+        options=_options(flat),
+    )
     _train(model, opt, range(start, stop))
     unchanged = all(torch.equal(before[n], after_init[n]) for n in before)
     return {"params": _fulls(model), "state": _state_fulls(opt), "init_unchanged": unchanged}
@@ -117,12 +137,13 @@ def _uninterrupted(layout: str, name: str, stop: int) -> dict[str, Any]:
     return {"params": _fulls(model), "state": _state_fulls(opt)}
 
 
+@pytest.mark.parametrize("flat", [False, True], ids=["nested", "flattened"])
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-def test_same_mesh_resume_is_bit_exact(dist: Any, tmp_path: Path, name: str) -> None:
+def test_same_mesh_resume_is_bit_exact(dist: Any, tmp_path: Path, name: str, flat: bool) -> None:
     pool = dist(4)
     path = str(tmp_path / "ckpt")
-    pool.run(_save, "fsdp_tp", name, 3, path, timeout=TIMEOUT)
-    resumed = pool.run(_load_and_continue, "fsdp_tp", name, 3, 6, path, timeout=TIMEOUT)[0]
+    pool.run(_save, "fsdp_tp", name, 3, path, flat, timeout=TIMEOUT)
+    resumed = pool.run(_load_and_continue, "fsdp_tp", name, 3, 6, path, flat, timeout=TIMEOUT)[0]
     straight = pool.run(_uninterrupted, "fsdp_tp", name, 6, timeout=TIMEOUT)[0]
     assert resumed["init_unchanged"]
     for key in ("params", "state"):

@@ -240,6 +240,7 @@ class MatrixOptimizer(OwnerStateMixin, Optimizer):
             if "step" not in state:
                 state["step"] = torch.tensor(0.0)
                 self._init_storage_state(p, state, group)
+                self._add_owner_placeholders(p, state, group)
             self._bump_step(state)
             payloads[i] = self._prepare(p, local_grad(names[i], p), state, group)
             shapes[i] = tuple(local_tensor(p).shape)

@@ -53,6 +53,18 @@ class OwnerStateMixin:
         """Owner-held state of one matrix of ``p``: key -> (shape, dtype). None by default."""
         return {}
 
+    def _add_owner_placeholders(
+        self, p: Tensor, state: dict[str, Any], group: dict[str, Any]
+    ) -> None:
+        """List owner-held keys in ``state[p]`` (as empty tensors) on every rank.
+
+        The values live on the owner ranks and ``state_dict()`` materialises them; the keys
+        are listed so that code that walks ``optimizer.state`` (e.g. DCP's flattened
+        optimizer state dicts) sees the same structure as ``state_dict()``.
+        """
+        for key in self._owner_specs(p, group):
+            state[key] = torch.empty(0)
+
     def _entries(
         self, params: list[Tensor], groups: list[dict[str, Any]], stepped: set[int]
     ) -> list[StateEntry]:
@@ -214,6 +226,10 @@ class OwnerStateMixin:
             self._sync_plan()  # collective: every rank has validated by now
         super().load_state_dict({**state_dict, "state": storage})  # type: ignore[misc]
         self._owner_state.clear()
+        for pos in sorted(stepped & set(owner_keys)):
+            p = params[pos]
+            if p.numel():
+                self._add_owner_placeholders(p, self.state[p], group_of[pos])
         if not entries:
             return
 

@@ -1,0 +1,202 @@
+"""Start the demo's ranks: forked CPU processes joined in a gloo process group on loopback.
+
+Forking from a process that already imported torch starts a rank in well under a second
+(spawning one costs several seconds of imports each). Two conditions keep forked ranks
+healthy: the parent runs one OpenMP thread (``OMP_NUM_THREADS=1`` before torch is imported;
+a child forked after a multi-threaded OpenMP pool has run can hang in its first parallel
+kernel), and the parent holds no process group when it forks. The parent warms torch's
+lazy imports up once on a ``fake`` process group, so the ranks inherit them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import math
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+__all__ = ["RankFailure", "run_ranks"]
+
+Job = Callable[[Callable[[dict[str, Any]], None]], Any]
+"""A rank's work: called with a progress callback, returns a picklable result."""
+
+PG_TIMEOUT = timedelta(seconds=120)
+
+
+class RankFailure(RuntimeError):
+    """A rank raised, died or did not finish in time; the message names it and why."""
+
+
+def limit_threads() -> None:
+    """One intra-op thread per process; call it before torch is imported.
+
+    The environment reaches OpenMP only if torch has not loaded yet; a parent that imported
+    torch earlier should have set ``OMP_NUM_THREADS=1`` itself (the test suite does).
+    """
+    os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ["MKL_NUM_THREADS"] = "1"
+    import torch
+
+    torch.set_num_threads(1)
+
+
+def _warm_up() -> None:
+    """One DTensor op and one FSDP2 step on a ``fake`` process group, destroyed afterwards."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    dist.init_process_group("fake", rank=0, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        x = distribute_tensor(torch.randn(4, 4, requires_grad=True), mesh, [Shard(0)])
+        y = x @ x.T
+        assert isinstance(y, DTensor)
+        torch.autograd.backward(y.full_tensor().sum())
+        model = torch.nn.Linear(4, 4)
+        fully_shard(model, mesh=mesh)
+        model(torch.randn(2, 4)).sum().backward()
+    finally:
+        dist.destroy_process_group()
+
+
+def _rank_main(
+    rank: int, world: int, store_path: str, conn: Connection, job: Job
+) -> None:  # pragma: no cover - runs in the forked rank
+    """Join the process group, run ``job``, send ``("done", result)`` or ``("error", text)``."""
+    with contextlib.suppress(OSError, AttributeError):  # die with the parent (Linux)
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        store = dist.FileStore(store_path, world)  # type: ignore[attr-defined]
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=world, store=store, timeout=PG_TIMEOUT
+        )
+
+        def progress(payload: dict[str, Any]) -> None:
+            conn.send_bytes(pickle.dumps(("progress", payload)))
+
+        result = job(progress)
+        dist.barrier()
+        dist.destroy_process_group()
+        conn.send_bytes(pickle.dumps(("done", result)))
+    except BaseException:
+        with contextlib.suppress(Exception):
+            conn.send_bytes(pickle.dumps(("error", traceback.format_exc())))
+        os._exit(1)
+    os._exit(0)
+
+
+def _loopback() -> None:
+    """Keep gloo on the loopback interface (Linux names it ``lo``)."""
+    if sys.platform.startswith("linux") and os.path.exists("/sys/class/net/lo"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+
+def run_ranks(
+    world: int,
+    job: Job,
+    on_progress: Callable[[dict[str, Any]], None],
+    *,
+    timeout_s: float | None = None,
+) -> list[Any]:
+    """Run ``job`` on ``world`` forked ranks; their results in rank order.
+
+    Args:
+        world: Number of ranks.
+        job: What each rank runs (it inherits everything by fork: no pickling of ``job``).
+        on_progress: Called in this process with each progress payload a rank sends.
+        timeout_s: Deadline for the whole job (None: none; a rank stuck in a collective
+            still fails after the process group's timeout).
+
+    Raises:
+        RankFailure: If a rank raised, died, or the deadline passed; the other ranks are
+            stopped first.
+    """
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        raise RuntimeError("run_ranks forks its ranks from a process without a process group")
+    limit_threads()
+    _loopback()
+    _warm_up()
+    ctx = mp.get_context("fork")
+    with tempfile.TemporaryDirectory(prefix="canzona-demo-") as tmp:
+        procs: list[BaseProcess] = []
+        conns: list[Connection] = []
+        try:
+            for rank in range(world):
+                parent_end, child_end = ctx.Pipe(duplex=False)
+                proc = ctx.Process(
+                    target=_rank_main,
+                    args=(rank, world, os.path.join(tmp, "store"), child_end, job),
+                    name=f"canzona-demo-rank{rank}",
+                    daemon=True,
+                )
+                proc.start()
+                child_end.close()
+                procs.append(proc)
+                conns.append(parent_end)
+            deadline = math.inf if timeout_s is None else time.monotonic() + timeout_s
+            return _collect(procs, conns, on_progress, deadline)
+        finally:
+            for started in procs:
+                if started.is_alive() and started.pid is not None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(started.pid, signal.SIGKILL)
+                started.join(timeout=5.0)
+            for conn in conns:
+                conn.close()
+
+
+def _collect(
+    procs: list[BaseProcess],
+    conns: list[Connection],
+    on_progress: Callable[[dict[str, Any]], None],
+    deadline: float,
+) -> list[Any]:
+    results: dict[int, Any] = {}
+    pending = set(range(len(procs)))
+    while pending:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise RankFailure(f"rank(s) {sorted(pending)} did not finish in time")
+        waitables: list[Any] = [conns[r] for r in pending] + [procs[r].sentinel for r in pending]
+        ready = set(wait(waitables, timeout=None if math.isinf(remaining) else remaining))
+        for rank in sorted(pending):
+            conn = conns[rank]
+            if conn not in ready and procs[rank].sentinel not in ready:
+                continue
+            try:
+                kind, body = pickle.loads(conn.recv_bytes())
+            except (EOFError, OSError):
+                procs[rank].join(timeout=1.0)
+                raise RankFailure(
+                    f"rank {rank} died (exit code {procs[rank].exitcode}) without a result"
+                ) from None
+            if kind == "progress":
+                on_progress(body)
+            elif kind == "done":
+                results[rank] = body
+                pending.discard(rank)
+            else:
+                raise RankFailure(f"rank {rank} failed:\n{body.rstrip()}")
+    return [results[r] for r in range(len(procs))]

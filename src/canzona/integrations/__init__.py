@@ -1,0 +1,1 @@
+"""Routes into training frameworks; each submodule imports its framework only when used."""
