@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 
 import torch
@@ -21,6 +22,11 @@ def digest_chunks(hexdigest: str) -> list[int]:
     return [int(hexdigest[i : i + 10], 16) for i in range(0, 10 * _CHUNKS, 10)]
 
 
+def grads_digest(has_grad: Sequence[bool]) -> str:
+    """sha256 of a gradient-presence bitmap."""
+    return hashlib.sha256(bytes(1 if g else 0 for g in has_grad)).hexdigest()
+
+
 def check_header(
     *,
     num_params: int,
@@ -29,14 +35,24 @@ def check_header(
     hparams: str,
     needs_setup: bool,
     watchdog: Watchdog,
-) -> bool:
-    """All-gather a small fixed-size header and compare it across ranks.
+    names: Sequence[str] = (),
+    has_grad: Sequence[bool] = (),
+    nonfinite: bool = False,
+) -> tuple[bool, bool]:
+    """All-gather one small fixed-size header and compare it across ranks.
+
+    The header holds the parameter count and digests of the parameter list, the plan,
+    the hyper-parameters and the gradient-presence bitmap, plus two flags (non-finite
+    gradient, re-plan needed). It is the only collective of a step's checks when
+    everything agrees.
 
     Returns:
-        True when any rank needs to (re)build its plan; every rank then rebuilds.
+        (any rank needs to (re)build its plan, any rank saw a non-finite gradient).
 
     Raises:
         PlanMismatchError: on every rank, naming the ranks that disagree and on what.
+        GradientMismatchError: on every rank, when gradient presence differs (after one
+            more collective that finds which parameters and ranks).
     """
     values = [
         num_params,
@@ -44,10 +60,16 @@ def check_header(
         *digest_chunks(plan),
         *digest_chunks(hparams),
     ]
+    grads = digest_chunks(grads_digest(has_grad))
     gathered = gather_ints(
-        [*values, int(needs_setup)], watchdog=watchdog, phase=0, what="the step's cross-rank check"
+        [*values, *grads, int(nonfinite), int(needs_setup)],
+        watchdog=watchdog,
+        phase=0,
+        what="the step's cross-rank check",
     )
-    rows = [tuple(r) for r in gathered]
+    rows = [(*r[: len(values)], r[-1]) for r in gathered]
+    grad_rows = {tuple(r[len(values) : len(values) + _CHUNKS]) for r in gathered}
+    flagged = any(r[-2] for r in gathered)
     setups = [r[-1] for r in rows]
     compared = [r[:-1] for r in rows]
     # a rank that is about to re-plan has no valid plan digest yet: compare it only
@@ -57,7 +79,10 @@ def check_header(
         compared = [r[: plan_slice.start] + r[plan_slice.stop :] for r in compared]
     if len(set(compared)) != 1:
         _raise_mismatch(rows, any(setups))
-    return any(setups)
+    if len(grad_rows) != 1:
+        check_gradients(names, has_grad, watchdog=watchdog)
+        raise AssertionError("gradient digests differ but presence agrees")  # pragma: no cover
+    return any(setups), flagged
 
 
 def _raise_mismatch(rows: list[tuple[int, ...]], replanning: bool) -> None:

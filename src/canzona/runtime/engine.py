@@ -11,7 +11,6 @@ from torch.distributed.tensor import DTensor
 
 from canzona.plan import CostModel, Plan, PlanConfig, build_plan
 from canzona.runtime.checks import (
-    check_gradients,
     check_header,
     check_plan_digest,
     failing_ranks,
@@ -156,12 +155,17 @@ class MatrixRuntime:
             non-finite gradient (then every rank skips the step).
         """
         self.watchdog.step += 1
-        self.sync_plan(
-            names, tensors, matrix_params, itemsize=itemsize, extra=extra, hparams=hparams
+        _, flagged = self.sync_plan(
+            names,
+            tensors,
+            matrix_params,
+            itemsize=itemsize,
+            extra=extra,
+            hparams=hparams,
+            has_grad=has_grad,
+            nonfinite=nonfinite,
         )
-        if self.group is not None and self.config.check_every_step:
-            return check_gradients(names, has_grad, watchdog=self.watchdog, nonfinite=nonfinite)
-        return {i for i, g in enumerate(has_grad) if g}, nonfinite
+        return {i for i, g in enumerate(has_grad) if g}, flagged
 
     def sync_plan(
         self,
@@ -172,28 +176,38 @@ class MatrixRuntime:
         itemsize: Callable[[int], int],
         extra: str,
         hparams: str,
-    ) -> bool:
-        """Run the cross-rank header check and (re)plan when needed; True if it re-planned."""
+        has_grad: Sequence[bool] = (),
+        nonfinite: bool = False,
+    ) -> tuple[bool, bool]:
+        """Run the cross-rank header check and (re)plan when needed.
+
+        Returns:
+            (whether it re-planned, whether any rank saw a non-finite gradient).
+        """
         layouts = self.layouts(names, tensors)
         config = repr((extra, self.plan_config, self.config.overlap, tuple(matrix_params)))
         structure = structure_digest(layouts, config)
         needs_setup = self.pipeline is None or structure != self._structure
         self.watchdog.tag = f"{self._instance}-{structure[:16]}"
-        if self.group is not None and self.config.check_every_step:
-            needs_setup = check_header(
+        flagged = nonfinite
+        if self.group is not None and (self.config.check_every_step or self.config.skip_nonfinite):
+            needs_setup, flagged = check_header(
                 num_params=len(tensors),
                 structure=structure,
                 plan=self.digest,
                 hparams=hparams,
                 needs_setup=needs_setup,
                 watchdog=self.watchdog,
+                names=names,
+                has_grad=has_grad,
+                nonfinite=nonfinite,
             )
         self.previous = None
         if needs_setup:
             if self.topology is not None:
                 self.previous = snapshot(self)
             self._setup(layouts, structure, config, matrix_params, itemsize)
-        return needs_setup
+        return needs_setup, flagged
 
     def _setup(
         self,
