@@ -182,3 +182,38 @@ def _fully_shard_case(world_mesh: tuple[int, ...]) -> dict[str, bool]:
 def test_fully_shard_bitwise(dist: Any, world: int) -> None:
     for out in dist(world).run(_fully_shard_case, (world,)):
         assert all(out.values()), out
+
+
+def _tp_only_case() -> dict[str, bool]:
+    """parallelize_module alone on a (4,) mesh: Colwise Shard(0), Rowwise Shard(1)."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(
+        torch.nn.Linear(10, 22, bias=False), torch.nn.ReLU(), torch.nn.Linear(22, 9, bias=False)
+    )
+    model = copy.deepcopy(ref)
+    parallelize_module(model, mesh((4,)), {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    opt = canzona.Muon(model.parameters(), **KW)
+    ref_opt = torch.optim.Muon(ref.parameters(), **KW)
+    x = torch.randn(6, 10)
+    for _ in range(3):
+        ref_opt.zero_grad()
+        ref(x).pow(2).sum().backward()
+        grads = {n: p.grad for n, p in ref.named_parameters()}
+        set_grads(list(model.named_parameters()), grads)
+        opt.step()
+        ref_opt.step()
+    return {
+        n: bool(torch.equal(p.full_tensor(), q.detach()))
+        for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True)
+    }
+
+
+def test_tensor_parallel_only_world4(dist: Any) -> None:
+    for out in dist(4).run(_tp_only_case):
+        assert out == {"0.weight": True, "2.weight": True}
