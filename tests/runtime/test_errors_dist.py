@@ -228,7 +228,7 @@ def test_watchdog_names_the_rank_that_never_arrived(dist: Any) -> None:
     for rank in (0, 2, 3):
         kind, msg = out[rank]
         assert kind == "CollectiveTimeoutError", msg
-        assert "ranks that have not reached it: 1 (last: nothing yet)" in msg
+        assert "ranks that have not reached it: 1 (last: not waiting in any collective)" in msg
         assert "did not complete within 2s" in msg
 
 

@@ -23,11 +23,14 @@ def default_store() -> Any:
 
 @dataclass
 class Watchdog:
-    """Waits on async collectives with a deadline and records each rank's progress.
+    """Waits on async collectives with a deadline and names the ranks left behind.
 
-    Before every collective it issues, a rank writes ``(step, phase, label)`` under its
-    own key in the default store. When a wait times out, the rank reads every peer's
-    key and names the ranks that have not reached the collective it is stuck in.
+    Before every collective it issues, a rank records ``(step, phase, label)``. A wait
+    that takes longer than a short grace publishes that position under the rank's key
+    in the default store (healthy steps never touch the store); when the deadline
+    passes, the rank reads every peer's key and names the ranks that have not reached
+    the collective it is stuck in: those whose published position is behind, and those
+    that never published one (they are not waiting in a collective at all).
 
     Attributes:
         group: Process group of the collectives.
@@ -35,7 +38,8 @@ class Watchdog:
         world: Size of ``group``.
         timeout_s: Deadline of every wait.
         tag: Namespace shared by the ranks of one optimizer (its plan digest).
-        markers: Write progress markers (one small store write per collective).
+        markers: Publish progress markers on slow waits.
+        grace_s: How long a wait runs before this rank publishes its position.
         step: Steps begun so far (markers and messages name it).
         device: Device of the small check tensors (the parameters' device; None: CPU).
     """
@@ -48,6 +52,8 @@ class Watchdog:
     markers: bool = True
     step: int = 0
     device: Any = None
+    grace_s: float = 1.0
+    _label: str = ""
     _store: Any = field(default=None, repr=False)
     _position: tuple[int, int] = (0, 0)
 
@@ -61,10 +67,14 @@ class Watchdog:
     def mark(self, phase: int, label: str) -> None:
         """Record that this rank is about to enter collective ``phase`` of the step."""
         self._position = (self.step, phase)
+        self._label = label
+
+    def _publish(self) -> None:
         if self._store is None:
             return
+        step, phase = self._position
         try:
-            self._store.set(self._key(self.rank), f"{self.step}|{phase}|{label}")
+            self._store.set(self._key(self.rank), f"{step}|{phase}|{self._label}")
         except RuntimeError:
             self._store = None  # the store went away: keep running without markers
 
@@ -77,7 +87,7 @@ class Watchdog:
             key = self._key(r)
             try:
                 if not self._store.check([key]):
-                    out.append((r, "nothing yet"))
+                    out.append((r, "not waiting in any collective"))
                     continue
                 step, phase, label = self._store.get(key).decode().split("|", 2)
             except (RuntimeError, ValueError):
@@ -93,8 +103,15 @@ class Watchdog:
             CollectiveTimeoutError: naming the collective and, where the default store
                 is reachable, the ranks that have not reached it.
         """
+        grace = min(self.grace_s, self.timeout_s / 2) if self._store is not None else 0.0
+        if grace > 0:
+            try:
+                work.wait(timeout=timedelta(seconds=grace))
+                return
+            except RuntimeError:
+                self._publish()  # slow: let peers see where this rank waits
         try:
-            work.wait(timeout=timedelta(seconds=self.timeout_s))
+            work.wait(timeout=timedelta(seconds=self.timeout_s - grace))
         except RuntimeError as exc:
             late = self.behind()
             who = (

@@ -1,0 +1,51 @@
+"""Run every benchmark in one mode: ``run_all.py --quick|--full`` (the ``nox -s bench`` entry).
+
+Each script runs in its own process (one intra-op thread, ``OMP_NUM_THREADS=1``), in the order
+plan_quality, kernels, step_latency, train_step, and writes its JSON under
+``benchmarks/results/``. Full mode also rewrites each script's section of
+``docs/benchmarks.md`` (the published numbers); quick mode, under five minutes on 2 cores,
+writes its Markdown to ``benchmarks/results/benchmarks_quick.md`` and leaves the docs alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+SCRIPTS = ("plan_quality", "kernels", "step_latency", "train_step")
+QUICK_DOC = HERE / "results" / "benchmarks_quick.md"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="every benchmark's quick mode (default)")
+    mode.add_argument("--full", action="store_true", help="every benchmark's full mode")
+    parser.add_argument("--only", nargs="+", choices=SCRIPTS, help="run only these")
+    args = parser.parse_args(argv)
+    flag = "--full" if args.full else "--quick"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    failed, began = [], time.perf_counter()
+    for name in args.only or SCRIPTS:
+        start = time.perf_counter()
+        print(f"== {name} {flag}", flush=True)
+        extra: list[str] = []
+        if not args.full:  # keep the published full-mode numbers in docs/benchmarks.md
+            extra = ["--no-docs"] if name == "plan_quality" else ["--doc", str(QUICK_DOC)]
+        command = [sys.executable, str(HERE / f"{name}.py"), flag, *extra]
+        code = subprocess.call(command, env=env)
+        print(f"== {name}: exit {code}, {time.perf_counter() - start:.0f} s", flush=True)
+        if code:
+            failed.append(name)
+    print(f"== all: {time.perf_counter() - began:.0f} s; failed: {failed or 'none'}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
