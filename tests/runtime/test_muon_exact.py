@@ -37,6 +37,7 @@ def _muon_case(
     steps: int = 3,
     kinds: tuple[str, ...] | None = None,
     overlaps: tuple[bool, ...] = (True, False),
+    depth: int = 1,
 ) -> dict[str, Any]:
     shapes = {n: SHAPES[n] for n in placements}
     fulls = full_tensors(shapes)
@@ -52,7 +53,7 @@ def _muon_case(
                     ps,
                     **KW,
                     plan=plan(s, capacity_mb=capacity_mb, replica_dedup=dedup),
-                    pipeline=canzona.PipelineConfig(overlap=o),
+                    pipeline=canzona.PipelineConfig(overlap=o, depth=depth),
                 ),
                 params,
                 grads,
@@ -95,9 +96,10 @@ def test_hsdp_world4(dist: Any, dedup: bool) -> None:
     _assert_bitwise(dist(4).run(_muon_case, (2, 2), placements, dedup=dedup))
 
 
-def test_world2_with_small_micro_groups(dist: Any) -> None:
+@pytest.mark.parametrize("depth", [1, 3])
+def test_world2_with_small_micro_groups(dist: Any, depth: int) -> None:
     """A tiny capacity forces one matrix per owner per micro-group: many groups in flight."""
-    _assert_bitwise(dist(2).run(_muon_case, (2,), ALL_ROWS, capacity_mb=1e-4))
+    _assert_bitwise(dist(2).run(_muon_case, (2,), ALL_ROWS, capacity_mb=1e-4, depth=depth))
 
 
 def _mixed_case() -> dict[str, Any]:

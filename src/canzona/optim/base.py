@@ -184,6 +184,10 @@ class MatrixOptimizer(OwnerStateMixin, Optimizer):
         """Element-wise phase: write this rank's fragment of the direction into ``p``."""
         raise NotImplementedError
 
+    def _payload_dtype(self, p: Tensor, group: dict[str, Any]) -> torch.dtype:
+        """Dtype of what travels to the owner (``_prepare``'s output is cast to it)."""
+        return p.dtype
+
     def _direction_dtype(self, p: Tensor, group: dict[str, Any]) -> torch.dtype:
         return torch.promote_types(p.dtype, torch.float32)
 
@@ -213,7 +217,7 @@ class MatrixOptimizer(OwnerStateMixin, Optimizer):
             names,
             params,
             matrix,
-            itemsize=lambda i: params[i].element_size(),
+            itemsize=lambda i: self._payload_dtype(params[i], groups[i]).itemsize,
             extra=self._config_repr(),
             has_grad=has_grad,
             hparams=self._hyper_fingerprint(),
@@ -242,7 +246,8 @@ class MatrixOptimizer(OwnerStateMixin, Optimizer):
                 self._init_storage_state(p, state, group)
                 self._add_owner_placeholders(p, state, group)
             self._bump_step(state)
-            payloads[i] = self._prepare(p, local_grad(names[i], p), state, group)
+            payload = self._prepare(p, local_grad(names[i], p), state, group)
+            payloads[i] = payload.to(self._payload_dtype(p, group))
             shapes[i] = tuple(local_tensor(p).shape)
         matrix_active = active & matrix_set
         if not matrix_active:
@@ -283,7 +288,7 @@ class MatrixOptimizer(OwnerStateMixin, Optimizer):
         self.last_step_stats = self._runtime.run(
             active=matrix_active,
             payloads=payloads,
-            payload_dtype=lambda i: params[i].dtype,
+            payload_dtype=lambda i: self._payload_dtype(params[i], groups[i]),
             direction_dtype=lambda i: self._direction_dtype(params[i], groups[i]),
             local_shapes=shapes,
             compute=compute,
@@ -304,7 +309,7 @@ class MatrixOptimizer(OwnerStateMixin, Optimizer):
             names,
             params,
             self._matrix_indices(params, groups),
-            itemsize=lambda i: params[i].element_size(),
+            itemsize=lambda i: self._payload_dtype(params[i], groups[i]).itemsize,
             extra=self._config_repr(),
             hparams=self._hyper_fingerprint(),
         )

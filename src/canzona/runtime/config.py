@@ -29,6 +29,11 @@ class PipelineConfig:
     Attributes:
         overlap: Keep the next micro-group's gather and the previous one's scatter in
             flight while a micro-group computes. Results are bit-identical either way.
+        depth: With ``overlap``, how many micro-groups ahead gathers are issued and how
+            many scatters stay in flight before being applied (1: the next group's gather
+            and the previous group's scatter). More depth lets ranks drift further apart
+            within a step (absorbing per-group imbalance) at the cost of that many more
+            groups' buffers in memory.
         timeout_s: Watchdog for every collective the optimizer issues; a wait that
             exceeds it raises :class:`CollectiveTimeoutError` naming the micro-group.
         check_every_step: Run the small per-step cross-rank check (parameter set,
@@ -47,6 +52,7 @@ class PipelineConfig:
     """
 
     overlap: bool = True
+    depth: int = 1
     timeout_s: float = 600.0
     check_every_step: bool = True
     process_group: Any = None
@@ -56,5 +62,7 @@ class PipelineConfig:
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s!r}")
+        if not isinstance(self.depth, int) or self.depth < 1:
+            raise ValueError(f"depth must be an int >= 1, got {self.depth!r}")
         if not isinstance(self.overlap, bool):
             raise ValueError(f"overlap must be a bool, got {self.overlap!r}")

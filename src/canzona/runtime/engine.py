@@ -185,7 +185,9 @@ class MatrixRuntime:
             (whether it re-planned, whether any rank saw a non-finite gradient).
         """
         layouts = self.layouts(names, tensors)
-        config = repr((extra, self.plan_config, self.config.overlap, tuple(matrix_params)))
+        config = repr(
+            (extra, self.plan_config, self.config.overlap, self.config.depth, tuple(matrix_params))
+        )
         structure = structure_digest(layouts, config)
         needs_setup = self.pipeline is None or structure != self._structure
         self.watchdog.tag = f"{self._instance}-{structure[:16]}"

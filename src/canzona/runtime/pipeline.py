@@ -384,12 +384,14 @@ class Pipeline:
             step.deliver(route, data)
 
     def _run_groups(self, groups: list[list[Item]], step: _Step) -> None:
-        overlap = self.config.overlap
-        gathers = {0: self._gather(groups[0], step, 0)}
+        lookahead = self.config.depth if self.config.overlap else 0
+        gathers: dict[int, _Pending] = {}
+        issued = 0  # gathers issued so far, in group order
         in_flight: list[_Pending] = []
         for k, items in enumerate(groups):
-            if overlap and k + 1 < len(groups):
-                gathers[k + 1] = self._gather(groups[k + 1], step, k + 1)
+            while issued <= min(k + lookahead, len(groups) - 1):
+                gathers[issued] = self._gather(groups[issued], step, issued)
+                issued += 1
             pending = gathers.pop(k)
             self._wait(pending, step.stats)
             results = self._compute_group(items, pending, step, k)
@@ -400,14 +402,8 @@ class Pipeline:
                             if r.frag is not None:
                                 step.deliver(r, r.frag.read(out[i]))
             else:
-                scatter = self._scatter(items, results, step, k)
-                if overlap:
-                    if in_flight:
-                        self._apply_scatter(in_flight.pop(), step)
-                    in_flight.append(scatter)
-                else:
-                    self._apply_scatter(scatter, step)
-            if not overlap and k + 1 < len(groups):
-                gathers[k + 1] = self._gather(groups[k + 1], step, k + 1)
+                in_flight.append(self._scatter(items, results, step, k))
+                while len(in_flight) > lookahead:
+                    self._apply_scatter(in_flight.pop(0), step)
         while in_flight:
             self._apply_scatter(in_flight.pop(0), step)
