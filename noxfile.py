@@ -32,7 +32,7 @@ def tests(session: nox.Session) -> None:
 @nox.session
 def lint(session: nox.Session) -> None:
     """Ruff lint and format check."""
-    session.install("ruff>=0.6")
+    session.install("ruff==0.17.6")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
 
@@ -41,7 +41,7 @@ def lint(session: nox.Session) -> None:
 def typecheck(session: nox.Session) -> None:
     """Mypy over the package (strict on the plan and updates layers)."""
     _install(session, "test")
-    session.install("mypy>=1.10")
+    session.install("mypy==2.4.1")
     session.run("mypy")
 
 
