@@ -22,10 +22,22 @@ def _install(session: nox.Session, extras: str) -> None:
     session.install(f".[{extras}]")
 
 
+# TorchTitan's optimizer container and models without its training stack, so that the
+# integration tests run for real (see docs/torchtitan.md); --no-deps keeps torch pinned.
+TORCHTITAN = [
+    "torchtitan==0.3.0",
+    "tyro==1.0.17",
+    "spmd_types==0.2.3",
+    "docstring_parser==0.18.0",
+    "typeguard==4.6.1",
+]
+
+
 @nox.session
 def tests(session: nox.Session) -> None:
     """Run the whole test suite (multi-process gloo tests included)."""
     _install(session, "test")
+    session.install("--no-deps", *TORCHTITAN)
     session.run("pytest", "-q", *session.posargs, env=THREAD_ENV)
 
 

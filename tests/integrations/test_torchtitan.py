@@ -27,7 +27,7 @@ from canzona.integrations.torchtitan import ADAMW_PATTERN, build_optimizer, canz
 
 requires_torchtitan = pytest.mark.skipif(
     importlib.util.find_spec("torchtitan") is None,
-    reason="torchtitan is not installed (not in the test extra; see docs/torchtitan.md)",
+    reason="torchtitan is not installed (nox -s tests installs it; see docs/torchtitan.md)",
 )
 
 LR, ADAMW_LR = 0.02, 3e-3
