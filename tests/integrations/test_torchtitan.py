@@ -169,6 +169,79 @@ def tiny_qwen3(seed: int = 0) -> nn.Module:
     return model
 
 
+class _Block(nn.Module):
+    def __init__(self, dim: int, hidden: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.attention_norm = nn.RMSNorm(dim, eps=1e-6)
+        self.attention = nn.ModuleDict(
+            {"wqkv": nn.Linear(dim, 3 * dim, bias=False), "wo": nn.Linear(dim, dim, bias=False)}
+        )
+        self.ffn_norm = nn.RMSNorm(dim, eps=1e-6)
+        self.feed_forward = nn.ModuleDict(
+            {
+                "w1": nn.Linear(dim, hidden, bias=False),
+                "w2": nn.Linear(hidden, dim, bias=False),
+                "w3": nn.Linear(dim, hidden, bias=False),
+            }
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.attention["wqkv"](self.attention_norm(x)).chunk(3, dim=-1)
+        q, k, v = (z.view(b, t, self.heads, -1).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.attention["wo"](y.transpose(1, 2).reshape(b, t, d))
+        h = self.ffn_norm(x)
+        ff = self.feed_forward
+        return x + ff["w2"](F.silu(ff["w1"](h)) * ff["w3"](h))
+
+
+class TinyDecoder(nn.Module):
+    """A plain-torch decoder with TorchTitan's module names and ``Decoder`` attributes.
+
+    TorchTitan 0.3.0's own model modules import triton at import time (its MoE token
+    dispatcher); this model lets the container, TorchTitan's FSDP wrapping and its
+    checkpoint format be tested where triton is not installed.
+    """
+
+    enable_weight_tying = False
+
+    def __init__(self, dim: int = 64, hidden: int = 128, vocab: int = 256) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleDict({str(i): _Block(dim, hidden, 4) for i in range(2)})
+        self.norm = nn.RMSNorm(dim, eps=1e-6)
+        self.lm_head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            x = layer(x)
+        return self.lm_head(self.norm(x))
+
+
+def tiny_model(kind: str, seed: int = 0) -> nn.Module:
+    """TorchTitan's Qwen3 (``"qwen3"``) or the plain-torch decoder (``"decoder"``)."""
+    if kind == "qwen3":
+        return tiny_qwen3(seed)
+    torch.manual_seed(seed)
+    return TinyDecoder()
+
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+KINDS = [
+    "decoder",
+    pytest.param(
+        "qwen3",
+        marks=pytest.mark.skipif(
+            not HAS_TRITON,
+            reason="TorchTitan 0.3.0's model modules import triton, which is not installed",
+        ),
+    ),
+]
+
+
 def plain_muon(model: nn.Module) -> canzona.Muon:
     """What the container should build: one canzona.Muon, AdamW group first."""
     named = list(model.named_parameters())
@@ -251,8 +324,9 @@ def container(model: nn.Module, optimizer: str = "muon", **kwargs: Any) -> Any:
 
 
 @requires_torchtitan
-def test_container_builds_one_canzona_muon_and_matches_it() -> None:
-    model = tiny_qwen3()
+@pytest.mark.parametrize("kind", KINDS)
+def test_container_builds_one_canzona_muon_and_matches_it(kind: str) -> None:
+    model = tiny_model(kind)
     opt = container(model)
     assert type(opt).__name__ == "CanzonaOptimizersContainer"
     assert [type(o) for o in opt.optimizers] == [canzona.Muon]
@@ -261,20 +335,20 @@ def test_container_builds_one_canzona_muon_and_matches_it() -> None:
     losses = train(model, opt, batches())
     assert losses[-1] < losses[0]
 
-    reference = tiny_qwen3()
+    reference = tiny_model(kind)
     train(reference, plain_muon(reference), batches())
     want = full_params(reference)
     for name, value in full_params(model).items():
         assert torch.equal(value, want[name]), name
 
 
-def _fsdp_run() -> dict[str, Any]:
+def _fsdp_run(kind: str) -> dict[str, Any]:
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
     out: dict[str, Any] = {}
     for route in ("container", "plain"):
-        model = tiny_qwen3()
+        model = tiny_model(kind)
         shard(model, world)
         opt = container(model) if route == "container" else plain_muon(model)
         losses = train(model, opt, batches(rank, world), world)
@@ -283,9 +357,10 @@ def _fsdp_run() -> dict[str, Any]:
 
 
 @requires_torchtitan
-def test_fsdp_two_ranks_matches_plain_muon_and_one_process(dist: Any) -> None:
-    results = dist(2).run(_fsdp_run)
-    reference = tiny_qwen3()
+@pytest.mark.parametrize("kind", KINDS)
+def test_fsdp_two_ranks_matches_plain_muon_and_one_process(dist: Any, kind: str) -> None:
+    results = dist(2).run(_fsdp_run, kind)
+    reference = tiny_model(kind)
     train(reference, plain_muon(reference), batches())
     want = full_params(reference)
     for rank_result in results:
@@ -300,13 +375,13 @@ def _clone(value: Any) -> Any:
     return value.detach().clone() if isinstance(value, torch.Tensor) else value
 
 
-def _shampoo_round_trip() -> dict[str, Any]:
+def _shampoo_round_trip(kind: str) -> dict[str, Any]:
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
     data = batches(rank, world)
     hyper = {"precondition_frequency": 1, "start_preconditioning_step": 1, "weight_decay": 0.0}
-    model = tiny_qwen3()
+    model = tiny_model(kind)
     shard(model, world)
     opt = container(model, "shampoo", **hyper)
     train(model, opt, data[:2], world)
@@ -326,8 +401,9 @@ def _shampoo_round_trip() -> dict[str, Any]:
 
 
 @requires_torchtitan
-def test_state_dict_round_trip_keeps_owner_held_shampoo_state(dist: Any) -> None:
-    for result in dist(2).run(_shampoo_round_trip):
+@pytest.mark.parametrize("kind", KINDS)
+def test_state_dict_round_trip_keeps_owner_held_shampoo_state(dist: Any, kind: str) -> None:
+    for result in dist(2).run(_shampoo_round_trip, kind):
         assert {"exp_avg", "step"} <= set(result["keys"])
         assert len(result["keys"]) > 3, result["keys"]  # factors and roots held on owners
         for name, value in result["resumed"].items():
