@@ -101,8 +101,38 @@ class MuonCost:
         return _payload(spec)
 
 
+class _GradientPayload:
+    """The full gradient travels to the owner and is held there while it computes."""
+
+    __slots__ = ()
+
+    def comm_bytes(self, spec: MatrixSpec) -> int:
+        """The full gradient payload, ``numel * itemsize``."""
+        return _payload(spec)
+
+    def memory_bytes(self, spec: MatrixSpec) -> int:
+        """The assembled full matrix on the owner, ``numel * itemsize``."""
+        return _payload(spec)
+
+
+def _kronecker_flops(
+    spec: MatrixSpec, *, max_dim: int, products: int, cube: float, frequency: int
+) -> float:
+    """Per-side Kronecker work: ``products`` products of ``2 d^2 (mn/d)`` and ``cube d^3 / f``.
+
+    A side longer than ``max_dim`` costs nothing; the element-wise Adam-like term
+    ``ADAM_ELEMENTWISE * m n`` is always added; the total is multiplied by the batch.
+    """
+    m, n = spec.m, spec.n
+    total = float(ADAM_ELEMENTWISE * m * n)
+    for d in (m, n):
+        if d <= max_dim:
+            total += 2 * d * m * n * products + cube * d**3 / frequency
+    return spec.batch * total
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
-class ShampooCost:
+class ShampooCost(_GradientPayload):
     """Shampoo with Kronecker factors ``L`` (m x m) and ``R`` (n x n).
 
     Per step and per preconditioned side (a side of size ``d <= max_precond_dim``):
@@ -131,25 +161,17 @@ class ShampooCost:
 
     def flops(self, spec: MatrixSpec) -> float:
         """Statistics + preconditioning + amortised roots + element-wise, times the batch."""
-        m, n = spec.m, spec.n
-        total = float(ADAM_ELEMENTWISE * m * n)
-        if m <= self.max_precond_dim:
-            total += 2 * m * m * n * 2 + EIGH_FACTOR * m**3 / self.precondition_frequency
-        if n <= self.max_precond_dim:
-            total += 2 * m * n * n * 2 + EIGH_FACTOR * n**3 / self.precondition_frequency
-        return spec.batch * total
-
-    def comm_bytes(self, spec: MatrixSpec) -> int:
-        """The full gradient payload, ``numel * itemsize``."""
-        return _payload(spec)
-
-    def memory_bytes(self, spec: MatrixSpec) -> int:
-        """The assembled full matrix on the owner, ``numel * itemsize``."""
-        return _payload(spec)
+        return _kronecker_flops(
+            spec,
+            max_dim=self.max_precond_dim,
+            products=2,
+            cube=EIGH_FACTOR,
+            frequency=self.precondition_frequency,
+        )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class SoapCost:
+class SoapCost(_GradientPayload):
     """SOAP: Adam in the eigenbasis of Shampoo's factors.
 
     Per step and per preconditioned side (``d <= max_precond_dim``):
@@ -178,26 +200,17 @@ class SoapCost:
 
     def flops(self, spec: MatrixSpec) -> float:
         """Statistics + two projections + amortised refresh + element-wise, times the batch."""
-        m, n = spec.m, spec.n
-        refresh = 2.0 + QR_FACTOR * 4.0 / 3.0
-        total = float(ADAM_ELEMENTWISE * m * n)
-        if m <= self.max_precond_dim:
-            total += 2 * m * m * n * 3 + refresh * m**3 / self.precondition_frequency
-        if n <= self.max_precond_dim:
-            total += 2 * m * n * n * 3 + refresh * n**3 / self.precondition_frequency
-        return spec.batch * total
-
-    def comm_bytes(self, spec: MatrixSpec) -> int:
-        """The full gradient payload, ``numel * itemsize``."""
-        return _payload(spec)
-
-    def memory_bytes(self, spec: MatrixSpec) -> int:
-        """The assembled full matrix on the owner, ``numel * itemsize``."""
-        return _payload(spec)
+        return _kronecker_flops(
+            spec,
+            max_dim=self.max_precond_dim,
+            products=3,
+            cube=2.0 + QR_FACTOR * 4.0 / 3.0,
+            frequency=self.precondition_frequency,
+        )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class AdamWCost:
+class AdamWCost(_GradientPayload):
     """AdamW: purely element-wise, ``12 * numel`` FLOPs (``ADAM_ELEMENTWISE``)."""
 
     name: str = field(default="adamw", init=False)
@@ -205,14 +218,6 @@ class AdamWCost:
     def flops(self, spec: MatrixSpec) -> float:
         """``12 * numel``."""
         return float(ADAM_ELEMENTWISE * spec.numel)
-
-    def comm_bytes(self, spec: MatrixSpec) -> int:
-        """The full gradient payload, ``numel * itemsize``."""
-        return _payload(spec)
-
-    def memory_bytes(self, spec: MatrixSpec) -> int:
-        """The assembled full matrix on the owner, ``numel * itemsize``."""
-        return _payload(spec)
 
 
 COST_MODELS: Mapping[str, type[Any]] = {
