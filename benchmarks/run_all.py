@@ -4,7 +4,8 @@ Each script runs in its own process (one intra-op thread, ``OMP_NUM_THREADS=1``)
 plan_quality, kernels, step_latency, train_step, and writes its JSON under
 ``benchmarks/results/``. Full mode also rewrites each script's section of
 ``docs/benchmarks.md`` (the published numbers); quick mode, under five minutes on 2 cores,
-writes its Markdown to ``benchmarks/results/benchmarks_quick.md`` and leaves the docs alone.
+writes its JSON, Markdown and chart under ``benchmarks/results/quick/`` and leaves the
+published files alone.
 """
 
 from __future__ import annotations
@@ -19,7 +20,14 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 SCRIPTS = ("plan_quality", "kernels", "step_latency", "train_step")
-QUICK_DOC = HERE / "results" / "benchmarks_quick.md"
+QUICK = HERE / "results" / "quick"
+QUICK_DOC = str(QUICK / "benchmarks_quick.md")
+QUICK_OUTPUTS = {
+    "plan_quality": ["--no-docs"],
+    "kernels": ["--out-dir", str(QUICK), "--doc", QUICK_DOC],
+    "step_latency": ["--out", str(QUICK), "--doc", QUICK_DOC, "--chart", str(QUICK / "chart.png")],
+    "train_step": ["--out", str(QUICK), "--doc", QUICK_DOC],
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -36,8 +44,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         start = time.perf_counter()
         print(f"== {name} {flag}", flush=True)
         extra: list[str] = []
-        if not args.full:  # keep the published full-mode numbers in docs/benchmarks.md
-            extra = ["--no-docs"] if name == "plan_quality" else ["--doc", str(QUICK_DOC)]
+        if not args.full:  # keep the published full-mode numbers and files untouched
+            extra = QUICK_OUTPUTS[name]
         command = [sys.executable, str(HERE / f"{name}.py"), flag, *extra]
         code = subprocess.call(command, env=env)
         print(f"== {name}: exit {code}, {time.perf_counter() - start:.0f} s", flush=True)
