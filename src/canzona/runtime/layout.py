@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.distributed.tensor.placement_types import (
@@ -71,31 +72,25 @@ def _merge(runs: Runs) -> Runs:
 
 @dataclass(frozen=True, slots=True)
 class Fragment:
-    """The part of a global tensor held by one rank: per-dimension index runs."""
+    """The part of a global tensor held by one rank: per-dimension index runs.
+
+    Attributes:
+        runs: Per tensor dimension, the ordered global index runs held.
+        shape: Local shape (derived).
+        numel: Number of elements held (derived).
+        contiguous: Every dimension is a single run, so the fragment is a slice (derived).
+    """
 
     runs: tuple[Runs, ...]
+    shape: tuple[int, ...] = field(init=False, compare=False)
+    numel: int = field(init=False, compare=False)
+    contiguous: bool = field(init=False, compare=False)
 
-    @property
-    def shape(self) -> tuple[int, ...]:
-        """Local shape of the fragment."""
-        return tuple(_runs_len(r) for r in self.runs)
-
-    @property
-    def numel(self) -> int:
-        """Number of elements held."""
-        total = 1
-        for size in self.shape:
-            total *= size
-        return total
-
-    @property
-    def contiguous(self) -> bool:
-        """True when every dimension is a single run (the fragment is a slice)."""
-        return all(len(r) <= 1 for r in self.runs)
-
-    def drop_leading(self, position: int) -> Fragment:
-        """The 2-D fragment of one matrix of a 3-D stack (``position`` in local dim 0)."""
-        return Fragment(self.runs[1:])
+    def __post_init__(self) -> None:
+        shape = tuple(_runs_len(r) for r in self.runs)
+        object.__setattr__(self, "shape", shape)
+        object.__setattr__(self, "numel", math.prod(shape))
+        object.__setattr__(self, "contiguous", all(len(r) <= 1 for r in self.runs))
 
     def leading_positions(self) -> dict[int, int]:
         """Map global leading index -> position in the local tensor's dim 0."""

@@ -119,6 +119,7 @@ class _Step:
     error_where: str = ""
     remote: list[tuple[int, list[int]]] = field(default_factory=list)
     device: torch.device | None = None
+    shapes: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
     def local_view(self, route: Route) -> torch.Tensor:
         data = self.payloads[route.item.param]
@@ -126,12 +127,21 @@ class _Step:
 
     def deliver(self, route: Route, data: torch.Tensor) -> None:
         p = route.item.param
-        target = self.dirs[p] if route.pos is None else self.dirs[p][route.pos]
-        target.copy_(data.view(target.shape))
+        if route.pos is None:  # a 2-D parameter: one fragment is its whole direction
+            self.pending[p] -= 1
+            self.applied.add(p)
+            self.apply(p, data.view(self.shapes[p]).to(self.direction_dtype(p)))
+            return
+        if p not in self.dirs:
+            self.dirs[p] = self.empty_direction(p)
+        self.dirs[p][route.pos].copy_(data.view(self.dirs[p].shape[1:]))
         self.pending[p] -= 1
         if self.pending[p] == 0:
             self.applied.add(p)
             self.apply(p, self.dirs[p])
+
+    def empty_direction(self, p: int) -> torch.Tensor:
+        return torch.empty(self.shapes[p], dtype=self.direction_dtype(p), device=self.device)
 
     def run_compute(
         self, batches: Batches, fill: Callable[[list[Route], torch.Tensor], None], where: str
@@ -262,11 +272,9 @@ class Pipeline:
         step.device = self.device
         step.stats.rank = self.rank
         t0 = time.perf_counter()
+        step.shapes = local_shapes
         for p in active:
             if p in local_shapes:
-                step.dirs[p] = torch.empty(
-                    local_shapes[p], dtype=direction_dtype(p), device=self.device
-                )
                 step.pending[p] = 0
         for route in self.routes.values():
             if route.item.param in active and route.frag is not None:
@@ -310,7 +318,7 @@ class Pipeline:
         for p, count in step.pending.items():
             if p not in step.applied:
                 assert count == 0, f"parameter {p}: {count} fragments never arrived"
-                step.apply(p, step.dirs[p])
+                step.apply(p, step.empty_direction(p))  # holds nothing of the matrix
 
     def _gather(self, items: list[Item], step: _Step, k: int) -> _Pending:
         dtype = common_dtype([step.payload_dtype(it.param) for it in items])
