@@ -1,6 +1,6 @@
 """Developer sessions: tests, lint, typecheck, demo, bench.
 
-Every session installs the pinned CPU build of torch first: an unpinned ``torch``
+Every session installs the pinned torch first (``torch==2.13.0``): an unpinned ``torch``
 requirement would pull a multi-GB CUDA build into a fresh environment.
 """
 

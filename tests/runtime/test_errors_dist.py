@@ -5,6 +5,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as tdist
 from torch import nn
@@ -146,7 +147,7 @@ def test_vector_in_matrix_group_rejected(dist: Any) -> None:
         assert "'norm.weight'" in msg and 'algorithm="adamw"' in msg
 
 
-def _nonfinite(cls_name: str, skip: bool, at: int = 1) -> dict[str, Any]:
+def _nonfinite(cls_name: str, skip: bool, at: int = 1, strategy: str = "canzona") -> dict[str, Any]:
     cls = getattr(canzona, cls_name)
     shapes = {"square": SHAPES["square"], "odd": SHAPES["odd"]}
     fulls = full_tensors(shapes)
@@ -158,7 +159,7 @@ def _nonfinite(cls_name: str, skip: bool, at: int = 1) -> dict[str, Any]:
     dist_params = sharded_params(fulls, mesh((4,)), {n: (Shard(0),) for n in shapes})
     outs, errors, skipped = [], [], []
     for params in (local, dist_params):
-        opt = cls(params, lr=0.01, pipeline=cfg)
+        opt = cls(params, lr=0.01, pipeline=cfg, plan=canzona.PlanConfig(strategy=strategy))
         error = "ok"
         for g in grads:
             set_grads(params, g)
@@ -191,9 +192,12 @@ def test_nonfinite_gradients_propagate_as_on_one_device(dist: Any) -> None:
         }
 
 
-def test_nonfinite_gradients_fail_the_eigendecomposition_on_every_rank(dist: Any) -> None:
+@pytest.mark.parametrize("strategy", ["canzona", "replicated"])
+def test_nonfinite_gradients_fail_the_eigendecomposition_on_every_rank(
+    dist: Any, strategy: str
+) -> None:
     """SOAP: eigh rejects NaN on the owner; every rank raises UpdateFailedError, none hangs."""
-    for out in dist(4).run(_nonfinite, "SOAP", False, 0, timeout=TIMEOUT):
+    for out in dist(4).run(_nonfinite, "SOAP", False, 0, strategy, timeout=TIMEOUT):
         assert out["errors"] == ["UpdateFailedError", "UpdateFailedError"]
         assert out["same"] == {"square": True, "odd": True}
 

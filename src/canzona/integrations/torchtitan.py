@@ -167,6 +167,7 @@ def canzona_optimizers(
     """
     if optimizer not in _SHORT:
         raise ValueError(f"optimizer must be one of {list(_SHORT)}, got {optimizer!r}")
+    container = _container_class()  # a clear ImportError when torchtitan is missing
     from torchtitan.components.optimizer import ParamGroupConfig
 
     name = _SHORT[optimizer]
@@ -178,7 +179,7 @@ def canzona_optimizers(
         "adamw_eps": adamw_eps,
     }
     matrix = {"lr": lr, "weight_decay": weight_decay, **kwargs}
-    return _container_class().Config(
+    return container.Config(
         param_groups=[
             ParamGroupConfig(pattern=adamw_pattern, optimizer_name=name, optimizer_kwargs=adamw),
             ParamGroupConfig(pattern=r".*", optimizer_name=name, optimizer_kwargs=matrix),

@@ -34,12 +34,16 @@ class PipelineConfig:
             and the previous group's scatter). More depth lets ranks drift further apart
             within a step (absorbing per-group imbalance) at the cost of that many more
             groups' buffers in memory.
-        timeout_s: Watchdog for every collective the optimizer issues; a wait that
-            exceeds it raises :class:`CollectiveTimeoutError` naming the micro-group.
+        timeout_s: Deadline of every wait on a collective the optimizer issues during
+            a step or a state-dict conversion; a wait that exceeds it raises
+            :class:`CollectiveTimeoutError` naming the collective and the ranks left
+            behind. (The one-time layout agreement uses ``all_gather_object``, bounded by
+            the process group's own timeout.)
         check_every_step: Run the small per-step cross-rank check (parameter set,
             plan digest, hyper-parameters, gradient presence) before the first
-            collective of each step. Disabling it saves one small all-reduce pair per
-            step but turns mismatches into hangs or wrong results.
+            collective of each step. Disabling it saves one small all-gather per step
+            but turns mismatches into hangs or wrong results (with ``skip_nonfinite`` the
+            header all-gather still runs, since it carries the non-finite flag).
         process_group: Process group the optimizer's collectives run on (default: the
             default group). Every rank of it must hold the same parameter list.
         progress_markers: Record, before each collective, which one this rank is about

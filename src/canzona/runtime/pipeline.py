@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from canzona.runtime.checks import failing_ranks
 from canzona.runtime.config import PipelineConfig, UpdateFailedError
 from canzona.runtime.layout import Fragment
 from canzona.runtime.routing import Item, Route
@@ -311,9 +312,10 @@ class Pipeline:
             ) from step.error
         if step.remote:
             k, ranks = step.remote[0]
+            what = "the step" if self.replicated else f"micro-group {k}"
             raise UpdateFailedError(
-                f"rank {self.rank}: the update of micro-group {k} failed on ranks {ranks} "
-                "(see their errors); that micro-group and the later ones were not applied"
+                f"rank {self.rank}: the update of {what} failed on ranks {ranks} "
+                "(see their errors); it and the later micro-groups were not applied"
             )
         for p, count in step.pending.items():
             if p not in step.applied:
@@ -396,6 +398,7 @@ class Pipeline:
         gathers: dict[int, _Pending] = {}
         issued = 0  # gathers issued so far, in group order
         in_flight: list[_Pending] = []
+        kept: list[tuple[Route, torch.Tensor]] = []  # replicated: own fragments, applied last
         for k, items in enumerate(groups):
             while issued <= min(k + lookahead, len(groups) - 1):
                 gathers[issued] = self._gather(groups[issued], step, issued)
@@ -404,14 +407,21 @@ class Pipeline:
             self._wait(pending, step.stats)
             results = self._compute_group(items, pending, step, k)
             if self.replicated:  # every rank computed every matrix: keep its own fragment
-                if step.error is None:
-                    for members, out in results:
-                        for i, r in enumerate(members):
-                            if r.frag is not None:
-                                step.deliver(r, r.frag.read(out[i]))
+                for members, out in results:
+                    kept += [(r, r.frag.read(out[i])) for i, r in enumerate(members) if r.frag]
             else:
                 in_flight.append(self._scatter(items, results, step, k))
                 while len(in_flight) > lookahead:
                     self._apply_scatter(in_flight.pop(0), step)
         while in_flight:
             self._apply_scatter(in_flight.pop(0), step)
+        if self.replicated:
+            # no scatter carries a status: one small all-gather decides for every rank
+            failed = failing_ranks(
+                step.error is None, watchdog=self.watchdog, what="the step's success check"
+            )
+            if failed:
+                step.remote.append((len(groups) - 1, failed))
+                return
+            for route, data in kept:
+                step.deliver(route, data)

@@ -37,7 +37,8 @@ class Watchdog:
         rank: This rank in ``group``.
         world: Size of ``group``.
         timeout_s: Deadline of every wait.
-        tag: Namespace shared by the ranks of one optimizer (its plan digest).
+        tag: Namespace shared by the ranks of one optimizer (its construction index and
+            a prefix of its parameter-structure digest).
         markers: Publish progress markers on slow waits.
         grace_s: How long a wait runs before this rank publishes its position.
         step: Steps begun so far (markers and messages name it).
