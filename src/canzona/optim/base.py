@@ -42,6 +42,24 @@ def scalar(value: float | Tensor) -> float:
     return float(value)
 
 
+def _plain(value: Any) -> Any:
+    """A process-independent view of a param-group value, for the cross-rank check.
+
+    Numbers, strings, dtypes and containers of them compare by value; a tensor by its
+    value when it has one element; any other object only by its type (its ``repr`` may
+    hold a memory address that differs between processes).
+    """
+    if value is None or isinstance(value, bool | int | float | str | torch.dtype):
+        return value
+    if isinstance(value, Tensor):
+        return scalar(value) if value.numel() == 1 else (str(value.dtype), tuple(value.shape))
+    if isinstance(value, list | tuple):
+        return tuple(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((str(k), _plain(v)) for k, v in value.items()))
+    return type(value).__qualname__
+
+
 class MatrixOptimizer(OwnerStateMixin, Optimizer):
     """Base of :class:`Muon`, :class:`Shampoo` and :class:`SOAP`.
 
@@ -105,6 +123,14 @@ class MatrixOptimizer(OwnerStateMixin, Optimizer):
         names = group.get("param_names")
         offset = sum(len(g["params"]) for g in self.param_groups[:-1])
         labels = [names[i] if names else f"param{offset + i}" for i in range(len(group["params"]))]
+        taken = set(self._flat()[1][:offset])
+        repeated = sorted({n for n in labels if n in taken or labels.count(n) > 1})
+        if repeated:
+            self.param_groups.pop()
+            raise ValueError(
+                f"parameter names must be unique in one optimizer; repeated: {repeated[:5]} "
+                "(prefix the names of parameters gathered from different modules)"
+            )
         try:
             for label, p in zip(labels, group["params"], strict=True):
                 validate_param(label, p)
@@ -143,12 +169,7 @@ class MatrixOptimizer(OwnerStateMixin, Optimizer):
     def _hyper_fingerprint(self) -> str:
         rows = []
         for group in self.param_groups:
-            row = []
-            for key in sorted(group):
-                if key in _NOT_HYPER:
-                    continue
-                value = group[key]
-                row.append((key, scalar(value) if isinstance(value, Tensor) else value))
+            row = [(key, _plain(group[key])) for key in sorted(group) if key not in _NOT_HYPER]
             rows.append(tuple(row))
         return fingerprint(tuple(rows))
 
@@ -333,7 +354,7 @@ class MatrixOptimizer(OwnerStateMixin, Optimizer):
         values = export_state(
             previous,
             entries,
-            get=lambda item, key: old[item.key][key],
+            get=lambda item, key: self._owner_state_of(item, params[item.param], groups, old)[key],
             meshes={e.param: param_mesh(params[e.param]) for e in entries},
         )
         self._owner_state = {}

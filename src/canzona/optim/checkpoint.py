@@ -9,6 +9,7 @@ from torch import Tensor
 
 from canzona.runtime import (
     StateEntry,
+    as_storage_layout,
     check_all_ok,
     export_state,
     import_state,
@@ -46,6 +47,29 @@ class OwnerStateMixin:
 
     def _sync_plan(self) -> None:
         raise NotImplementedError
+
+    def _owner_state_of(
+        self,
+        item: Any,
+        p: Tensor,
+        groups: list[dict[str, Any]],
+        store: dict[Any, dict[str, Tensor]] | None = None,
+    ) -> dict[str, Tensor]:
+        """The owner-held state of ``item``; a fresh one if it was never computed.
+
+        A step that raised :class:`~canzona.UpdateFailedError` skips the matrices after the
+        failure, so their owners may hold no state yet although the step counter moved.
+        """
+        owned = self._owner_state if store is None else store
+        state = owned.get(item.key)
+        if state is None:
+            state = self._fresh_owner_state(item, p, groups[item.param])
+            owned[item.key] = state
+        return state
+
+    def _fresh_owner_state(self, item: Any, p: Tensor, group: dict[str, Any]) -> dict[str, Tensor]:
+        """A new owner-held state for one matrix (none for optimizers without any)."""
+        return {}
 
     def _owner_specs(
         self, p: Tensor, group: dict[str, Any]
@@ -90,7 +114,7 @@ class OwnerStateMixin:
         values = export_state(
             snapshot(self._runtime),
             entries,
-            get=lambda item, key: self._owner_state[item.key][key],
+            get=lambda item, key: self._owner_state_of(item, params[item.param], groups)[key],
             meshes={e.param: param_mesh(params[e.param]) for e in entries},
         )
         packed = {k: dict(v) for k, v in sd["state"].items()}
@@ -219,7 +243,11 @@ class OwnerStateMixin:
                 continue
             stepped.add(pos)
             keys = owner_keys.get(pos, set())
-            storage[pid] = {k: v for k, v in entry.items() if k not in keys}
+            storage[pid] = {
+                k: v if k == "step" else as_storage_layout(v, params[pos])
+                for k, v in entry.items()
+                if k not in keys
+            }
             owner_values.update({(pos, k): v for k, v in entry.items() if k in keys})
         entries = self._entries(params, group_of, stepped)
         if entries:

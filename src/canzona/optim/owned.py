@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from canzona.optim.base import MatrixOptimizer
-from canzona.runtime import Item
+from canzona.runtime import Item, local_tensor
 
 InitFn = Callable[..., dict[str, Tensor]]
 DirectionFn = Callable[[Tensor, dict[str, Tensor], int, Any], Tensor]
@@ -41,6 +41,13 @@ class OwnerStateOptimizer(MatrixOptimizer):
     @staticmethod
     def _state_dtype(p: Tensor) -> torch.dtype:
         return torch.promote_types(p.dtype, torch.float32)
+
+    def _fresh_owner_state(self, item: Item, p: Tensor, group: dict[str, Any]) -> dict[str, Tensor]:
+        init = type(self).init_fn
+        device = local_tensor(p).device
+        return init(
+            (item.m, item.n), self.hparams(group), dtype=self._state_dtype(p), device=device
+        )
 
     def _owner_specs(
         self, p: Tensor, group: dict[str, Any]

@@ -10,6 +10,7 @@ from canzona.runtime.config import (
 from canzona.runtime.engine import (
     MatrixRuntime,
     all_finite,
+    as_storage_layout,
     check_all_ok,
     fingerprint,
     local_grad,
@@ -37,6 +38,7 @@ __all__ = [
     "StepStats",
     "UpdateFailedError",
     "all_finite",
+    "as_storage_layout",
     "check_all_ok",
     "export_state",
     "fingerprint",

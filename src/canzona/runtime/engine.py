@@ -16,7 +16,7 @@ from canzona.runtime.checks import (
     failing_ranks,
 )
 from canzona.runtime.config import PipelineConfig
-from canzona.runtime.layout import check_placements
+from canzona.runtime.layout import check_placements, fragment_for
 from canzona.runtime.pipeline import ApplyFn, ComputeFn, Pipeline, StepStats
 from canzona.runtime.routing import Item, Route, build_items, plan_specs, route_all
 from canzona.runtime.statecomm import Snapshot
@@ -78,6 +78,14 @@ class MatrixRuntime:
         self._layouts: list[ParamLayout] = []
         self.previous: Snapshot | None = None
         self.watchdog = Watchdog(None, 0, 1, pipeline_config.timeout_s)
+        # (group, rank, world, watchdog) the current plan was made for: parameters added
+        # later can make the job distributed before the old plan's state is moved
+        self.planned_on: tuple[dist.ProcessGroup | None, int, int, Watchdog] = (
+            None,
+            0,
+            1,
+            self.watchdog,
+        )
         self.device = torch.device("cpu")
         # ranks build their optimizers in the same order: the n-th one shares a namespace
         MatrixRuntime._instances += 1
@@ -245,6 +253,7 @@ class MatrixRuntime:
             watchdog=self.watchdog,
             device=self.device,
         )
+        self.planned_on = (self.group, self.rank, self.world, self.watchdog)
         self.digest = self.plan.digest() if self.plan else structure
         self._structure = structure
         if self.group is not None:
@@ -288,15 +297,16 @@ def snapshot(runtime: MatrixRuntime) -> Snapshot:
     """What state movement needs from ``runtime`` (valid until its next re-plan)."""
     if runtime.topology is None:
         raise RuntimeError("the runtime has no plan yet")
+    group, rank, world, watchdog = runtime.planned_on
     return Snapshot(
         items=tuple(runtime.items),
         routes=dict(runtime.routes),
         topology=runtime.topology,
-        group=runtime.group,
-        rank=runtime.rank,
-        world=runtime.world,
+        group=group,
+        rank=rank,
+        world=world,
         replica_dedup=runtime.plan_config.replica_dedup,
-        watchdog=runtime.watchdog,
+        watchdog=watchdog,
     )
 
 
@@ -321,6 +331,37 @@ def all_finite(grads: Sequence[torch.Tensor]) -> bool:
     """True when every local gradient shard is free of NaN and Inf (one host read)."""
     flags = [torch.isfinite(local_tensor(g)).all() for g in grads if local_tensor(g).numel()]
     return bool(torch.stack(flags).all()) if flags else True
+
+
+def as_storage_layout(value: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """Element-wise state in ``p``'s storage layout, from a loaded value.
+
+    A plain tensor of the parameter's global shape (a consolidated checkpoint) becomes a
+    DTensor holding this rank's slice; a DTensor in other placements on the same mesh is
+    redistributed (collective: every rank loads the same structure); a DTensor loaded
+    for a plain parameter is gathered.
+
+    Raises:
+        ValueError: for a DTensor on another mesh than the parameter's.
+    """
+    if not isinstance(p, DTensor):
+        return value.full_tensor() if isinstance(value, DTensor) else value
+    mesh, placements = p.device_mesh, tuple(p.placements)
+    if isinstance(value, DTensor):
+        if value.device_mesh != mesh:
+            raise ValueError(
+                f"state on mesh {value.device_mesh} cannot be loaded for a parameter on {mesh}"
+            )
+        if tuple(value.placements) == placements:
+            return value
+        return value.redistribute(mesh, placements)
+    coordinate = mesh.get_coordinate()
+    assert coordinate is not None, "this rank holds the parameter, so it is in its mesh"
+    frag = fragment_for(tuple(p.shape), tuple(mesh.shape), placements, coordinate)
+    local = frag.read(value.to(p._local_tensor.device)).contiguous()
+    return DTensor.from_local(
+        local, mesh, placements, run_check=False, shape=p.shape, stride=p.stride()
+    )
 
 
 def param_mesh(p: torch.Tensor) -> object | None:

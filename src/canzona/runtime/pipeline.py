@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -320,6 +321,7 @@ class Pipeline:
         for p, count in step.pending.items():
             if p not in step.applied:
                 assert count == 0, f"parameter {p}: {count} fragments never arrived"
+                assert not math.prod(step.shapes[p]), f"parameter {p}: local data but no matrix"
                 step.apply(p, step.empty_direction(p))  # holds nothing of the matrix
 
     def _gather(self, items: list[Item], step: _Step, k: int) -> _Pending:
@@ -408,7 +410,9 @@ class Pipeline:
             results = self._compute_group(items, pending, step, k)
             if self.replicated:  # every rank computed every matrix: keep its own fragment
                 for members, out in results:
-                    kept += [(r, r.frag.read(out[i])) for i, r in enumerate(members) if r.frag]
+                    kept += [
+                        (r, r.frag.read(out[i]).clone()) for i, r in enumerate(members) if r.frag
+                    ]
             else:
                 in_flight.append(self._scatter(items, results, step, k))
                 while len(in_flight) > lookahead:

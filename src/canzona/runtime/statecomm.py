@@ -246,9 +246,9 @@ def import_state(
             target = checkpoint_placements(layout, dedup)
             if tuple(value.placements) != target:
                 value = value.redistribute(value.device_mesh, target)
-            shards[(entry.param, entry.key)] = value.to_local()
+            shards[(entry.param, entry.key)] = value.to_local().to(snap.watchdog.device)
         else:
-            shards[(entry.param, entry.key)] = frag.read(value)
+            shards[(entry.param, entry.key)] = frag.read(value).to(snap.watchdog.device)
     sends: dict[int, list[torch.Tensor]] = {}
     recv: dict[int, list[int]] = {}
     places: dict[int, list[tuple[Item, StateEntry, Fragment]]] = {}

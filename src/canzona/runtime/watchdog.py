@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from canzona.runtime.config import CollectiveTimeoutError
@@ -104,6 +105,12 @@ class Watchdog:
             CollectiveTimeoutError: naming the collective and, where the default store
                 is reachable, the ranks that have not reached it.
         """
+        if self.device is not None and torch.device(self.device).type != "cpu":
+            # accelerator process groups (NCCL) enqueue the wait on the stream; a timed
+            # wait that expires would abort the communicator, so their own watchdog
+            # (the process group's timeout) bounds the collective instead
+            work.wait()
+            return
         grace = min(self.grace_s, self.timeout_s / 2) if self._store is not None else 0.0
         if grace > 0:
             try:

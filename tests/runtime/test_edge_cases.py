@@ -1,0 +1,673 @@
+"""Edge cases of the distributed step, checkpoints and failures, on real gloo ranks."""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as tdist
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
+
+import canzona
+
+from _cases import (
+    SHAPES,
+    compare,
+    full_of,
+    full_tensors,
+    grad_steps,
+    reference_muon,
+    set_grads,
+    sharded_params,
+)
+from _dist import mesh
+
+TIMEOUT = 60
+
+
+def _outcome(fn: Any) -> tuple[str, str]:
+    try:
+        fn()
+    except Exception as exc:  # report the exception type and message to the test
+        return type(exc).__name__, str(exc)
+    return "ok", ""
+
+
+def _fresh_group() -> Any:
+    """A group of its own, so that a collective left pending cannot meet a later scenario's."""
+    return tdist.new_group(backend="gloo", timeout=timedelta(seconds=30))
+
+
+class FailingMuon(canzona.Muon):
+    """Muon whose full-matrix computation raises on one rank (an OOM or a driver error)."""
+
+    fail_rank = 1
+
+    def _directions(self, items: Any, full: torch.Tensor, group: Any, steps: Any) -> torch.Tensor:
+        if tdist.get_rank() == self.fail_rank:
+            raise RuntimeError("injected failure")
+        return super()._directions(items, full, group, steps)
+
+
+class FailingShampoo(canzona.Shampoo):
+    """Shampoo whose full-matrix computation raises on one rank at its first step."""
+
+    fail_rank = 0
+
+    def _directions(self, items: Any, full: torch.Tensor, group: Any, steps: Any) -> torch.Tensor:
+        if tdist.get_rank() == self.fail_rank and steps[0] == 1:
+            raise RuntimeError("injected failure")
+        return super()._directions(items, full, group, steps)
+
+
+# --------------------------------------------------------------------------- failures
+
+
+def _replicated_failure_on_one_rank() -> dict[str, Any]:
+    group = _fresh_group()
+    shapes = {"square": SHAPES["square"], "tall": SHAPES["tall"]}
+    fulls = full_tensors(shapes)
+    params = sharded_params(fulls, mesh((2,)), {n: (Replicate(),) for n in shapes})
+    opt = FailingMuon(
+        params,
+        lr=0.02,
+        plan=canzona.PlanConfig(strategy="replicated", capacity_mb=1e-4),
+        pipeline=canzona.PipelineConfig(process_group=group, timeout_s=5.0),
+    )
+    set_grads(params, grad_steps(shapes, 1)[0])
+    kind, _ = _outcome(opt.step)
+    return {
+        "kind": kind,
+        "unchanged": {n: bool(torch.equal(p.to_local(), fulls[n])) for n, p in params},
+    }
+
+
+def test_replicated_strategy_failure_raises_on_every_rank(dist: Any) -> None:
+    """No scatter carries a status with `replicated`: the failure must still reach every rank."""
+    out = dist(2).run(_replicated_failure_on_one_rank, timeout=TIMEOUT)
+    assert [o["kind"] for o in out] == ["UpdateFailedError"] * 2, out
+    for o in out:  # every copy of every parameter stays as it was
+        assert o["unchanged"] == {"square": True, "tall": True}, out
+
+
+def _state_dict_after_failed_step() -> dict[str, Any]:
+    group = _fresh_group()
+    shapes = {"square": SHAPES["square"], "tall": SHAPES["tall"], "wide": SHAPES["wide"]}
+    params = sharded_params(full_tensors(shapes), mesh((2,)), {n: (Shard(0),) for n in shapes})
+    opt = FailingShampoo(
+        params,
+        lr=0.01,
+        pipeline=canzona.PipelineConfig(process_group=group, timeout_s=3.0),
+    )
+    set_grads(params, grad_steps(shapes, 1)[0])
+    first, _ = _outcome(opt.step)
+    holder: dict[str, Any] = {}
+    second, msg = _outcome(lambda: holder.update(sd=opt.state_dict()))
+    return {"step": first, "state_dict": second, "msg": msg[:200]}
+
+
+def test_state_dict_after_a_failed_step_is_collective_safe(dist: Any) -> None:
+    out = dist(2).run(_state_dict_after_failed_step, timeout=TIMEOUT)
+    assert [o["step"] for o in out] == ["UpdateFailedError"] * 2
+    assert [o["state_dict"] for o in out] == ["ok", "ok"], out
+
+
+# --------------------------------------------------------------------------- names
+
+
+def test_duplicate_parameter_names_are_refused() -> None:
+    """Names key the plan and the routes: a repeated name is an error, never a lost update."""
+    params = [nn.Parameter(torch.randn(8, 8)) for _ in range(2)]
+    # names repeat across groups, e.g. two sub-modules' named_parameters()
+    with pytest.raises(ValueError, match=r"unique.*'0.weight'"):
+        canzona.Muon([{"params": [("0.weight", params[0])]}, {"params": [("0.weight", params[1])]}])
+    opt = canzona.Muon([("0.weight", params[0])])
+    with pytest.raises(ValueError, match="unique"):
+        opt.add_param_group({"params": [("0.weight", params[1])]})
+    assert len(opt.param_groups) == 1
+
+
+# --------------------------------------------------------------------------- watchdog
+
+
+def _late_rank(delay: float) -> dict[str, Any]:
+    shapes = {"square": SHAPES["square"], "tall": SHAPES["tall"]}
+    fulls = full_tensors(shapes)
+    grads = grad_steps(shapes, 2)
+    kw = {"lr": 0.02, "weight_decay": 0.1, "momentum": 0.9}
+    params = sharded_params(fulls, mesh((2,)), {n: (Shard(0),) for n in shapes})
+    opt = canzona.Muon(params, **kw, pipeline=canzona.PipelineConfig(timeout_s=30.0))
+    kinds = []
+    for g in grads:
+        set_grads(params, g)
+        if tdist.get_rank() == 1:
+            time.sleep(delay)  # e.g. a slower data loader: well past the watchdog's grace
+        kinds.append(_outcome(opt.step)[0])
+        opt.zero_grad(set_to_none=True)
+    want = reference_muon(fulls, grads, **kw)
+    got = {n: full_of(p) for n, p in params}
+    return {"kinds": kinds, "same": {n: eq for n, (eq, _) in compare(got, want).items()}}
+
+
+def test_a_rank_arriving_after_the_grace_still_completes_the_step(dist: Any) -> None:
+    """gloo: a wait that outlives the 1 s grace publishes a marker and keeps waiting."""
+    for out in dist(2).run(_late_rank, 1.5, timeout=TIMEOUT):
+        assert out == {"kinds": ["ok", "ok"], "same": {"square": True, "tall": True}}
+
+
+# --------------------------------------------------------------------------- gradients
+
+
+def _grads_in_other_placements() -> dict[str, bool]:
+    """Gradients stored Replicate / column-sharded while the parameters are row-sharded."""
+    shapes = {"square": SHAPES["square"], "odd": SHAPES["odd"], "stack": SHAPES["stack"]}
+    shapes["tall"] = SHAPES["tall"]
+    fulls = full_tensors(shapes)
+    grads = grad_steps(shapes, 2)
+    kw = {"lr": 0.02, "weight_decay": 0.1, "momentum": 0.9}
+    want = reference_muon(fulls, grads, **kw)
+    dm = mesh((4,))
+    params = sharded_params(fulls, dm, {n: (Shard(0),) for n in shapes})
+    grad_placements = {"square": (Replicate(),), "odd": (Shard(1),), "stack": (Shard(2),)}
+    opt = canzona.Muon(params, **kw)
+    for g in grads:
+        for name, p in params:
+            if name == "tall":  # a pending sum: rank 0 holds it all, exact after reduction
+                part = g[name].clone() if tdist.get_rank() == 0 else torch.zeros_like(g[name])
+                p.grad = DTensor.from_local(part, dm, [Partial()], run_check=False)
+                continue
+            p.grad = distribute_tensor(g[name].clone(), dm, grad_placements[name])
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    got = {n: full_of(p) for n, p in params}
+    return {n: eq for n, (eq, _) in compare(got, want).items()}
+
+
+def test_gradients_in_other_placements_are_redistributed(dist: Any) -> None:
+    for out in dist(4).run(_grads_in_other_placements, timeout=TIMEOUT):
+        assert out == {"square": True, "odd": True, "stack": True, "tall": True}
+
+
+def _zero_grads_kept() -> dict[str, Any]:
+    """zero_grad(set_to_none=False): zero gradients are gradients; equal to one device."""
+    shapes = {"square": SHAPES["square"], "tall": SHAPES["tall"]}
+    fulls = full_tensors(shapes)
+    grads = grad_steps(shapes, 3)
+    kw = {"lr": 0.01, "precondition_frequency": 2, "start_preconditioning_step": 2}
+
+    def run(params: list[tuple[str, nn.Parameter]]) -> dict[str, torch.Tensor]:
+        opt = canzona.Shampoo(params, **kw)
+        for step, g in enumerate(grads):
+            if step != 1:  # step 1 runs on the zeros left by zero_grad(set_to_none=False)
+                set_grads(params, g)
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+        return {n: full_of(p) for n, p in params}
+
+    want = run([(n, nn.Parameter(t.clone())) for n, t in fulls.items()])
+    got = run(sharded_params(fulls, mesh((4,)), {n: (Shard(0),) for n in shapes}))
+    return {n: rel for n, (_, rel) in compare(got, want).items()}
+
+
+def test_zero_gradients_kept_by_zero_grad_match_one_device(dist: Any) -> None:
+    for out in dist(4).run(_zero_grads_kept, timeout=TIMEOUT):
+        assert max(out.values()) < 1e-6, out
+
+
+# --------------------------------------------------------------------------- dtypes
+
+
+def _half_muon(dtype: torch.dtype) -> dict[str, bool]:
+    shapes = {"square": SHAPES["square"], "tall": SHAPES["tall"], "wide": SHAPES["wide"]}
+    shapes["odd"] = SHAPES["odd"]
+    shapes["stack"] = SHAPES["stack"]
+    fulls = {n: t.to(dtype) for n, t in full_tensors(shapes).items()}
+    grads = [{n: t.to(dtype) for n, t in g.items()} for g in grad_steps(shapes, 3)]
+    kw = {"lr": 0.02, "weight_decay": 0.1, "momentum": 0.9}
+    want = reference_muon(fulls, grads, **kw)
+    placements = {n: (Shard(0), Shard(len(s) - 1)) for n, s in shapes.items()}
+    params = sharded_params(fulls, mesh((2, 2)), placements)
+    opt = canzona.Muon(params, **kw)
+    for g in grads:
+        set_grads(params, g)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    got = {n: full_of(p) for n, p in params}
+    # within one rounding of torch: CPU half-precision add_(alpha=...) rounds an element
+    # differently in the vectorised body and in the scalar tail, so shard sizes matter
+    ulp = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-10
+    return {
+        n: got[n].dtype == dtype
+        and bool(((got[n].float() - want[n].float()).abs() <= want[n].float().abs() * ulp).all())
+        for n in shapes
+    }
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_parameters_on_a_2d_mesh_match_torch_muon(
+    dist: Any, dtype: torch.dtype
+) -> None:
+    for out in dist(4).run(_half_muon, dtype, timeout=TIMEOUT):
+        assert all(out.values()), out
+
+
+def _bf16_owner_state(name: str) -> dict[str, Any]:
+    cls = getattr(canzona, name)
+    kw: dict[str, Any] = {"lr": 0.01, "precondition_frequency": 2}
+    if name == "Shampoo":
+        kw["start_preconditioning_step"] = 2
+    shapes = {"square": SHAPES["square"], "odd": SHAPES["odd"], "stack": SHAPES["stack"]}
+    fulls = {n: t.bfloat16() for n, t in full_tensors(shapes).items()}
+    grads = [{n: t.bfloat16() for n, t in g.items()} for g in grad_steps(shapes, 4)]
+
+    def run(params: list[tuple[str, nn.Parameter]]) -> tuple[dict[str, torch.Tensor], Any]:
+        opt = cls(params, **kw)
+        for g in grads:
+            set_grads(params, g)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        sd = opt.state_dict()
+        dtypes = sorted({str(v.dtype) for e in sd["state"].values() for k, v in e.items()})
+        return {n: full_of(p) for n, p in params}, dtypes
+
+    want, _ = run([(n, nn.Parameter(t.clone())) for n, t in fulls.items()])
+    got, dtypes = run(sharded_params(fulls, mesh((4,)), {n: (Shard(0),) for n in shapes}))
+    return {"same": {n: eq for n, (eq, _) in compare(got, want).items()}, "dtypes": dtypes}
+
+
+@pytest.mark.parametrize("name", ["Shampoo", "SOAP"])
+def test_bfloat16_parameters_keep_fp32_owner_state(dist: Any, name: str) -> None:
+    for out in dist(4).run(_bf16_owner_state, name, timeout=TIMEOUT):
+        assert all(out["same"].values()), out
+        assert "torch.float32" in out["dtypes"] and "torch.bfloat16" not in out["dtypes"]
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+OWNER_KW: dict[str, dict[str, Any]] = {
+    "Shampoo": {"lr": 0.01, "precondition_frequency": 2, "start_preconditioning_step": 2},
+    "SOAP": {"lr": 0.01, "precondition_frequency": 2},
+}
+
+
+def _layout(kind: str) -> tuple[dict[str, tuple[int, ...]], Any, dict[str, Any]]:
+    if kind == "hsdp":  # replicate x shard, each replica group computing on its own
+        shapes = {"square": SHAPES["square"], "odd": SHAPES["odd"], "stack": SHAPES["stack"]}
+        pl = {"square": (Replicate(), Shard(0)), "odd": (Replicate(), Shard(1))}
+        pl["stack"] = (Replicate(), Shard(0))
+        return shapes, mesh((2, 2)), pl
+    if kind == "shard_x_replicate":  # replicated on the second mesh dim
+        shapes = {"square": SHAPES["square"], "odd": SHAPES["odd"], "stack": SHAPES["stack"]}
+        pl = {"square": (Shard(0), Replicate()), "odd": (Shard(1), Replicate())}
+        pl["stack"] = (Shard(2), Replicate())
+        return shapes, mesh((2, 2)), pl
+    if kind == "experts":  # 3 experts over 4 ranks: one rank holds none
+        shapes = {"stack": SHAPES["stack"], "tiny": SHAPES["tiny"]}
+        return shapes, mesh((4,)), {"stack": (Shard(0),), "tiny": (Shard(0),)}
+    if kind == "experts2d":  # 3 experts split over both dims of a 2x2 mesh, or by columns
+        shapes = {"stack": SHAPES["stack"], "wide_stack": (5, 4, 9)}
+        pl = {"stack": (Shard(0), Shard(0)), "wide_stack": (Shard(0), Shard(2))}
+        return shapes, mesh((2, 2)), pl
+    if kind == "submeshes":  # one 2-D mesh and two 1-D sub-meshes with two copies each
+        shapes = {"square": SHAPES["square"], "wide": SHAPES["wide"], "odd": SHAPES["odd"]}
+        dm = mesh((2, 2), ("dp", "tp"))
+        meshes = {"square": dm, "wide": dm["dp"], "odd": dm["tp"]}
+        pl = {"square": (Shard(0), Shard(1)), "wide": (Shard(1),), "odd": (Shard(0),)}
+        return shapes, meshes, pl
+    raise ValueError(kind)
+
+
+def _resume_in_memory(
+    kind: str, name: str, save_cfg: dict[str, Any], load_cfg: dict[str, Any]
+) -> dict[str, float]:
+    """Save after 3 steps, load into a new optimizer (maybe another PlanConfig), run 2 more."""
+    cls = getattr(canzona, name)
+    shapes, meshes, placements = _layout(kind)
+    fulls = full_tensors(shapes)
+    grads = grad_steps(shapes, 5)
+    want = {}
+    params = [(n, nn.Parameter(t.clone())) for n, t in fulls.items()]
+    ref = cls(params, **OWNER_KW[name])
+    for g in grads:
+        set_grads(params, g)
+        ref.step()
+        ref.zero_grad(set_to_none=True)
+    want = {n: full_of(p) for n, p in params}
+
+    params = sharded_params(fulls, meshes, placements)
+    opt = cls(params, **OWNER_KW[name], plan=canzona.PlanConfig(**save_cfg))
+    for g in grads[:3]:
+        set_grads(params, g)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    sd = opt.state_dict()
+    opt2 = cls(params, **OWNER_KW[name], plan=canzona.PlanConfig(**load_cfg))
+    opt2.load_state_dict(sd)
+    for g in grads[3:]:
+        set_grads(params, g)
+        opt2.step()
+        opt2.zero_grad(set_to_none=True)
+    got = {n: full_of(p) for n, p in params}
+    return {n: rel for n, (_, rel) in compare(got, want).items()}
+
+
+RESUME_CASES = [
+    ("hsdp", {"replica_dedup": False}, {"replica_dedup": False}),
+    ("hsdp", {"replica_dedup": False}, {"replica_dedup": True}),
+    ("hsdp", {"replica_dedup": True}, {"replica_dedup": False}),
+    ("shard_x_replicate", {"replica_dedup": False}, {"replica_dedup": True}),
+    ("shard_x_replicate", {"strategy": "replicated"}, {"replica_dedup": False}),
+    ("experts", {}, {"strategy": "round_robin"}),
+    ("experts", {"strategy": "replicated"}, {}),
+    ("experts2d", {"replica_dedup": False}, {"strategy": "numel"}),
+    ("submeshes", {}, {"strategy": "count"}),
+]
+
+
+@pytest.mark.parametrize("name", ["Shampoo", "SOAP"])
+@pytest.mark.parametrize(("kind", "save_cfg", "load_cfg"), RESUME_CASES)
+def test_state_dict_round_trip_across_plans(
+    dist: Any, name: str, kind: str, save_cfg: dict[str, Any], load_cfg: dict[str, Any]
+) -> None:
+    """Owner state survives state_dict -> load_state_dict into other plans, on every layout."""
+    for out in dist(4).run(_resume_in_memory, kind, name, save_cfg, load_cfg, timeout=TIMEOUT):
+        assert max(out.values()) < 1e-5, out
+
+
+# --------------------------------------------------------------------------- the step
+
+
+def _training_features(name: str, check_every_step: bool) -> dict[str, float]:
+    """AdamW group + matrix groups, an lr scheduler, a closure, add_param_group mid-run."""
+    cls = getattr(canzona, name)
+    kw = dict(OWNER_KW.get(name, {"lr": 0.02, "momentum": 0.9}))
+    shapes = {"square": SHAPES["square"], "tall": SHAPES["tall"], "odd": SHAPES["odd"]}
+    shapes["stack"] = SHAPES["stack"]
+    shapes["bias"] = (16,)
+    shapes["empty"] = (0, 8)
+    fulls = full_tensors(shapes)
+    grads = grad_steps(shapes, 5)
+    pipeline = canzona.PipelineConfig(check_every_step=check_every_step, depth=2)
+
+    def run(params: list[tuple[str, nn.Parameter]]) -> dict[str, torch.Tensor]:
+        by = dict(params)
+        opt = cls(
+            [
+                {"params": [(n, by[n]) for n in ("square", "empty")]},
+                {"params": [("bias", by["bias"])], "algorithm": "adamw", "lr": 3e-3},
+            ],
+            **kw,
+            plan=canzona.PlanConfig(capacity_mb=1e-3),
+            pipeline=pipeline,
+        )
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+        for step, g in enumerate(grads):
+            if step == 2:
+                opt.add_param_group({"params": [(n, by[n]) for n in ("tall", "odd", "stack")]})
+                sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 / (1 + s))
+            live = [(n, p) for n, p in params if step >= 2 or n not in ("tall", "odd", "stack")]
+
+            def closure(live: Any = live, g: Any = g) -> torch.Tensor:
+                set_grads(live, g)
+                return torch.tensor(float(len(live)))
+
+            loss = opt.step(closure)
+            assert float(loss) == float(len(live))
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+        return {n: full_of(p) for n, p in params}
+
+    want = run([(n, nn.Parameter(t.clone())) for n, t in fulls.items()])
+    placements = {n: (Shard(0),) for n in shapes}
+    placements["odd"] = (Shard(1),)
+    got = run(sharded_params(fulls, mesh((4,)), placements))
+    return {n: rel for n, (_, rel) in compare(got, want).items()}
+
+
+@pytest.mark.parametrize("check_every_step", [True, False])
+@pytest.mark.parametrize("name", ["Muon", "Shampoo", "SOAP"])
+def test_groups_scheduler_closure_and_late_groups_match_one_device(
+    dist: Any, name: str, check_every_step: bool
+) -> None:
+    for out in dist(4).run(_training_features, name, check_every_step, timeout=TIMEOUT):
+        assert max(out.values()) < 1e-5, out
+
+
+def _failure_with_groups_in_flight(overlap: bool, depth: int) -> dict[str, Any]:
+    group = _fresh_group()
+    shapes = {f"w{i}": (8 + i, 8) for i in range(6)}
+    fulls = full_tensors(shapes)
+    params = sharded_params(fulls, mesh((2,)), {n: (Replicate(),) for n in shapes})
+    opt = FailingMuon(
+        params,
+        lr=0.02,
+        plan=canzona.PlanConfig(capacity_mb=1e-4),  # one matrix per owner per micro-group
+        pipeline=canzona.PipelineConfig(
+            process_group=group, timeout_s=10.0, overlap=overlap, depth=depth
+        ),
+    )
+    set_grads(params, grad_steps(shapes, 1)[0])
+    kind, _ = _outcome(opt.step)
+    return {
+        "kind": kind,
+        "local": {n: p.to_local().clone() for n, p in params},
+        "changed": sorted(n for n, p in params if not torch.equal(p.to_local(), fulls[n])),
+    }
+
+
+@pytest.mark.parametrize(("overlap", "depth"), [(False, 1), (True, 1), (True, 3)])
+def test_a_failure_with_micro_groups_in_flight_stops_every_rank_alike(
+    dist: Any, overlap: bool, depth: int
+) -> None:
+    out = dist(2).run(_failure_with_groups_in_flight, overlap, depth, timeout=TIMEOUT)
+    assert [o["kind"] for o in out] == ["UpdateFailedError"] * 2
+    assert out[0]["changed"] == out[1]["changed"]
+    for n, t in out[0]["local"].items():
+        assert torch.equal(t, out[1]["local"][n]), n
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(12, 20, bias=False)
+        self.down = nn.Linear(20, 12, bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x)))
+
+
+def _dcp_model(layout: str) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = _Net()
+    if layout == "hsdp":
+        fully_shard(model, mesh=mesh((2, 2), ("replicate", "shard")))
+    elif layout == "fsdp":
+        fully_shard(model, mesh=mesh((4,), ("dp",)))
+    return model
+
+
+def _dcp_train(model: nn.Module, opt: torch.optim.Optimizer, steps: range) -> None:
+    params = list(model.named_parameters())
+    for step in steps:
+        gen = torch.Generator().manual_seed(100 + step)
+        grads = {n: torch.randn(p.shape, generator=gen) for n, p in params}
+        set_grads(params, grads)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def _dcp_hsdp_per_replica_to_fsdp(path: str, name: str) -> dict[str, float]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    cls = getattr(canzona, name)
+
+    def make(model: nn.Module, dedup: bool) -> torch.optim.Optimizer:
+        plan = canzona.PlanConfig(replica_dedup=dedup)
+        return cls(canzona.param_groups(model), **OWNER_KW[name], plan=plan)
+
+    plain = _dcp_model("plain")
+    _dcp_train(plain, make(plain, True), range(5))
+    want = {n: p.detach().clone() for n, p in plain.named_parameters()}
+
+    model = _dcp_model("hsdp")
+    opt = make(model, False)
+    _dcp_train(model, opt, range(3))
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+
+    model = _dcp_model("fsdp")
+    opt = make(model, True)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    sd = {"model": model_sd, "optim": optim_sd}
+    dcp.load(sd, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    _dcp_train(model, opt, range(3, 5))
+    got = {n: full_of(p) for n, p in model.named_parameters()}
+    return {n: rel for n, (_, rel) in compare(got, want).items()}
+
+
+@pytest.mark.parametrize("name", ["Shampoo", "SOAP"])
+def test_dcp_from_per_replica_hsdp_to_fsdp(dist: Any, tmp_path: Any, name: str) -> None:
+    """replica_dedup=False saves Replicate on the replicate dim; DCP reshards it to FSDP."""
+    path = str(tmp_path / "ckpt")
+    for out in dist(4).run(_dcp_hsdp_per_replica_to_fsdp, path, name, timeout=TIMEOUT):
+        assert max(out.values()) < 1e-5, out
+
+
+def _local_then_distributed() -> dict[str, float]:
+    """Shampoo over a plain tensor, then a DTensor group is added: the job becomes distributed."""
+    shapes = {"plain": (8, 8), "sharded": (16, 16)}
+    fulls = full_tensors(shapes)
+    grads = grad_steps(shapes, 4)
+    kw = {"lr": 0.01, "precondition_frequency": 1, "start_preconditioning_step": 1}
+
+    def run(params: list[tuple[str, nn.Parameter]]) -> dict[str, torch.Tensor]:
+        opt = canzona.Shampoo(params[:1], **kw)
+        for step, g in enumerate(grads):
+            if step == 2:
+                opt.add_param_group({"params": params[1:]})
+            set_grads(params if step >= 2 else params[:1], g)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return {n: full_of(p) for n, p in params}
+
+    want = run([(n, nn.Parameter(t.clone())) for n, t in fulls.items()])
+    sharded = sharded_params({"sharded": fulls["sharded"]}, mesh((2,)), {"sharded": (Shard(0),)})
+    got = run([("plain", nn.Parameter(fulls["plain"].clone())), *sharded])
+    return {n: rel for n, (_, rel) in compare(got, want).items()}
+
+
+def test_owner_state_survives_a_replan_that_makes_the_job_distributed(dist: Any) -> None:
+    for out in dist(2).run(_local_then_distributed, timeout=TIMEOUT):
+        assert max(out.values()) < 1e-6, out
+
+
+def _plain_storage_state_into_dtensors() -> dict[str, Any]:
+    """A one-process Muon state dict (plain momentum) loaded into the sharded optimizer."""
+    import copy
+
+    group = _fresh_group()
+    shapes = {"narrow": (4, 8)}  # one row per rank: the full buffer broadcasts over a shard
+    fulls = full_tensors(shapes)
+    grads = grad_steps(shapes, 3)
+    kw = {"lr": 0.02, "momentum": 0.9, "ns_dtype": torch.float32}
+    local = [(n, nn.Parameter(t.clone())) for n, t in fulls.items()]
+    ref = canzona.Muon(local, **kw)
+    set_grads(local, grads[0])
+    ref.step()
+    sd = copy.deepcopy(ref.state_dict())
+    params = sharded_params({n: full_of(p) for n, p in local}, mesh((4,)), {"narrow": (Shard(0),)})
+    opt = canzona.Muon(
+        params, **kw, pipeline=canzona.PipelineConfig(process_group=group, timeout_s=3.0)
+    )
+    load, _ = _outcome(lambda: opt.load_state_dict(sd))
+    if load != "ok":
+        return {"load": load, "step": "-", "rel": 0.0}
+    for g in grads[1:]:
+        set_grads(local, g)
+        ref.step()
+        set_grads(params, g)
+        step, _ = _outcome(opt.step)
+        if step != "ok":
+            return {"load": load, "step": step, "rel": float("inf")}
+    rel = compare(
+        {"narrow": params[0][1].to_local()},
+        {"narrow": local[0][1].detach().chunk(4)[tdist.get_rank()]},
+    )["narrow"][1]
+    return {"load": load, "step": "ok", "rel": rel}
+
+
+def test_plain_storage_state_for_dtensor_params_is_rejected_or_sharded(dist: Any) -> None:
+    out = dist(4).run(_plain_storage_state_into_dtensors, timeout=TIMEOUT)
+    rejected = all(o["load"] == "ValueError" for o in out)
+    resumed = all(o["load"] == "ok" and o["step"] == "ok" and o["rel"] < 1e-6 for o in out)
+    assert rejected or resumed, out
+
+
+class _Tag:
+    """A value kept in a param group next to the hyper-parameters (default repr: an address)."""
+
+
+def _object_in_param_group() -> tuple[str, str]:
+    tag, kept = _Tag(), []
+    seen: list[Any] = [None] * tdist.get_world_size()
+    tdist.all_gather_object(seen, id(tag))
+    while tdist.get_rank() == 1 and id(tag) == seen[0]:  # as in separate processes (ASLR)
+        kept.append(tag)
+        tag = _Tag()
+    shapes = {"square": SHAPES["square"]}
+    params = sharded_params(full_tensors(shapes), mesh((2,)), {"square": (Shard(0),)})
+    opt = canzona.Muon([{"params": params, "tag": tag}], lr=0.02)
+    set_grads(params, grad_steps(shapes, 1)[0])
+    return _outcome(opt.step)
+
+
+def test_objects_in_param_groups_do_not_fail_the_hyper_parameter_check(dist: Any) -> None:
+    assert dist(2).run(_object_in_param_group, timeout=TIMEOUT) == [("ok", "")] * 2
+
+
+def _replicated_results_alive() -> int:
+    """How many earlier micro-groups' full results are still alive when the last one computes."""
+    import weakref
+
+    from canzona.runtime import pipeline as pipeline_module
+
+    original = pipeline_module.Pipeline._compute_group
+    refs: list[Any] = []
+    alive_at_last: list[int] = []
+
+    def spy(self: Any, items: Any, pending: Any, step: Any, k: int) -> Any:
+        alive_at_last.append(sum(r() is not None for r in refs))
+        results = original(self, items, pending, step, k)
+        refs.extend(weakref.ref(out.untyped_storage()) for _, out in results)
+        return results
+
+    shapes = {f"w{i}": (32, 32) for i in range(8)}
+    params = sharded_params(full_tensors(shapes), mesh((2,)), {n: (Shard(0),) for n in shapes})
+    opt = canzona.Muon(
+        params,
+        lr=0.02,
+        plan=canzona.PlanConfig(strategy="replicated", capacity_mb=32 * 32 * 2 / 2**20),
+        pipeline=canzona.PipelineConfig(overlap=False),
+    )
+    set_grads(params, grad_steps(shapes, 1)[0])
+    pipeline_module.Pipeline._compute_group = spy  # type: ignore[method-assign]
+    try:
+        opt.step()
+    finally:
+        pipeline_module.Pipeline._compute_group = original  # type: ignore[method-assign]
+    assert len(alive_at_last) == len(shapes)  # one matrix per micro-group
+    return alive_at_last[-1]
+
+
+def test_replicated_strategy_frees_each_micro_groups_results(dist: Any) -> None:
+    for alive in dist(2).run(_replicated_results_alive, timeout=TIMEOUT):
+        assert alive <= 1, f"{alive} earlier micro-groups' full results still held"
