@@ -1,10 +1,10 @@
 """Update math on local full matrices ``(..., m, n)``: Newton–Schulz, Muon, Shampoo, SOAP, AdamW.
 
-Every algorithm is split the same way so that a distributed runtime can run the middle phase on
-the one rank that holds the full matrix: an element-wise *prepare* (any shard), an owner-side
+Every algorithm is split the same way so that the runtime can run the middle phase on the one
+rank that holds the full matrix: an element-wise *prepare* (any shard), an owner-side
 *direction* on full matrices that owns the non-element-wise state, and an element-wise *apply*
-that holds everything that depends on the learning rate. Nothing here imports
-``torch.distributed`` or another canzona layer.
+that holds everything that depends on the learning rate. These functions see plain local
+tensors only and import no other canzona layer.
 """
 
 from __future__ import annotations
