@@ -238,11 +238,9 @@ class MatrixOptimizer(OwnerStateMixin, Optimizer):
             names,
             params,
             matrix,
-            itemsize=lambda i: self._payload_dtype(params[i], groups[i]).itemsize,
-            extra=self._config_repr(),
             has_grad=has_grad,
-            hparams=self._hyper_fingerprint(),
             nonfinite=nonfinite,
+            **self._plan_inputs(params, groups),
         )
         self._migrate_owner_state(params, groups)
         if skip:
@@ -279,34 +277,13 @@ class MatrixOptimizer(OwnerStateMixin, Optimizer):
             return [int(self.state[params[it.param]]["step"]) for it in items]
 
         def compute(items: Sequence[Item], full: Tensor) -> Tensor:
-            by_group: dict[int, list[int]] = {}
-            for k, it in enumerate(items):
-                by_group.setdefault(id(groups[it.param]), []).append(k)
-            if len(by_group) == 1:
-                return self._directions(items, full, groups[items[0].param], steps_of(items))
-            subs = []
-            for ks in by_group.values():
-                members = [items[k] for k in ks]
-                subs.append(
-                    (
-                        ks,
-                        self._directions(
-                            members, full[ks], groups[members[0].param], steps_of(members)
-                        ),
-                    )
-                )
-            dtype = subs[0][1].dtype
-            for _, sub in subs[1:]:
-                dtype = torch.promote_types(dtype, sub.dtype)
-            out = torch.empty((len(items), *subs[0][1].shape[1:]), dtype=dtype, device=full.device)
-            for ks, sub in subs:
-                out[ks] = sub.to(dtype)
-            return out
+            # the pipeline batches by param group: one set of hyper-parameters per call
+            return self._directions(items, full, groups[items[0].param], steps_of(items))
 
         def apply(i: int, direction: Tensor) -> None:
             self._apply(params[i], direction, self.state[params[i]], groups[i])
 
-        self.last_step_stats = self._runtime.run(
+        self.last_step_stats = self._runtime.step_pipeline.run(
             active=matrix_active,
             payloads=payloads,
             payload_dtype=lambda i: self._payload_dtype(params[i], groups[i]),
@@ -314,6 +291,7 @@ class MatrixOptimizer(OwnerStateMixin, Optimizer):
             local_shapes=shapes,
             compute=compute,
             apply=apply,
+            batch_key=lambda i: id(groups[i]),
         )
         return loss
 
@@ -323,16 +301,19 @@ class MatrixOptimizer(OwnerStateMixin, Optimizer):
             i for i, g in enumerate(groups) if g["algorithm"] != ADAMW and params[i].numel() > 0
         ]
 
+    def _plan_inputs(self, params: list[Tensor], groups: list[dict[str, Any]]) -> dict[str, Any]:
+        """What the runtime plans from, besides the parameters (identical on every rank)."""
+        return {
+            "itemsize": lambda i: self._payload_dtype(params[i], groups[i]).itemsize,
+            "extra": self._config_repr(),
+            "hparams": self._hyper_fingerprint(),
+        }
+
     def _sync_plan(self) -> None:
         """Agree on the plan with every rank (collective); re-plans when needed."""
         params, names, groups = self._flat()
         self._runtime.sync_plan(
-            names,
-            params,
-            self._matrix_indices(params, groups),
-            itemsize=lambda i: self._payload_dtype(params[i], groups[i]).itemsize,
-            extra=self._config_repr(),
-            hparams=self._hyper_fingerprint(),
+            names, params, self._matrix_indices(params, groups), **self._plan_inputs(params, groups)
         )
         self._migrate_owner_state(params, groups)
 

@@ -42,12 +42,14 @@ class OwnerStateOptimizer(MatrixOptimizer):
     def _state_dtype(p: Tensor) -> torch.dtype:
         return torch.promote_types(p.dtype, torch.float32)
 
+    def _new_state(
+        self, item: Item, hp: Any, dtype: torch.dtype, device: torch.device
+    ) -> dict[str, Tensor]:
+        return type(self).init_fn((item.m, item.n), hp, dtype=dtype, device=device)
+
     def _fresh_owner_state(self, item: Item, p: Tensor, group: dict[str, Any]) -> dict[str, Tensor]:
-        init = type(self).init_fn
-        device = local_tensor(p).device
-        return init(
-            (item.m, item.n), self.hparams(group), dtype=self._state_dtype(p), device=device
-        )
+        hp = self.hparams(group)
+        return self._new_state(item, hp, self._state_dtype(p), local_tensor(p).device)
 
     def _owner_specs(
         self, p: Tensor, group: dict[str, Any]
@@ -62,12 +64,12 @@ class OwnerStateOptimizer(MatrixOptimizer):
         self, items: Sequence[Item], full: Tensor, group: dict[str, Any], steps: list[int]
     ) -> Tensor:
         hp = self.hparams(group)
-        init, direction = type(self).init_fn, type(self).direction_fn
+        direction = type(self).direction_fn
         out = torch.empty_like(full, dtype=torch.promote_types(full.dtype, torch.float32))
         for k, item in enumerate(items):
             state = self._owner_state.get(item.key)
             if state is None:
-                state = init((item.m, item.n), hp, dtype=out.dtype, device=full.device)
+                state = self._new_state(item, hp, out.dtype, full.device)
                 self._owner_state[item.key] = state
             out[k] = direction(full[k].to(out.dtype), state, steps[k], hp)
         return out

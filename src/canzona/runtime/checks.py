@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
-
-import torch
-import torch.distributed as dist
+from collections.abc import Hashable, Sequence
 
 from canzona.runtime.config import GradientMismatchError, PlanMismatchError
 from canzona.runtime.watchdog import Watchdog, gather_ints
 
-HEADER_FIELDS = ("parameters", "structure", "plan", "hyper-parameters", "setup")
 _CHUNKS = 3  # 40-bit chunks per digest: exact in int64
+
+
+def ranks_by_value(values: Sequence[Hashable]) -> list[tuple[Hashable, list[int]]]:
+    """(value, ranks holding it), the most common value first (ties by lowest rank)."""
+    groups: dict[Hashable, list[int]] = {}
+    for rank, value in enumerate(values):
+        groups.setdefault(value, []).append(rank)
+    return sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[1]))
 
 
 def digest_chunks(hexdigest: str) -> list[int]:
@@ -52,7 +56,7 @@ def check_header(
     Raises:
         PlanMismatchError: on every rank, naming the ranks that disagree and on what.
         GradientMismatchError: on every rank, when gradient presence differs (after one
-            more collective that finds which parameters and ranks).
+            more all-gather that finds which parameters and ranks).
     """
     values = [
         num_params,
@@ -80,17 +84,14 @@ def check_header(
     if len(set(compared)) != 1:
         _raise_mismatch(rows, any(setups))
     if len(grad_rows) != 1:
-        check_gradients(names, has_grad, watchdog=watchdog)
-        raise AssertionError("gradient digests differ but presence agrees")  # pragma: no cover
+        _raise_partial_gradients(names, has_grad, watchdog=watchdog)
     return any(setups), flagged
 
 
 def _raise_mismatch(rows: list[tuple[int, ...]], replanning: bool) -> None:
-    groups: dict[tuple[int, ...], list[int]] = {}
-    for rank, row in enumerate(rows):
-        groups.setdefault(row[:-1], []).append(rank)
-    parts = sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[1]))
+    parts = ranks_by_value([row[:-1] for row in rows])
     (a, ranks_a), (b, ranks_b) = parts[0], parts[1]
+    assert isinstance(a, tuple) and isinstance(b, tuple)
     spans = {
         "the number of parameters": slice(0, 1),
         "the parameter list (names, order, shapes, dtypes or layouts)": slice(1, 1 + _CHUNKS),
@@ -119,55 +120,36 @@ def check_plan_digest(digest: str, *, watchdog: Watchdog) -> None:
     )
     rows = [tuple(r) for r in gathered]
     if len(set(rows)) != 1:
-        groups: dict[tuple[int, ...], list[int]] = {}
-        for r, row in enumerate(rows):
-            groups.setdefault(row, []).append(r)
-        parts = " vs ".join(f"ranks {g}" for g in groups.values())
+        parts = " vs ".join(f"ranks {ranks}" for _, ranks in ranks_by_value(rows))
         raise PlanMismatchError(f"plan digests differ across ranks: {parts}")
 
 
-def check_gradients(
-    names: Sequence[str],
-    has_grad: Sequence[bool],
-    *,
-    watchdog: Watchdog,
-    nonfinite: bool = False,
-) -> tuple[set[int], bool]:
-    """One all-reduce of gradient presence (and of a non-finite flag).
-
-    A parameter without a gradient on any rank is skipped consistently.
-
-    Returns:
-        The parameters with a gradient on every rank, and whether any rank flagged a
-        non-finite gradient.
+def _raise_partial_gradients(
+    names: Sequence[str], has_grad: Sequence[bool], *, watchdog: Watchdog
+) -> None:
+    """Gather every rank's gradient-presence flags and name what differs (error path).
 
     Raises:
         GradientMismatchError: on every rank, naming parameters whose gradient exists on
             some ranks only, and the ranks that miss it.
     """
-    flags = [1 if g else 0 for g in has_grad]
-    counts = torch.tensor([*flags, int(nonfinite)], dtype=torch.int32, device=watchdog.device)
     world = watchdog.world
-    watchdog.mark(2, "the gradient-presence check")
-    work = dist.all_reduce(counts, group=watchdog.group, async_op=True)
-    watchdog.wait(work, "the gradient-presence check")
-    *totals, flagged = counts.tolist()
+    flags = [1 if g else 0 for g in has_grad]
+    table = gather_ints(flags, watchdog=watchdog, phase=3, what="the gradient-presence report")
+    totals = [sum(row[i] for row in table) for i in range(len(flags))]
     partial = [i for i, c in enumerate(totals) if 0 < c < world]
-    if partial:
-        table = gather_ints(flags, watchdog=watchdog, phase=3, what="the gradient-presence report")
-        lines = [
-            f"{names[i]!r} has a gradient on {totals[i]} of {world} ranks (missing on ranks "
-            f"{[r for r in range(world) if not table[r][i]]})"
-            for i in partial[:5]
-        ]
-        more = f" and {len(partial) - 5} more" if len(partial) > 5 else ""
-        raise GradientMismatchError(
-            "gradients differ across ranks: "
-            + "; ".join(lines)
-            + more
-            + ". Every rank must produce a gradient for the same parameters (or none)."
-        )
-    return {i for i, c in enumerate(totals) if c == world}, flagged > 0
+    lines = [
+        f"{names[i]!r} has a gradient on {totals[i]} of {world} ranks (missing on ranks "
+        f"{[r for r in range(world) if not table[r][i]]})"
+        for i in partial[:5]
+    ]
+    more = f" and {len(partial) - 5} more" if len(partial) > 5 else ""
+    raise GradientMismatchError(
+        "gradients differ across ranks: "
+        + "; ".join(lines)
+        + more
+        + ". Every rank must produce a gradient for the same parameters (or none)."
+    )
 
 
 def failing_ranks(

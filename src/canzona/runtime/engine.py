@@ -17,7 +17,7 @@ from canzona.runtime.checks import (
 )
 from canzona.runtime.config import PipelineConfig
 from canzona.runtime.layout import check_placements, fragment_for
-from canzona.runtime.pipeline import ApplyFn, ComputeFn, Pipeline, StepStats
+from canzona.runtime.pipeline import Pipeline
 from canzona.runtime.routing import Item, Route, build_items, plan_specs, route_all
 from canzona.runtime.statecomm import Snapshot
 from canzona.runtime.topology import ParamLayout, Topology, agree, describe, structure_digest
@@ -76,6 +76,9 @@ class MatrixRuntime:
         self._structure = ""
         self._layout_key: tuple[object, ...] = ()
         self._layouts: list[ParamLayout] = []
+        self._layout_version = 0
+        self._structure_key: tuple[int, str] = (0, "")
+        self._structure_now = ""
         self.previous: Snapshot | None = None
         self.watchdog = Watchdog(None, 0, 1, pipeline_config.timeout_s)
         # (group, rank, world, watchdog) the current plan was made for: parameters added
@@ -123,6 +126,7 @@ class MatrixRuntime:
         key = tuple((id(t), n) for n, t in zip(names, tensors, strict=True))
         if key != self._layout_key:
             self._resolve_group(tensors)
+            self._layout_version += 1
             self._layouts = [
                 describe(i, n, t, self.group, self.rank)
                 for i, (n, t) in enumerate(zip(names, tensors, strict=True))
@@ -196,7 +200,10 @@ class MatrixRuntime:
         config = repr(
             (extra, self.plan_config, self.config.overlap, self.config.depth, tuple(matrix_params))
         )
-        structure = structure_digest(layouts, config)
+        if self._structure_key != (self._layout_version, config):  # hashing is O(params)
+            self._structure_key = (self._layout_version, config)
+            self._structure_now = structure_digest(layouts, config)
+        structure = self._structure_now
         needs_setup = self.pipeline is None or structure != self._structure
         self.watchdog.tag = f"{self._instance}-{structure[:16]}"
         flagged = nonfinite
@@ -259,33 +266,12 @@ class MatrixRuntime:
         if self.group is not None:
             check_plan_digest(self.digest, watchdog=self.watchdog)
 
-    def owned_items(self) -> list[Item]:
-        """Items whose full update this rank computes."""
-        return [r.item for r in self.routes.values() if r.computes or r.item.is_local]
-
-    def run(
-        self,
-        *,
-        active: set[int],
-        payloads: dict[int, torch.Tensor],
-        payload_dtype: Callable[[int], torch.dtype],
-        direction_dtype: Callable[[int], torch.dtype],
-        local_shapes: dict[int, tuple[int, ...]],
-        compute: ComputeFn,
-        apply: ApplyFn,
-    ) -> StepStats:
-        """Run the step's gather -> compute -> scatter pipeline."""
+    @property
+    def step_pipeline(self) -> Pipeline:
+        """The pipeline of the current plan (``begin_step`` builds it)."""
         if self.pipeline is None:
-            raise RuntimeError("MatrixRuntime.begin_step() must run before run()")
-        return self.pipeline.run(
-            active=active,
-            payloads=payloads,
-            payload_dtype=payload_dtype,
-            direction_dtype=direction_dtype,
-            local_shapes=local_shapes,
-            compute=compute,
-            apply=apply,
-        )
+            raise RuntimeError("MatrixRuntime.begin_step() must run before the pipeline")
+        return self.pipeline
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:

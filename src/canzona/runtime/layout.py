@@ -92,15 +92,14 @@ class Fragment:
         object.__setattr__(self, "numel", math.prod(shape))
         object.__setattr__(self, "contiguous", all(len(r) <= 1 for r in self.runs))
 
-    def leading_positions(self) -> dict[int, int]:
-        """Map global leading index -> position in the local tensor's dim 0."""
-        out: dict[int, int] = {}
+    def position(self, index: int) -> int | None:
+        """Where global index ``index`` of dim 0 sits in the local tensor (None: not held)."""
         pos = 0
         for start, stop in self.runs[0]:
-            for g in range(start, stop):
-                out[g] = pos
-                pos += 1
-        return out
+            if start <= index < stop:
+                return pos + index - start
+            pos += stop - start
+        return None
 
     def index_tensors(self, device: torch.device | None = None) -> list[torch.Tensor]:
         """Global indices per dimension, as int64 tensors."""

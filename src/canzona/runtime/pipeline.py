@@ -23,7 +23,7 @@ ComputeFn = Callable[[Sequence[Item], torch.Tensor], torch.Tensor]
 ApplyFn = Callable[[int, torch.Tensor], None]
 """Storage side: (parameter index, this rank's fragment of its direction) -> None."""
 
-Batches = dict[tuple[int, int, torch.dtype], list[Route]]
+Batches = dict[tuple[int, int, torch.dtype, object], list[Route]]
 
 
 @dataclass
@@ -122,6 +122,11 @@ class _Step:
     remote: list[tuple[int, list[int]]] = field(default_factory=list)
     device: torch.device | None = None
     shapes: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    batch_key: Callable[[int], object] = lambda p: None
+
+    def key(self, item: Item) -> tuple[int, int, torch.dtype, object]:
+        """Matrices computed in one call: same shape, payload dtype and batch key."""
+        return (item.m, item.n, self.payload_dtype(item.param), self.batch_key(item.param))
 
     def local_view(self, route: Route) -> torch.Tensor:
         data = self.payloads[route.item.param]
@@ -150,7 +155,7 @@ class _Step:
     ) -> list[tuple[list[Route], torch.Tensor]]:
         """Compute every batch; an exception is recorded and zeros stand in for the result."""
         results = []
-        for (m, n, dtype), members in batches.items():
+        for (m, n, dtype, _), members in batches.items():
             if self.error is None:
                 try:
                     full = torch.empty((len(members), m, n), dtype=dtype, device=self.device)
@@ -262,8 +267,12 @@ class Pipeline:
         local_shapes: dict[int, tuple[int, ...]],
         compute: ComputeFn,
         apply: ApplyFn,
+        batch_key: Callable[[int], object] = lambda p: None,
     ) -> StepStats:
         """Update every active matrix; ``apply`` is called once per local active parameter.
+
+        ``compute`` receives same-shape matrices that share ``batch_key`` (the optimizer's
+        param group: one set of hyper-parameters per call).
 
         Raises:
             UpdateFailedError: on every rank, when the computation of some matrix raised
@@ -275,6 +284,7 @@ class Pipeline:
         step.stats.rank = self.rank
         t0 = time.perf_counter()
         step.shapes = local_shapes
+        step.batch_key = batch_key
         for p in active:
             if p in local_shapes:
                 step.pending[p] = 0
@@ -285,7 +295,7 @@ class Pipeline:
         if local:
             batches: Batches = {}
             for r in local:
-                batches.setdefault((r.item.m, r.item.n, payload_dtype(r.item.param)), []).append(r)
+                batches.setdefault(step.key(r.item), []).append(r)
 
             def fill_local(members: list[Route], full: torch.Tensor) -> None:
                 for i, r in enumerate(members):
@@ -348,8 +358,7 @@ class Pipeline:
         batches: Batches = {}
         for it in items:
             if it.name in frags:
-                key = (it.m, it.n, step.payload_dtype(it.param))
-                batches.setdefault(key, []).append(self.routes[it.name])
+                batches.setdefault(step.key(it), []).append(self.routes[it.name])
 
         def fill(members: list[Route], full: torch.Tensor) -> None:
             for i, r in enumerate(members):

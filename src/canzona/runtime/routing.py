@@ -110,8 +110,6 @@ class Route:
         send_to: Computing ranks this rank sends its fragment to.
         sources: When this rank computes: (rank, fragment) for each distinct fragment.
         targets: When this rank owns (non-replicated): (rank, fragment) to scatter to.
-        owner: The rank this rank receives its update fragment from (None if it
-            computes the matrix itself or holds nothing of it).
     """
 
     item: Item
@@ -121,8 +119,6 @@ class Route:
     send_to: tuple[int, ...] = ()
     sources: tuple[tuple[int, Fragment], ...] = ()
     targets: tuple[tuple[int, Fragment], ...] = ()
-    owner: int | None = None
-    replicated: bool = False
 
     @property
     def computes(self) -> bool:
@@ -130,33 +126,18 @@ class Route:
         return bool(self.sources)
 
 
-class _LazyCoords(dict[int, tuple[int, ...]]):
-    def __init__(self, fn: Callable[[int], tuple[int, ...]]) -> None:
-        super().__init__()
-        self._fn = fn
-
-    def __missing__(self, key: int) -> tuple[int, ...]:
-        value = self._fn(key)
-        self[key] = value
-        return value
-
-
-def _item_fragment(
+def _item_part(
     layout: ParamLayout, coord: tuple[int, ...], lead: int | None
-) -> Fragment | None:
+) -> tuple[Fragment | None, int | None]:
+    """A rank's 2-D fragment of one matrix, and for a 3-D stack its position in dim 0."""
     frag = fragment_for(layout.shape, layout.mesh_shape, layout.placements, coord)
+    pos = None
     if lead is not None:
-        if lead not in frag.leading_positions():
-            return None
+        pos = frag.position(lead)
+        if pos is None:
+            return None, None
         frag = Fragment(frag.runs[1:])
-    return frag if frag.numel else None
-
-
-def _lead_position(layout: ParamLayout, coord: tuple[int, ...], lead: int | None) -> int | None:
-    if lead is None:
-        return None
-    frag = fragment_for(layout.shape, layout.mesh_shape, layout.placements, coord)
-    return frag.leading_positions().get(lead)
+    return (frag, pos) if frag.numel else (None, pos)
 
 
 def route_item(
@@ -184,28 +165,22 @@ def route_item(
     rep = layout.replicate_dims()
 
     def coord_of(r: int) -> tuple[int, ...]:
-        return _unravel(pos_of[r], mesh_shape)
+        return _unravel(pos_of[r], mesh_shape) if layout.mesh_shape else ()
 
     def rep_coord(r: int) -> tuple[int, ...]:
         c = coord_of(r)
         return tuple(c[d] for d in rep)
 
-    coords = _LazyCoords(coord_of)
-
-    mesh_coord = coords[rank] if layout.mesh_shape else ()
-    frag = _item_fragment(layout, mesh_coord, item.lead)
-    route = Route(item, computing, frag, _lead_position(layout, mesh_coord, item.lead))
-    route.replicated = replicated
+    frag, pos = _item_part(layout, coord_of(rank), item.lead)
+    route = Route(item, computing, frag, pos)
     if frag is not None:
         route.send_to = tuple(c for c in computing if rep_coord(c) == rep_coord(rank))
-        if rank not in computing:
-            route.owner = computing[0]
     if rank in computing:
         sources: list[tuple[int, Fragment]] = []
         targets: list[tuple[int, Fragment]] = []
         covered = 0
         for r in item.unit:
-            f = _item_fragment(layout, coords[r] if layout.mesh_shape else (), item.lead)
+            f, _ = _item_part(layout, coord_of(r), item.lead)
             if f is None:
                 continue
             targets.append((r, f))

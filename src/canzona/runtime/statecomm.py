@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -48,6 +48,16 @@ class Snapshot:
     replica_dedup: bool
     watchdog: Watchdog
 
+    by_param: dict[int, list[Item]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for item in self.items:
+            self.by_param.setdefault(item.param, []).append(item)
+
+    def items_of(self, param: int) -> list[Item]:
+        """The items of one parameter, in plan order."""
+        return self.by_param.get(param, [])
+
     def computing(self, item: Item) -> tuple[int, ...]:
         """Ranks holding the owner state of ``item`` (this rank must take part in it)."""
         return self.routes[item.name].computing
@@ -82,7 +92,7 @@ def _fragment(
 
 
 def _my_items(snap: Snapshot, param: int) -> list[Item]:
-    return [it for it in snap.items if it.param == param and snap.rank in it.unit]
+    return [it for it in snap.items_of(param) if snap.rank in it.unit]
 
 
 def _coord(layout: ParamLayout, item: Item, rank: int) -> tuple[int, ...]:
@@ -93,7 +103,7 @@ def _piece(layout: ParamLayout, entry: StateEntry, item: Item, frag: Fragment) -
     """The part of ``item``'s state that the checkpoint fragment ``frag`` holds."""
     if item.lead is None:
         return frag if frag.numel else None
-    if item.lead not in frag.leading_positions():
+    if frag.position(item.lead) is None:
         return None
     return full_fragment(entry.shape)
 
@@ -104,9 +114,8 @@ def _walk(
     """(entry, layout, item) for items this rank takes part in, in a rank-independent order."""
     for entry in entries:
         layout = snap.topology.layouts[entry.param]
-        for item in snap.items:
-            if item.param == entry.param:
-                yield entry, layout, item
+        for item in snap.items_of(entry.param):
+            yield entry, layout, item
 
 
 def _all_to_all(
@@ -201,8 +210,7 @@ def export_state(
                 local.copy_(data.view(local.shape))
             else:
                 frag = _fragment(layout, entry, _coord(layout, item, snap.rank), dedup)
-                pos = frag.leading_positions()[item.lead]
-                local[pos].copy_(data.view(entry.shape))
+                local[frag.position(item.lead)].copy_(data.view(entry.shape))
     out: dict[StateKey, torch.Tensor] = {}
     for entry in entries:
         local = locals_[(entry.param, entry.key)]
@@ -260,7 +268,7 @@ def import_state(
         piece = _piece(layout, entry, item, frag)
         if piece is not None:
             local = shards[(entry.param, entry.key)]
-            data = local if item.lead is None else local[frag.leading_positions()[item.lead]]
+            data = local if item.lead is None else local[frag.position(item.lead)]
             for c in computing:
                 sends.setdefault(c, []).append(data)
         if snap.rank in computing:

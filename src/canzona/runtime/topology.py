@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement, Replicate
 
+from canzona.runtime.checks import ranks_by_value
 from canzona.runtime.config import PlanMismatchError
 from canzona.runtime.layout import check_placements
 
@@ -129,13 +130,6 @@ class Topology:
         return self.copies[layout.mesh_key]
 
 
-def _group_by_value(values: Sequence[str]) -> list[list[int]]:
-    groups: dict[str, list[int]] = {}
-    for rank, value in enumerate(values):
-        groups.setdefault(value, []).append(rank)
-    return sorted(groups.values(), key=lambda g: (-len(g), g))
-
-
 def _first_difference(lists: Sequence[Sequence[str]], a: int, b: int) -> str:
     for i, (x, y) in enumerate(itertools.zip_longest(lists[a], lists[b])):
         if x != y:
@@ -176,7 +170,7 @@ def agree(
     dist.all_gather_object(gathered, (digest, meshes), group=group)
     digests = [g[0] for g in gathered if g is not None]
     if len(set(digests)) != 1:
-        parts = _group_by_value(digests)
+        parts = [ranks for _, ranks in ranks_by_value(digests)]
         full: list[list[str] | None] = [None] * world
         dist.all_gather_object(full, [extra, *(lo.structure() for lo in layouts)], group=group)
         lists = [f or [] for f in full]

@@ -136,8 +136,6 @@ class Watchdog:
 
 def gather_ints(values: list[int], *, watchdog: Watchdog, phase: int, what: str) -> list[list[int]]:
     """All-gather a short int64 vector (same length on every rank); rows in rank order."""
-    import torch
-
     mine = torch.tensor(values, dtype=torch.int64, device=watchdog.device)
     out = torch.empty(watchdog.world * len(values), dtype=torch.int64, device=watchdog.device)
     watchdog.mark(phase, what)
