@@ -14,6 +14,7 @@ from canzona.plan import (
     SoapCost,
     cost_model,
 )
+from canzona.plan.cost import NORMUON_ELEMENTWISE
 
 
 def test_spec_properties() -> None:
@@ -62,6 +63,18 @@ def test_muon_closed_form() -> None:
     assert MuonCost(ns_steps=1).flops(MatrixSpec("w", (4, 8))) == 640 + 320
 
 
+def test_muon_costs_a_schedule_by_its_length_and_normuon_by_its_extra_elementwise_work() -> None:
+    # The planner costs the iterations a coefficient schedule runs (one triple each), so the
+    # eight Polar Express polynomials cost 8 / 5 of the default's Newton-Schulz work; a
+    # zero-length schedule leaves the element-wise work only.
+    spec = MatrixSpec("w", (4, 8))
+    assert MuonCost(ns_steps=8).flops(spec) == 8 * 640 + 10 * 32
+    assert MuonCost(ns_steps=0).flops(spec) == 10 * 32
+    normuon = cost_model("muon", ns_steps=5, extra_elementwise=NORMUON_ELEMENTWISE)
+    assert normuon.flops(spec) == 5 * 640 + (10 + 6) * 32
+    assert normuon.flops(MatrixSpec("w", (3, 4, 8))) == 3 * normuon.flops(spec)
+
+
 def test_shampoo_closed_form() -> None:
     spec = MatrixSpec("w", (4, 8))
     # 2 m^2 n (stat) + 2 m^2 n (precond) + 2 m n^2 + 2 m n^2 + 10 (m^3 + n^3) / 20 + 12 m n
@@ -107,6 +120,10 @@ def test_cost_model_factory() -> None:
     with pytest.raises(ValueError, match="takes"):
         cost_model("muon", beta=0.9)
     with pytest.raises(ValueError, match="ns_steps"):
-        cost_model("muon", ns_steps=0)
+        cost_model("muon", ns_steps=-1)
+    with pytest.raises(ValueError, match=r"ns_steps.*True"):
+        cost_model("muon", ns_steps=True)
+    with pytest.raises(ValueError, match="extra_elementwise"):
+        cost_model("muon", extra_elementwise=-1)
     with pytest.raises(ValueError, match="precondition_frequency"):
         cost_model("soap", precondition_frequency=0)

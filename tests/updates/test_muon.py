@@ -7,7 +7,13 @@ import itertools
 import pytest
 import torch
 
-from canzona.updates import muon_apply_, muon_direction, muon_lr, muon_prepare_
+from canzona.updates import (
+    ADJUST_LR_FNS,
+    muon_apply_,
+    muon_direction,
+    muon_lr,
+    muon_prepare_,
+)
 
 STEPS = 4
 LR = 0.02
@@ -121,10 +127,67 @@ def test_lr_adjustment() -> None:
     assert muon_lr(0.1, "original", (8, 32)) == pytest.approx(0.1)
     assert muon_lr(0.1, "match_rms_adamw", (8, 32)) == pytest.approx(0.1 * 0.2 * 32**0.5)
     assert muon_lr(0.1, None, (5, 32, 8)) == pytest.approx(0.2)  # trailing dims of a stack
-    with pytest.raises(ValueError, match="adjust_lr_fn"):
-        muon_lr(0.1, "spectral", (4, 4))
+    # spectral is sqrt(m / n) on both sides of the square; original never goes below 1
+    assert muon_lr(0.1, "spectral", (32, 8)) == pytest.approx(0.2)
+    assert muon_lr(0.1, "spectral", (8, 32)) == pytest.approx(0.05)
+    assert muon_lr(0.1, "unit_rms", (8, 32)) == pytest.approx(0.1 * 32**0.5)
+    assert muon_lr(0.1, "unit_rms", (32, 8)) == pytest.approx(0.1 * 32**0.5)
+    assert muon_lr(0.1, "none", (32, 8)) == 0.1
+    with pytest.raises(ValueError, match=r"adjust_lr_fn.*'scion'"):
+        muon_lr(0.1, "scion", (4, 4))
     with pytest.raises(ValueError, match="matrix shape"):
         muon_lr(0.1, None, (4,))
+
+
+@pytest.mark.parametrize("adjust_lr_fn", [None, *ADJUST_LR_FNS])
+@pytest.mark.parametrize("shape", [(32, 8), (8, 32), (24, 24)])
+def test_lr_scale_multiplies_and_is_exact_at_one(
+    adjust_lr_fn: str | None, shape: tuple[int, int]
+) -> None:
+    base = muon_lr(0.02, adjust_lr_fn, shape)
+    assert muon_lr(0.02, adjust_lr_fn, shape, scale=1.0) == base  # bitwise: torch's value
+    assert muon_lr(0.02, adjust_lr_fn, shape, scale=0.5) == pytest.approx(0.5 * base, rel=1e-15)
+    assert muon_lr(0.02, "unit_rms", shape, scale=0.2) == pytest.approx(
+        muon_lr(0.02, "match_rms_adamw", shape), rel=1e-15
+    )
+
+
+@pytest.mark.parametrize("scale", [0.0, -1.0, float("nan"), float("inf")])
+def test_lr_scale_must_be_positive_and_finite(scale: float) -> None:
+    with pytest.raises(ValueError, match=f"scale.*{scale!r}"):
+        muon_lr(0.1, None, (4, 4), scale=scale)
+
+
+def _semi_orthogonal(m: int, n: int) -> torch.Tensor:
+    q = torch.linalg.qr(
+        torch.randn(
+            max(m, n), min(m, n), generator=torch.Generator().manual_seed(0), dtype=torch.float64
+        )
+    )[0]
+    return q if m >= n else q.T
+
+
+@pytest.mark.parametrize("shape", [(48, 12), (12, 48), (20, 20)])
+def test_lr_modes_give_the_documented_size_of_an_orthogonal_update(shape: tuple[int, int]) -> None:
+    # What each mode promises for lr = 1 and O with every singular value 1 (Muon's target):
+    # entry RMS 1 (unit_rms) or 0.2 (match_rms_adamw); spectral norm sqrt(m / n) (spectral);
+    # spectral norm sqrt(max(1, m / n)) (original). A swapped m / n or min / max fails here.
+    m, n = shape
+    o = _semi_orthogonal(m, n)
+
+    def rms(x: torch.Tensor) -> float:
+        return x.square().mean().sqrt().item()
+
+    def spectral(x: torch.Tensor) -> float:
+        return torch.linalg.matrix_norm(x, ord=2).item()
+
+    assert rms(muon_lr(1.0, "unit_rms", shape) * o) == pytest.approx(1.0, rel=1e-12)
+    assert rms(muon_lr(1.0, "match_rms_adamw", shape) * o) == pytest.approx(0.2, rel=1e-12)
+    assert spectral(muon_lr(1.0, "spectral", shape) * o) == pytest.approx((m / n) ** 0.5, rel=1e-12)
+    assert spectral(muon_lr(1.0, "original", shape) * o) == pytest.approx(
+        max(1.0, m / n) ** 0.5, rel=1e-12
+    )
+    assert rms(muon_lr(1.0, "none", shape) * o) == pytest.approx(max(m, n) ** -0.5, rel=1e-12)
 
 
 def test_zero_gradient_gives_finite_update() -> None:

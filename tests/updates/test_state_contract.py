@@ -9,8 +9,11 @@ import pytest
 import torch
 
 from canzona.updates import (
+    NorMuonHParams,
     ShampooHParams,
     SOAPHParams,
+    normuon_direction,
+    normuon_init,
     shampoo_direction,
     shampoo_init,
     soap_direction,
@@ -52,6 +55,13 @@ ALGORITHMS: dict[str, tuple[Init, Direction, Any]] = {
         soap_direction,
         SOAPHParams(precondition_frequency=2, max_precond_dim=12),
     ),
+    # NorMuon's direction takes Muon's orthogonalised update; any matrix exercises the contract
+    "normuon": (normuon_init, normuon_direction, NorMuonHParams()),
+    "normuon_preserve_norm": (
+        normuon_init,
+        normuon_direction,
+        NorMuonHParams(rescale="preserve_norm"),
+    ),
 }
 SHAPES = [(8, 20), (20, 8), (2, 8, 20)]
 EXPECTED_KEYS = {
@@ -64,6 +74,7 @@ EXPECTED_KEYS = {
         "inv_root_right",
     },
     "soap": {"exp_avg", "exp_avg_sq", "gg_left", "q_left", "gg_right", "q_right"},
+    "normuon": {"second_momentum_buffer"},
 }
 
 
@@ -82,6 +93,9 @@ def test_documented_keys() -> None:
     assert set(plain) == {"factor_left", "inv_root_left", "factor_right", "inv_root_right"}
     narrow = soap_init((8, 20), SOAPHParams(max_precond_dim=12))
     assert set(narrow) == {"exp_avg", "exp_avg_sq", "gg_left", "q_left"}
+    rows = normuon_init((2, 8, 20), NorMuonHParams())
+    assert set(rows) == EXPECTED_KEYS["normuon"]
+    assert rows["second_momentum_buffer"].shape == (2, 8, 1)
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -145,3 +159,5 @@ def test_init_needs_a_matrix_shape() -> None:
         shampoo_init((8,), ShampooHParams())
     with pytest.raises(ValueError, match="matrix shape"):
         soap_init((8,), SOAPHParams())
+    with pytest.raises(ValueError, match="matrix shape"):
+        normuon_init((8,), NorMuonHParams())

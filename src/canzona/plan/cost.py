@@ -11,6 +11,7 @@ from canzona.plan.spec import MatrixSpec
 
 __all__ = [
     "COST_MODELS",
+    "NORMUON_ELEMENTWISE",
     "AdamWCost",
     "CostModel",
     "MuonCost",
@@ -24,6 +25,9 @@ __all__ = [
 #: FLOPs per element for Muon's element-wise work: momentum (2), Nesterov blend (2),
 #: Frobenius norm (2), normalisation (1), shape-scaled learning rate and weight decay (3).
 MUON_ELEMENTWISE = 10
+#: Extra FLOPs per element of NorMuon's normalisation, on top of Muon's: square, row mean,
+#: division by the row scale, Frobenius norm (2), rescale (pass as ``extra_elementwise``).
+NORMUON_ELEMENTWISE = 6
 #: FLOPs per element for Adam-style element-wise work (both moments, bias correction,
 #: square root, division, weight decay, learning rate).
 ADAM_ELEMENTWISE = 12
@@ -68,29 +72,39 @@ def _positive_int(owner: str, field_name: str, value: object) -> None:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MuonCost:
-    """Muon: momentum, then Newton-Schulz orthogonalisation of the m x n update.
+    """Muon (and NorMuon): momentum, then Newton-Schulz orthogonalisation of the m x n update.
 
     With ``a = min(m, n)`` and ``b = max(m, n)`` (Muon transposes so that ``X`` is a x b), one
     quintic Newton-Schulz iteration computes ``A = X X^T`` (a x b times b x a: ``2 a^2 b``),
     ``B = c1 A + c2 A A`` (``2 a^3``) and ``B X`` (``2 a^2 b``), i.e. ``4 a^2 b + 2 a^3`` per
-    iteration. The total is ``batch * (ns_steps * (4 a^2 b + 2 a^3) + 10 m n)``, the last term
+    iteration, whatever its coefficients. The total is
+    ``batch * (ns_steps * (4 a^2 b + 2 a^3) + (10 + extra_elementwise) m n)``, the last term
     being the element-wise momentum, normalisation and update.
 
     Attributes:
-        ns_steps: Number of Newton-Schulz iterations.
+        ns_steps: Number of Newton-Schulz iterations. For a coefficient schedule (one triple per
+            iteration, e.g. ``"polar_express"``) pass its length, ``len(schedule)``; a
+            zero-length schedule (normalisation only) is allowed.
+        extra_elementwise: FLOPs per element on top of Muon's ``10``; NorMuon passes
+            ``NORMUON_ELEMENTWISE``.
     """
 
     ns_steps: int = 5
+    extra_elementwise: int = 0
     name: str = field(default="muon", init=False)
 
     def __post_init__(self) -> None:
-        _positive_int("muon", "ns_steps", self.ns_steps)
+        for field_name in ("ns_steps", "extra_elementwise"):
+            value = getattr(self, field_name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"muon: {field_name} must be an integer >= 0, got {value!r}")
 
     def flops(self, spec: MatrixSpec) -> float:
-        """``batch * (ns_steps * (4 a^2 b + 2 a^3) + 10 m n)``."""
+        """``batch * (ns_steps * (4 a^2 b + 2 a^3) + (10 + extra_elementwise) m n)``."""
         a, b = min(spec.m, spec.n), max(spec.m, spec.n)
         per_iter = 4 * a * a * b + 2 * a**3
-        return float(spec.batch * (self.ns_steps * per_iter + MUON_ELEMENTWISE * spec.m * spec.n))
+        elementwise = (MUON_ELEMENTWISE + self.extra_elementwise) * spec.m * spec.n
+        return float(spec.batch * (self.ns_steps * per_iter + elementwise))
 
     def comm_bytes(self, spec: MatrixSpec) -> int:
         """The full gradient (or momentum) payload, ``numel * itemsize``."""

@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from canzona.testing.reference import ReferenceShampoo, ReferenceSOAP
+from canzona.testing.reference import ReferenceNorMuon, ReferenceShampoo, ReferenceSOAP
 
-__all__ = ["ReferenceSOAP", "ReferenceShampoo"]
+__all__ = ["ReferenceNorMuon", "ReferenceSOAP", "ReferenceShampoo"]

@@ -1,4 +1,4 @@
-"""Float64 single-device Shampoo and SOAP written from the algorithms, to check the library.
+"""Float64 single-device Shampoo, SOAP and NorMuon written from the algorithms, to check canzona.
 
 Nothing here uses :mod:`canzona.updates`: each matrix is processed on its own, in float64, with
 the formulas written out plainly, so that an agreement with the library is evidence and not a
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["ReferenceSOAP", "ReferenceShampoo"]
+__all__ = ["ReferenceNorMuon", "ReferenceSOAP", "ReferenceShampoo"]
 
 _F64 = torch.float64
 
@@ -54,6 +54,12 @@ class _ShampooMatrix:
     right: Tensor | None
     left_root: Tensor | None = None
     right_root: Tensor | None = None
+
+
+@dataclass
+class _NorMuonMatrix:
+    buf: Tensor
+    v: Tensor
 
 
 @dataclass
@@ -403,4 +409,141 @@ class ReferenceSOAP(_Reference):
             if self.weight_decay > 0:
                 p = p - rate * self.weight_decay * p
             self.params[i] = p
+        return self.params
+
+
+def _lr_factor(adjust_lr_fn: str | None, m: int, n: int) -> float:
+    """The learning-rate shape factors of Muon's scale modes, written out."""
+    factors = {
+        None: math.sqrt(max(1.0, m / n)),
+        "original": math.sqrt(max(1.0, m / n)),
+        "match_rms_adamw": 0.2 * math.sqrt(max(m, n)),
+        "spectral": math.sqrt(m / n),
+        "unit_rms": math.sqrt(max(m, n)),
+        "none": 1.0,
+    }
+    if adjust_lr_fn not in factors:
+        raise ValueError(f"unknown adjust_lr_fn, got {adjust_lr_fn!r}")
+    return factors[adjust_lr_fn]
+
+
+def _orthogonalise(
+    x: Tensor, coefficients: Sequence[tuple[float, float, float]], norm_scale: float, eps: float
+) -> Tensor:
+    """Newton–Schulz with one ``(a, b, c)`` per iteration: ``X <- aX + (bA + cA^2)X``."""
+    tall = x.shape[0] > x.shape[1]
+    if tall:
+        x = x.T
+    x = x / max(norm_scale * float(torch.linalg.norm(x)), eps)
+    for a, b, c in coefficients:
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.T if tall else x
+
+
+class ReferenceNorMuon(_Reference):
+    r"""NorMuon as Algorithm 1 of arXiv 2510.05491 states it, in float64, matrix by matrix.
+
+    Per matrix (``m x n``, rows = output neurons), at step :math:`t` with gradient :math:`G`:
+
+    .. math::
+        B &\leftarrow \mu B + (1-\mu) G, \quad
+        \tilde B = (1-\mu) G + \mu B \ (\text{nesterov, else } B) \\
+        O &= \mathrm{NS}(\tilde B): \ X \leftarrow \tilde B / \max(s\|\tilde B\|_F, \varepsilon)
+        \ (\text{transposed if tall}), \
+        X \leftarrow a_k X + (b_k A + c_k A^2) X,\ A = XX^\top \\
+        v_i &\leftarrow \beta_2 v_i + (1-\beta_2)\,\tfrac1n \textstyle\sum_j O_{ij}^2, \quad
+        \hat O_{ij} = O_{ij} / (\sqrt{v_i} + \epsilon) \\
+        D &= \rho\sqrt{mn}\,\hat O / \|\hat O\|_F \ (\texttt{"rms"}) \quad\text{or}\quad
+        \|O\|_F\,\hat O / \|\hat O\|_F \ (\texttt{"preserve\_norm"}) \\
+        \theta &\leftarrow \theta(1-\gamma\lambda) - \gamma\, f(m, n)\, \sigma\, D
+
+    with :math:`(a_k, b_k, c_k)` the given schedule, :math:`f` the shape factor of
+    ``adjust_lr_fn`` and :math:`\sigma` = ``scale``. The norms are not guarded: a zero
+    gradient is not supported here.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Tensor],
+        *,
+        lr: float = 0.02,
+        weight_decay: float = 0.0,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_coefficients: Sequence[tuple[float, float, float]] = ((3.4445, -4.775, 2.0315),) * 5,
+        ns_norm_scale: float = 1.0,
+        ns_eps: float = 1e-7,
+        beta2: float = 0.95,
+        eps: float = 1e-10,
+        rescale: str = "rms",
+        rms: float = 0.2,
+        adjust_lr_fn: str | None = "none",
+        scale: float = 1.0,
+    ) -> None:
+        super().__init__(params)
+        if rescale not in ("rms", "preserve_norm"):
+            raise ValueError(f"rescale must be 'rms' or 'preserve_norm', got {rescale!r}")
+        self.lr, self.weight_decay = lr, weight_decay
+        self.momentum, self.nesterov = momentum, nesterov
+        self.coefficients: list[tuple[float, float, float]] = [
+            (float(a), float(b), float(c)) for a, b, c in ns_coefficients
+        ]
+        self.ns_norm_scale, self.ns_eps = ns_norm_scale, ns_eps
+        self.beta2, self.eps, self.rescale, self.rms = beta2, eps, rescale, rms
+        self.adjust_lr_fn, self.scale = adjust_lr_fn, scale
+        self._state = [
+            [
+                _NorMuonMatrix(buf=torch.zeros_like(x), v=torch.zeros(x.shape[0], dtype=_F64))
+                for x in _matrices(p)
+            ]
+            for p in self.params
+        ]
+
+    def _direction(self, g: Tensor, s: _NorMuonMatrix) -> Tensor:
+        s.buf = self.momentum * s.buf + (1 - self.momentum) * g
+        blended = (1 - self.momentum) * g + self.momentum * s.buf if self.nesterov else s.buf
+        o = _orthogonalise(blended, self.coefficients, self.ns_norm_scale, self.ns_eps)
+        m, n = o.shape
+        s.v = self.beta2 * s.v + (1 - self.beta2) * (o**2).mean(dim=1)
+        o_hat = o / (torch.sqrt(s.v)[:, None] + self.eps)
+        size = self.rms * math.sqrt(m * n) if self.rescale == "rms" else float(torch.linalg.norm(o))
+        direction: Tensor = size * o_hat / float(torch.linalg.norm(o_hat))
+        return direction
+
+    def second_moments(self, index: int) -> Tensor:
+        """The per-row second moments of parameter ``index``, shaped ``(..., m, 1)``.
+
+        Args:
+            index: Position of the parameter.
+
+        Returns:
+            A float64 tensor.
+        """
+        p = self.params[index]
+        return torch.stack([s.v for s in self._state[index]]).reshape(*p.shape[:-1], 1)
+
+    def step(self, grads: Sequence[Tensor], *, lr: float | None = None) -> list[Tensor]:
+        """One step on every parameter; returns the parameters (float64) after it.
+
+        Args:
+            grads: One gradient per parameter, any dtype.
+            lr: Learning rate of this step (defaults to the constructor's).
+
+        Returns:
+            ``self.params``; the directions :math:`D` are in ``self.directions``.
+        """
+        gs = self._check_grads(grads)
+        self.steps += 1
+        rate = self.lr if lr is None else lr
+        self.directions = []
+        for i, g in enumerate(gs):
+            dirs = [
+                self._direction(gm, s) for gm, s in zip(_matrices(g), self._state[i], strict=True)
+            ]
+            d = _stack_like(dirs, g)
+            self.directions.append(d)
+            m, n = g.shape[-2:]
+            adjusted = rate * _lr_factor(self.adjust_lr_fn, m, n) * self.scale
+            self.params[i] = self.params[i] * (1 - rate * self.weight_decay) - adjusted * d
         return self.params

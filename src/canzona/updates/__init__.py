@@ -1,4 +1,4 @@
-"""Update math on local full matrices ``(..., m, n)``: Newton–Schulz, Muon, Shampoo, SOAP, AdamW.
+"""Update math on full matrices ``(..., m, n)``: Newton–Schulz, (Nor)Muon, Shampoo, SOAP, AdamW.
 
 Every algorithm is split the same way so that the runtime can run the middle phase on the one
 rank that holds the full matrix: an element-wise *prepare* (any shard), an owner-side
@@ -27,6 +27,20 @@ from canzona.updates.newton_schulz import (
     newton_schulz,
     newton_schulz_flops,
 )
+from canzona.updates.normuon import (
+    NORMUON_RESCALES,
+    NorMuonHParams,
+    normuon_batch_exact,
+    normuon_direction,
+    normuon_init,
+)
+from canzona.updates.ns_schedules import (
+    NS_SCHEDULES,
+    NSCoefficients,
+    Schedule,
+    ns_norm_scale,
+    resolve_ns_coefficients,
+)
 from canzona.updates.shampoo import (
     ShampooHParams,
     inverse_fourth_root,
@@ -49,7 +63,12 @@ __all__ = [
     "DEFAULT_NS_EPS",
     "DEFAULT_NS_STEPS",
     "MIN_BATCHED_SIDE",
+    "NORMUON_RESCALES",
+    "NS_SCHEDULES",
+    "NSCoefficients",
+    "NorMuonHParams",
     "SOAPHParams",
+    "Schedule",
     "ShampooHParams",
     "State",
     "adamw_",
@@ -61,6 +80,11 @@ __all__ = [
     "muon_prepare_",
     "newton_schulz",
     "newton_schulz_flops",
+    "normuon_batch_exact",
+    "normuon_direction",
+    "normuon_init",
+    "ns_norm_scale",
+    "resolve_ns_coefficients",
     "shampoo_apply_",
     "shampoo_direction",
     "shampoo_init",

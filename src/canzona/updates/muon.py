@@ -8,16 +8,13 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from canzona.updates.newton_schulz import (
-    DEFAULT_NS_COEFFICIENTS,
-    DEFAULT_NS_EPS,
-    DEFAULT_NS_STEPS,
-    newton_schulz,
-)
+from canzona.updates.newton_schulz import DEFAULT_NS_EPS, newton_schulz
+from canzona.updates.ns_schedules import DEFAULT_NS_COEFFICIENTS, NSCoefficients
 
 __all__ = ["ADJUST_LR_FNS", "muon_apply_", "muon_direction", "muon_lr", "muon_prepare_"]
 
-ADJUST_LR_FNS: tuple[str, ...] = ("original", "match_rms_adamw")
+#: The learning-rate scale modes :func:`muon_lr` accepts (besides ``None``, = ``"original"``).
+ADJUST_LR_FNS: tuple[str, ...] = ("original", "match_rms_adamw", "spectral", "unit_rms", "none")
 
 
 def muon_prepare_(buf: Tensor, grad: Tensor, *, momentum: float, nesterov: bool) -> Tensor:
@@ -42,8 +39,8 @@ def muon_prepare_(buf: Tensor, grad: Tensor, *, momentum: float, nesterov: bool)
 def muon_direction(
     blended: Tensor,
     *,
-    coefficients: tuple[float, float, float] = DEFAULT_NS_COEFFICIENTS,
-    steps: int = DEFAULT_NS_STEPS,
+    coefficients: NSCoefficients = DEFAULT_NS_COEFFICIENTS,
+    steps: int | None = None,
     eps: float = DEFAULT_NS_EPS,
     dtype: torch.dtype = torch.bfloat16,
 ) -> Tensor:
@@ -51,8 +48,11 @@ def muon_direction(
 
     Args:
         blended: Output of :func:`muon_prepare_`, gathered into full matrices.
-        coefficients: Quintic coefficients ``(a, b, c)`` (torch's ``ns_coefficients``).
-        steps: Newton–Schulz iterations (torch's ``ns_steps``).
+        coefficients: The optimizer's ``ns_coefficients``: a triple ``(a, b, c)``, a sequence of
+            per-iteration triples, or a registered name (``"quintic"``, ``"polar_express"``,
+            ...); a name brings its own input-norm margin.
+        steps: The optimizer's ``ns_steps``; ``None`` lets the coefficients decide (5 for a
+            triple, the schedule's length otherwise).
         eps: Norm clamp.
         dtype: Iteration dtype (bf16 reproduces torch).
 
@@ -62,36 +62,64 @@ def muon_direction(
     return newton_schulz(blended, coefficients=coefficients, steps=steps, eps=eps, dtype=dtype)
 
 
-def muon_lr(lr: float, adjust_lr_fn: str | None, shape: Sequence[int]) -> float:
-    """Scale the learning rate by the matrix shape as torch's Muon does.
+def _lr_ratio(adjust_lr_fn: str | None, m: int, n: int) -> float:
+    """The shape factor of each mode; ``m`` rows (fan-out), ``n`` columns (fan-in)."""
+    if adjust_lr_fn is None or adjust_lr_fn == "original":
+        return math.sqrt(max(1, m / n))
+    if adjust_lr_fn == "match_rms_adamw":
+        return 0.2 * math.sqrt(max(m, n))
+    if adjust_lr_fn == "spectral":
+        return math.sqrt(m / n)
+    if adjust_lr_fn == "unit_rms":
+        return math.sqrt(max(m, n))
+    if adjust_lr_fn == "none":
+        return 1.0
+    raise ValueError(f"adjust_lr_fn must be None or one of {ADJUST_LR_FNS}, got {adjust_lr_fn!r}")
 
-    ``None`` or ``"original"``: ``lr * sqrt(max(1, m / n))``; ``"match_rms_adamw"``:
-    ``lr * 0.2 * sqrt(max(m, n))``. ``(m, n)`` are the last two dims of the full matrix (torch
-    reads the first two; the same for 2-D parameters).
+
+def muon_lr(
+    lr: float, adjust_lr_fn: str | None, shape: Sequence[int], *, scale: float = 1.0
+) -> float:
+    r"""The learning rate of one matrix: ``lr`` times a shape factor times ``scale``.
+
+    With ``(m, n)`` the last two dims of the full matrix (rows = fan-out, columns = fan-in of
+    a ``y = x W^T`` weight). For a semi-orthogonal :math:`O` (every singular value 1, what
+    Newton–Schulz approximates) the entries have RMS :math:`1/\sqrt{\max(m, n)}`:
+
+    * ``None`` or ``"original"``: :math:`\sqrt{\max(1, m/n)}`, torch's and the original Muon's;
+    * ``"match_rms_adamw"``: :math:`0.2\sqrt{\max(m, n)}`, entry RMS 0.2, AdamW's typical update
+      RMS ("Muon is Scalable for LLM Training", arXiv 2502.16982);
+    * ``"spectral"``: :math:`\sqrt{m/n}`, spectral norm :math:`\sqrt{m/n}` (= unit RMS→RMS
+      operator norm), the spectral scaling of "A Spectral Condition for Feature Learning"
+      (arXiv 2310.17813) and of Scion's hidden layers ("Training Deep Learning Models with
+      Norm-Constrained LMOs", arXiv 2502.07529); unlike ``"original"`` it shrinks wide matrices;
+    * ``"unit_rms"``: :math:`\sqrt{\max(m, n)}`, entry RMS 1;
+    * ``"none"``: 1, for a direction that carries its own scale (NorMuon's RMS matching).
+
+    The result is ``lr * factor * scale``; with ``scale == 1`` it is bitwise what
+    ``torch.optim.Muon`` computes for ``None``, ``"original"`` and ``"match_rms_adamw"``
+    (torch reads the first two dims; the same for 2-D parameters).
 
     Args:
         lr: Learning rate of the param group.
-        adjust_lr_fn: Name of the adjustment or ``None``.
+        adjust_lr_fn: One of :data:`ADJUST_LR_FNS` or ``None``.
         shape: Shape of the full (unsharded) matrix.
+        scale: Free multiplicative factor, positive and finite (0.2 with ``"unit_rms"`` gives
+            the factor of ``"match_rms_adamw"``).
 
     Returns:
         The adjusted learning rate.
 
     Raises:
-        ValueError: On an unknown ``adjust_lr_fn`` or a shape with fewer than two dims.
+        ValueError: On an unknown ``adjust_lr_fn``, a shape with fewer than two dims or a
+            ``scale`` that is not positive and finite.
     """
     if len(shape) < 2:
         raise ValueError(f"muon_lr needs a matrix shape, got {tuple(shape)!r}")
+    if not (scale > 0 and math.isfinite(scale)):
+        raise ValueError(f"scale must be positive and finite, got {scale!r}")
     m, n = int(shape[-2]), int(shape[-1])
-    if adjust_lr_fn is None or adjust_lr_fn == "original":
-        ratio = math.sqrt(max(1, m / n))
-    elif adjust_lr_fn == "match_rms_adamw":
-        ratio = 0.2 * math.sqrt(max(m, n))
-    else:
-        raise ValueError(
-            f"adjust_lr_fn must be None or one of {ADJUST_LR_FNS}, got {adjust_lr_fn!r}"
-        )
-    return lr * ratio
+    return lr * _lr_ratio(adjust_lr_fn, m, n) * scale
 
 
 def muon_apply_(

@@ -1,4 +1,4 @@
-"""Quintic Newton–Schulz orthogonalisation, bitwise equal to torch's Muon, batched over stacks."""
+"""Newton–Schulz orthogonalisation with coefficient schedules, bitwise equal to torch's Muon."""
 
 from __future__ import annotations
 
@@ -6,6 +6,15 @@ import math
 
 import torch
 from torch import Tensor
+
+from canzona.updates.ns_schedules import (
+    DEFAULT_NS_COEFFICIENTS,
+    DEFAULT_NS_STEPS,
+    NSCoefficients,
+    Schedule,
+    ns_norm_scale,
+    resolve_ns_coefficients,
+)
 
 __all__ = [
     "DEFAULT_NS_COEFFICIENTS",
@@ -17,42 +26,47 @@ __all__ = [
     "newton_schulz_flops",
 ]
 
-DEFAULT_NS_COEFFICIENTS: tuple[float, float, float] = (3.4445, -4.7750, 2.0315)
-DEFAULT_NS_STEPS = 5
 DEFAULT_NS_EPS = 1e-7
 
 # Below this smaller side the stack always runs matrix by matrix (see batch_kernels_exact).
 MIN_BATCHED_SIDE = 16
-# (device type, device index, dtype, batch, rows, cols, cpu threads) -> probe passed?
+# (device type, device index, dtype, batch, rows, cols, cpu threads, schedule, norm scale)
+# -> probe passed?
 _BATCH_EXACT: dict[tuple[object, ...], bool] = {}
 
 
-def _check_args(x: Tensor, coefficients: tuple[float, ...], steps: int, eps: float) -> None:
+def _check_args(x: Tensor, eps: float, dtype: torch.dtype, norm_scale: float) -> None:
     if x.ndim < 2:
         raise ValueError(f"newton_schulz needs a (..., m, n) tensor, got shape {tuple(x.shape)}")
-    if len(coefficients) != 3:
-        raise ValueError(f"coefficients must be three floats (a, b, c), got {coefficients!r}")
-    if not 0 <= steps < 100:
-        raise ValueError(f"steps must be in [0, 100), got {steps!r}")
     if not eps > 0:
         raise ValueError(f"eps must be positive, got {eps!r}")
+    if not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating dtype, got {dtype!r}")
+    if not (norm_scale > 0 and math.isfinite(norm_scale)):
+        raise ValueError(f"norm_scale must be positive and finite, got {norm_scale!r}")
+
+
+def _normalise(out: Tensor, norm: Tensor, eps: float, norm_scale: float) -> Tensor:
+    """``out / max(norm_scale * norm, eps)``; no multiply when the scale is 1 (torch's ops)."""
+    if norm_scale != 1.0:
+        norm = norm * norm_scale
+    return out.div(norm.clamp(min=eps))
 
 
 def _ns_matrix(
-    x: Tensor, coefficients: tuple[float, float, float], steps: int, eps: float, dtype: torch.dtype
+    x: Tensor, schedule: Schedule, eps: float, dtype: torch.dtype, norm_scale: float
 ) -> Tensor:
     """One matrix, with the exact op sequence of ``torch.optim._muon._zeropower_via_newtonschulz``.
 
     The only difference is that the normalisation is out of place: torch divides in place, which
     overwrites its argument when that argument already has ``dtype``.
     """
-    a, b, c = coefficients
     out = x.to(dtype)
     tall = x.size(0) > x.size(1)
     if tall:
         out = out.T
-    out = out.div(out.norm().clamp(min=eps))
-    for _ in range(steps):
+    out = _normalise(out, out.norm(), eps, norm_scale)
+    for a, b, c in schedule:
         gram = out @ out.T
         update = torch.addmm(gram, gram, gram, beta=b, alpha=c)
         out = torch.addmm(out, update, out, beta=a)
@@ -60,17 +74,16 @@ def _ns_matrix(
 
 
 def _ns_stack(
-    x: Tensor, coefficients: tuple[float, float, float], steps: int, eps: float, dtype: torch.dtype
+    x: Tensor, schedule: Schedule, eps: float, dtype: torch.dtype, norm_scale: float
 ) -> Tensor:
     """A stack ``(B, m, n)`` with batched kernels: the same formulas as :func:`_ns_matrix`."""
-    a, b, c = coefficients
     out = x.to(dtype)
     tall = x.size(-2) > x.size(-1)
     if tall:
         out = out.mT
     norm = torch.linalg.vector_norm(out, dim=(-2, -1), keepdim=True)
-    out = out.div(norm.clamp(min=eps))
-    for _ in range(steps):
+    out = _normalise(out, norm, eps, norm_scale)
+    for a, b, c in schedule:
         gram = out @ out.mT
         update = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
         out = torch.baddbmm(out, update, out, beta=a)
@@ -78,13 +91,20 @@ def _ns_stack(
 
 
 def _ns_loop(
-    x: Tensor, coefficients: tuple[float, float, float], steps: int, eps: float, dtype: torch.dtype
+    x: Tensor, schedule: Schedule, eps: float, dtype: torch.dtype, norm_scale: float
 ) -> Tensor:
-    return torch.stack([_ns_matrix(m, coefficients, steps, eps, dtype) for m in x.unbind(0)])
+    return torch.stack([_ns_matrix(m, schedule, eps, dtype, norm_scale) for m in x.unbind(0)])
 
 
 def batch_kernels_exact(
-    batch: int, rows: int, cols: int, *, dtype: torch.dtype, device: torch.device | str = "cpu"
+    batch: int,
+    rows: int,
+    cols: int,
+    *,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    schedule: Schedule | None = None,
+    norm_scale: float = 1.0,
 ) -> bool:
     """Whether :func:`newton_schulz` may use batched kernels on this stack without changing a bit.
 
@@ -96,9 +116,10 @@ def batch_kernels_exact(
     * the smaller side must be at least :data:`MIN_BATCHED_SIDE`: with bf16 output a different
       fp32 accumulation order flips a bit only rarely, which a probe on a few hundred elements
       would miss, and below this size no probe is trusted;
-    * a probe: the first call for a key runs the full default iteration on a seeded random stack
-      both ways and compares them with :func:`torch.equal` (one host sync, once per key). Keys
-      are device, dtype, ``(batch, rows, cols)`` and, on CPU, the intra-op thread count.
+    * a probe: the first call for a key runs the full iteration on a seeded random stack both
+      ways and compares them with :func:`torch.equal` (one host sync, once per key). Keys are
+      device, dtype, ``(batch, rows, cols)``, on CPU the intra-op thread count, and the schedule
+      and norm scale (BLAS may special-case some scalars, such as a zero ``beta``).
 
     On the reference CPU (AVX-512, MKL) the batched and per-matrix paths were found bitwise equal
     for every shape with a side of at least 12 up to 512 x 1024 (fp32) and 96 x 256 (bf16).
@@ -109,20 +130,24 @@ def batch_kernels_exact(
         cols: Columns of each matrix.
         dtype: Iteration dtype.
         device: Device that runs the iteration.
+        schedule: The per-iteration coefficients (default: torch's triple, five times).
+        norm_scale: Factor of the input norm (see :func:`newton_schulz`).
 
     Returns:
         True when the batched path may be used.
     """
     if batch < 2 or min(rows, cols) < MIN_BATCHED_SIDE:
         return False
+    if schedule is None:
+        schedule = (DEFAULT_NS_COEFFICIENTS,) * DEFAULT_NS_STEPS
     dev = torch.device(device)
     threads = torch.get_num_threads() if dev.type == "cpu" else 0
-    key = (dev.type, dev.index, dtype, batch, rows, cols, threads)
+    key = (dev.type, dev.index, dtype, batch, rows, cols, threads, schedule, norm_scale)
     cached = _BATCH_EXACT.get(key)
     if cached is None:
         gen = torch.Generator(device=dev).manual_seed(0)
         probe = torch.randn((batch, rows, cols), generator=gen, device=dev, dtype=torch.float32)
-        args = (DEFAULT_NS_COEFFICIENTS, DEFAULT_NS_STEPS, DEFAULT_NS_EPS, dtype)
+        args = (schedule, DEFAULT_NS_EPS, dtype, norm_scale)
         cached = torch.equal(_ns_stack(probe, *args), _ns_loop(probe, *args))
         _BATCH_EXACT[key] = cached
     return cached
@@ -131,58 +156,72 @@ def batch_kernels_exact(
 def newton_schulz(
     x: Tensor,
     *,
-    coefficients: tuple[float, float, float] = DEFAULT_NS_COEFFICIENTS,
-    steps: int = DEFAULT_NS_STEPS,
+    coefficients: NSCoefficients = DEFAULT_NS_COEFFICIENTS,
+    steps: int | None = None,
     eps: float = DEFAULT_NS_EPS,
     dtype: torch.dtype = torch.bfloat16,
     batched: bool | None = None,
+    norm_scale: float | None = None,
 ) -> Tensor:
-    r"""Approximately orthogonalise each trailing matrix of ``x`` with the quintic iteration.
+    r"""Approximately orthogonalise each trailing matrix of ``x`` with quintic iterations.
 
-    With :math:`X_0 = G / \max(\|G\|_F, \varepsilon)` (``G`` cast to ``dtype`` and transposed
-    when tall), each step computes :math:`A = X X^\top`, :math:`B = bA + cA^2`,
-    :math:`X \leftarrow aX + BX`. The default coefficients favour speed over convergence:
-    five steps leave the singular values of a well-conditioned input in about ``[0.68, 1.14]``
-    (the band that the quintic oscillates in) rather than at 1, which is what Muon uses.
+    With :math:`X_0 = G / \max(s\|G\|_F, \varepsilon)` (``G`` cast to ``dtype`` and transposed
+    when tall, :math:`s` = ``norm_scale``), iteration :math:`k` computes :math:`A = X X^\top`,
+    :math:`B = b_k A + c_k A^2`, :math:`X \leftarrow a_k X + BX` with the :math:`k`-th triple of
+    the schedule (:func:`~canzona.updates.ns_schedules.resolve_ns_coefficients`). The default
+    triple favours speed over convergence: five steps leave the singular values of a
+    well-conditioned input in about ``[0.68, 1.14]`` (the band that the quintic oscillates in)
+    rather than at 1, which is what Muon uses; ``"polar_express"`` takes them to 1.
 
-    For a 2-D input the op sequence is that of ``torch.optim._muon._zeropower_via_newtonschulz``
-    and the result is bitwise identical to it; unlike torch, the input is never modified. A
-    stack ``(..., m, n)`` gives, bit for bit, what a Python loop over its matrices gives: batched
-    kernels (``baddbmm``, one norm per matrix) are used only where :func:`batch_kernels_exact`
-    has verified that they match the per-matrix kernels; elsewhere the matrices run one by one.
+    For a 2-D input and one triple the op sequence is that of
+    ``torch.optim._muon._zeropower_via_newtonschulz`` and the result is bitwise identical to it;
+    unlike torch, the input is never modified. A stack ``(..., m, n)`` gives, bit for bit, what a
+    Python loop over its matrices gives: batched kernels (``baddbmm``, one norm per matrix) are
+    used only where :func:`batch_kernels_exact` has verified that they match the per-matrix
+    kernels for this schedule; elsewhere the matrices run one by one.
 
     Args:
         x: Matrices ``(..., m, n)``, any floating dtype.
-        coefficients: Quintic coefficients ``(a, b, c)``.
-        steps: Number of iterations, ``0 <= steps < 100``.
-        eps: Lower clamp of the Frobenius norm (keeps a zero matrix at zero).
+        coefficients: One triple ``(a, b, c)`` (repeated ``steps`` times), a sequence of
+            triples (one per iteration), or a name from
+            :data:`~canzona.updates.ns_schedules.NS_SCHEDULES`.
+        steps: Number of iterations, ``0 <= steps < 100``; ``None`` means 5 for a triple, the
+            schedule's length otherwise. With a name, the first ``steps`` triples (the last
+            repeated past the published length); with a sequence of triples, its length.
+        eps: Lower clamp of the scaled Frobenius norm (keeps a zero matrix at zero).
         dtype: Dtype of the iteration and of the result; ``torch.bfloat16`` reproduces torch's
             Muon, ``torch.float32`` is much faster on CPUs without bf16 matmul units.
         batched: ``None`` chooses as above; ``True`` forces the batched kernels (fastest, may
             round differently from the per-matrix path); ``False`` forces the per-matrix loop.
+        norm_scale: Factor :math:`s` of the input norm; ``None`` takes that of the named set
+            (``1.01`` for ``"polar_express"``, else 1), see
+            :func:`~canzona.updates.ns_schedules.ns_norm_scale`.
 
     Returns:
         Tensor of ``x``'s shape and dtype ``dtype``.
 
     Raises:
-        ValueError: On fewer than two dims, not three coefficients, ``steps`` outside
-            ``[0, 100)``, a non-positive ``eps`` or a non-floating ``dtype``.
+        ValueError: On fewer than two dims, an invalid schedule (see
+            :func:`~canzona.updates.ns_schedules.resolve_ns_coefficients`), ``steps`` outside
+            ``[0, 100)``, a non-positive ``eps``, a non-floating ``dtype`` or a ``norm_scale``
+            that is not positive and finite.
     """
-    _check_args(x, coefficients, steps, eps)
-    if not dtype.is_floating_point:
-        raise ValueError(f"dtype must be a floating dtype, got {dtype!r}")
-    coeffs = (float(coefficients[0]), float(coefficients[1]), float(coefficients[2]))
+    schedule = resolve_ns_coefficients(coefficients, steps)
+    scale = ns_norm_scale(coefficients) if norm_scale is None else float(norm_scale)
+    _check_args(x, eps, dtype, scale)
     if x.ndim == 2:
-        return _ns_matrix(x, coeffs, steps, eps, dtype)
+        return _ns_matrix(x, schedule, eps, dtype, scale)
     m, n = x.shape[-2:]
     count = math.prod(x.shape[:-2])
     stack = x.reshape(count, m, n)
     if count == 0:
         return torch.empty(x.shape, dtype=dtype, device=x.device)
     if batched is None:
-        batched = batch_kernels_exact(count, m, n, dtype=dtype, device=x.device)
+        batched = batch_kernels_exact(
+            count, m, n, dtype=dtype, device=x.device, schedule=schedule, norm_scale=scale
+        )
     run = _ns_stack if batched else _ns_loop
-    return run(stack, coeffs, steps, eps, dtype).reshape(x.shape)
+    return run(stack, schedule, eps, dtype, scale).reshape(x.shape)
 
 
 def newton_schulz_flops(rows: int, cols: int, steps: int = DEFAULT_NS_STEPS) -> int:
@@ -190,11 +229,12 @@ def newton_schulz_flops(rows: int, cols: int, steps: int = DEFAULT_NS_STEPS) -> 
 
     With ``a = min(rows, cols)`` and ``b = max(rows, cols)`` each step costs ``2a^2 b`` for
     ``X X^T``, ``2a^3`` for ``A A`` and ``2a^2 b`` for ``B X``: ``steps * (4a^2 b + 2a^3)``.
+    For a schedule, pass its length.
 
     Args:
         rows: Rows of the matrix.
         cols: Columns of the matrix.
-        steps: Number of iterations.
+        steps: Number of iterations (``len(schedule)``).
 
     Returns:
         The FLOP count (a multiply-add counts as two).
