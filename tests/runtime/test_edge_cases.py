@@ -640,14 +640,14 @@ def _replicated_results_alive() -> int:
 
     from canzona.runtime import pipeline as pipeline_module
 
-    original = pipeline_module.Pipeline._compute_group
+    original = pipeline_module._Run._compute_group
     refs: list[Any] = []
     alive_at_last: list[int] = []
 
-    def spy(self: Any, items: Any, pending: Any, step: Any, k: int) -> Any:
+    def spy(self: Any, g: Any, recv: Any) -> Any:
         alive_at_last.append(sum(r() is not None for r in refs))
-        results = original(self, items, pending, step, k)
-        refs.extend(weakref.ref(out.untyped_storage()) for _, out in results)
+        results = original(self, g, recv)
+        refs.extend(weakref.ref(out.untyped_storage()) for out in results)
         return results
 
     shapes = {f"w{i}": (32, 32) for i in range(8)}
@@ -659,11 +659,11 @@ def _replicated_results_alive() -> int:
         pipeline=canzona.PipelineConfig(overlap=False),
     )
     set_grads(params, grad_steps(shapes, 1)[0])
-    pipeline_module.Pipeline._compute_group = spy  # type: ignore[method-assign]
+    pipeline_module._Run._compute_group = spy  # type: ignore[method-assign]
     try:
         opt.step()
     finally:
-        pipeline_module.Pipeline._compute_group = original  # type: ignore[method-assign]
+        pipeline_module._Run._compute_group = original  # type: ignore[method-assign]
     assert len(alive_at_last) == len(shapes)  # one matrix per micro-group
     return alive_at_last[-1]
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, ClassVar
 
@@ -10,27 +11,33 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from canzona.optim.checkpoint import OwnerStateMixin
+from canzona.optim.checkpoint import CheckpointMixin
+from canzona.optim.owner_state import OwnerState
+from canzona.optim.transaction import StepTransaction
 from canzona.plan import PlanConfig
 from canzona.runtime import (
+    ApplyBatch,
+    ComputeBatch,
+    Failure,
     Item,
     MatrixRuntime,
+    ParamRow,
     PipelineConfig,
+    StepStart,
     StepStats,
+    StepTable,
     all_finite,
-    export_state,
     fingerprint,
-    import_state,
     local_grad,
     local_tensor,
-    param_mesh,
-    snapshot,
     validate_param,
 )
-from canzona.updates import adamw_
+from canzona.updates.batched import adamw_moments_, adamw_params_
 
 ADAMW = "adamw"
 _NOT_HYPER = ("params", "param_names")
+#: Steps without any matrix gradient after which the optimizer warns that it updates nothing.
+NO_GRAD_WARN_STEPS = 3
 
 
 def scalar(value: float | Tensor) -> float:
@@ -60,13 +67,15 @@ def _plain(value: Any) -> Any:
     return type(value).__qualname__
 
 
-class MatrixOptimizer(OwnerStateMixin, Optimizer):
+class MatrixOptimizer(CheckpointMixin, Optimizer):
     """Base of :class:`Muon`, :class:`Shampoo` and :class:`SOAP`.
 
     A step runs in three phases per matrix: *prepare* (element-wise, on each rank's
     shard), *direction* (on the owner rank, on the full matrix) and *apply*
-    (element-wise, on each shard). Parameters in groups with ``algorithm="adamw"``
-    are updated element-wise by AdamW on their shards. Subclasses provide the phases.
+    (element-wise, on each shard), each phase batched: one call per param group, or per
+    param group and shape. Parameters in groups with ``algorithm="adamw"`` are updated
+    element-wise by AdamW on their shards. Nothing is written into a parameter before
+    every rank has voted that the step succeeded. Subclasses provide the phases.
     """
 
     algorithm: ClassVar[str] = ""
@@ -89,16 +98,24 @@ class MatrixOptimizer(OwnerStateMixin, Optimizer):
             )
         self.plan_config = plan or PlanConfig()
         self.pipeline_config = pipeline or PipelineConfig()
-        self._runtime = MatrixRuntime(
-            plan_config=self.plan_config,
-            pipeline_config=self.pipeline_config,
-            cost=self.cost_model,
-        )
-        self._owner_state: dict[tuple[int, int | None, int], dict[str, Tensor]] = {}
+        self._runtime = self._new_runtime()
+        self._owner = OwnerState(self._fresh_item_state)
+        self._table: StepTable | None = None
+        self._table_key: tuple[object, ...] = ()
+        self._table_version = 0
+        self._step_params: list[Tensor] = []
+        self._steps_without_grads = 0
         self.last_step_stats: StepStats | None = None
         self.skipped_steps = 0
         defaults = {"algorithm": self.algorithm, **defaults}
         super().__init__(params, defaults)
+
+    def _new_runtime(self) -> MatrixRuntime:
+        return MatrixRuntime(
+            plan_config=self.plan_config,
+            pipeline_config=self.pipeline_config,
+            cost=self.cost_model,
+        )
 
     # ------------------------------------------------------------------ groups
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -120,33 +137,8 @@ class MatrixOptimizer(OwnerStateMixin, Optimizer):
         except (ValueError, TypeError, KeyError) as exc:
             self.param_groups.pop()
             raise ValueError(f"param group {len(self.param_groups)}: {exc}") from exc
-        names = group.get("param_names")
-        offset = sum(len(g["params"]) for g in self.param_groups[:-1])
-        labels = [names[i] if names else f"param{offset + i}" for i in range(len(group["params"]))]
-        taken = set(self._flat()[1][:offset])
-        repeated = sorted({n for n in labels if n in taken or labels.count(n) > 1})
-        if repeated:
-            self.param_groups.pop()
-            raise ValueError(
-                f"parameter names must be unique in one optimizer; repeated: {repeated[:5]} "
-                "(prefix the names of parameters gathered from different modules)"
-            )
         try:
-            for label, p in zip(labels, group["params"], strict=True):
-                validate_param(label, p)
-                if algorithm == ADAMW:
-                    continue
-                if p.ndim not in (2, 3):
-                    raise ValueError(
-                        f"parameter {label!r} ({tuple(p.shape)}) is {p.ndim}-D; "
-                        f"{type(self).__name__} updates 2-D matrices and 3-D stacks of matrices "
-                        f'only. Put it in a group with algorithm="{ADAMW}" '
-                        "(canzona.param_groups does this for you)."
-                    )
-                if torch.is_complex(p):
-                    raise ValueError(
-                        f"parameter {label!r}: complex dtype {p.dtype} is not supported"
-                    )
+            self._check_names_and_shapes(group)
         except ValueError:
             self.param_groups.pop()
             raise
@@ -154,17 +146,43 @@ class MatrixOptimizer(OwnerStateMixin, Optimizer):
         if runtime is not None:
             runtime.invalidate()
 
-    def _flat(self) -> tuple[list[Tensor], list[str], list[dict[str, Any]]]:
+    def _check_names_and_shapes(self, group: dict[str, Any]) -> None:
+        names = group.get("param_names")
+        offset = sum(len(g["params"]) for g in self.param_groups[:-1])
+        labels = [names[i] if names else f"param{offset + i}" for i in range(len(group["params"]))]
+        taken = set(self._flat()[1][:offset])
+        repeated = sorted({n for n in labels if n in taken or labels.count(n) > 1})
+        if repeated:
+            raise ValueError(
+                f"parameter names must be unique in one optimizer; repeated: {repeated[:5]} "
+                "(prefix the names of parameters gathered from different modules)"
+            )
+        for label, p in zip(labels, group["params"], strict=True):
+            validate_param(label, p)
+            if group.get("algorithm") == ADAMW:
+                continue
+            if p.ndim not in (2, 3):
+                raise ValueError(
+                    f"parameter {label!r} ({tuple(p.shape)}) is {p.ndim}-D; "
+                    f"{type(self).__name__} updates 2-D matrices and 3-D stacks of matrices "
+                    f'only. Put it in a group with algorithm="{ADAMW}" '
+                    "(canzona.param_groups does this for you)."
+                )
+            if torch.is_complex(p):
+                raise ValueError(f"parameter {label!r}: complex dtype {p.dtype} is not supported")
+
+    def _flat(self) -> tuple[list[Tensor], list[str], list[int]]:
+        """Every parameter, its name and the index of its param group, in optimizer order."""
         params: list[Tensor] = []
         names: list[str] = []
-        groups: list[dict[str, Any]] = []
-        for group in self.param_groups:
+        gids: list[int] = []
+        for gid, group in enumerate(self.param_groups):
             pnames = group.get("param_names")
             for j, p in enumerate(group["params"]):
                 names.append(pnames[j] if pnames else f"param{len(params)}")
                 params.append(p)
-                groups.append(group)
-        return params, names, groups
+                gids.append(gid)
+        return params, names, gids
 
     def _hyper_fingerprint(self) -> str:
         rows = []
@@ -180,40 +198,85 @@ class MatrixOptimizer(OwnerStateMixin, Optimizer):
     def _init_storage_state(self, p: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
         """Create the element-wise state of a matrix parameter (storage layout)."""
 
-    def _prepare(
-        self, p: Tensor, grad: Tensor, state: dict[str, Any], group: dict[str, Any]
-    ) -> Tensor:
-        """Element-wise phase on this rank's shard; returns the payload's local tensor."""
-        raise NotImplementedError
+    def _prepare_group(
+        self,
+        group: dict[str, Any],
+        params: list[Tensor],
+        grads: list[Tensor],
+        payloads: list[Tensor],
+        txn: StepTransaction,
+    ) -> None:
+        """Element-wise phase of one param group's matrices on this rank's shards.
 
-    def _directions(
-        self, items: Sequence[Item], full: Tensor, group: dict[str, Any], steps: list[int]
-    ) -> Tensor:
-        """Owner phase on full matrices ``(k, m, n)`` sharing one param group.
-
-        Args:
-            items: The matrices.
-            full: Their gathered payloads.
-            group: Their param group.
-            steps: Each matrix's step count (1-based, already incremented).
+        Writes each matrix's payload into ``payloads`` (views shaped like the local
+        shards); state changed in place must be handed to ``txn.save`` first.
         """
         raise NotImplementedError
 
-    def _apply(
-        self, p: Tensor, direction: Tensor, state: dict[str, Any], group: dict[str, Any]
-    ) -> None:
-        """Element-wise phase: write this rank's fragment of the direction into ``p``."""
+    def _directions(self, batch: ComputeBatch, full: Tensor) -> Tensor:
+        """Owner phase on the full matrices ``(k, m, n)`` of one batch."""
+        raise NotImplementedError
+
+    def _apply_batch(self, batch: ApplyBatch) -> None:
+        """Element-wise phase: write a batch of direction fragments into the parameters."""
         raise NotImplementedError
 
     def _payload_dtype(self, p: Tensor, group: dict[str, Any]) -> torch.dtype:
-        """Dtype of what travels to the owner (``_prepare``'s output is cast to it)."""
+        """Dtype of what travels to the owner (the prepared payload is cast to it)."""
         return p.dtype
 
     def _direction_dtype(self, p: Tensor, group: dict[str, Any]) -> torch.dtype:
         return torch.promote_types(p.dtype, torch.float32)
 
+    def _row_signature(self, group: dict[str, Any]) -> tuple[object, ...]:
+        """The group values the table rows depend on (besides the parameters' dtypes)."""
+        return ()
+
     def _config_repr(self) -> str:
         return type(self).__name__
+
+    def _fresh_item_state(self, item: Item) -> dict[str, Tensor]:
+        """A new owner-held state for one matrix (none for optimizers without any)."""
+        return {}
+
+    def _item_step(self, item: Item) -> int:
+        """The step count of ``item``'s parameter during a step (already incremented)."""
+        return int(self.state[self._step_params[item.param]]["step"])
+
+    # ------------------------------------------------------------------ table
+    def _step_table(self, params: list[Tensor], gids: list[int]) -> StepTable:
+        """The table of this step (rows rebuilt only when groups, params or dtypes change)."""
+        groups = self.param_groups
+        key = (
+            tuple((len(g["params"]), g["algorithm"], self._row_signature(g)) for g in groups),
+            tuple(map(id, params)),
+            tuple(p.dtype for p in params),
+        )
+        if self._table is None or key != self._table_key:
+            matrix = [
+                i
+                for i, (p, gid) in enumerate(zip(params, gids, strict=True))
+                if groups[gid]["algorithm"] != ADAMW and p.numel() > 0
+            ]
+            rows = [
+                ParamRow(
+                    self._payload_dtype(params[i], groups[gids[i]]),
+                    self._direction_dtype(params[i], groups[gids[i]]),
+                    gids[i],
+                )
+                for i in matrix
+            ]
+            self._table_version += 1
+            self._table = StepTable(
+                matrix=tuple(matrix),
+                rows=tuple(rows),
+                hparams=(),
+                fingerprint="",
+                config=self._config_repr(),
+                version=self._table_version,
+            )
+            self._table_key = key
+        return self._table.with_hparams(groups, self._hyper_fingerprint())
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
@@ -222,154 +285,186 @@ class MatrixOptimizer(OwnerStateMixin, Optimizer):
 
         Args:
             closure: Re-evaluates the model and returns the loss (run with grad enabled).
+
+        Raises:
+            UpdateFailedError: on every rank when anything failed on any rank; no
+                parameter (and, with ``PipelineConfig(atomic=True)``, no optimizer state)
+                changed anywhere.
         """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        params, names, groups = self._flat()
-        matrix = self._matrix_indices(params, groups)
-        matrix_set = set(matrix)
+        params, names, gids = self._flat()
+        table = self._step_table(params, gids)
         has_grad = [p.grad is not None for p in params]
+        failure: Failure | None = None
         nonfinite = False
         if self.pipeline_config.skip_nonfinite:
-            nonfinite = not all_finite([p.grad for p in params if p.grad is not None])
-        active, skip = self._runtime.begin_step(
-            names,
-            params,
-            matrix,
-            has_grad=has_grad,
-            nonfinite=nonfinite,
-            **self._plan_inputs(params, groups),
+            try:
+                nonfinite = not all_finite([p.grad for p in params if p.grad is not None])
+            except Exception as exc:
+                failure = Failure("checking the gradients for NaN/Inf", exc)
+        start = self._runtime.begin_step(
+            names, params, table, has_grad=has_grad, nonfinite=nonfinite, failure=failure
         )
-        self._migrate_owner_state(params, groups)
-        if skip:
-            self.skipped_steps += 1
-            self.last_step_stats = StepStats(rank=self._runtime.rank, skipped=True)
-            return loss
-        for i in sorted(active):
-            group = groups[i]
-            if group["algorithm"] == ADAMW:
-                self._adamw(params[i], names[i], group)
-            elif i not in matrix_set:  # an empty matrix: nothing to update
-                self._bump_step(self.state[params[i]])
-        payloads: dict[int, Tensor] = {}
-        shapes: dict[int, tuple[int, ...]] = {}
-        for i in matrix:
-            if i not in active:
-                continue
-            p, group = params[i], groups[i]
-            state = self.state[p]
-            if "step" not in state:
-                state["step"] = torch.tensor(0.0)
-                self._init_storage_state(p, state, group)
-                self._add_owner_placeholders(p, state, group)
-            self._bump_step(state)
-            payload = self._prepare(p, local_grad(names[i], p), state, group)
-            payloads[i] = payload.to(self._payload_dtype(p, group))
-            shapes[i] = tuple(local_tensor(p).shape)
-        matrix_active = active & matrix_set
-        if not matrix_active:
-            self.last_step_stats = StepStats(rank=self._runtime.rank)
-            return loss
-
-        def steps_of(items: Sequence[Item]) -> list[int]:
-            return [int(self.state[params[it.param]]["step"]) for it in items]
-
-        def compute(items: Sequence[Item], full: Tensor) -> Tensor:
-            # the pipeline batches by param group: one set of hyper-parameters per call
-            return self._directions(items, full, groups[items[0].param], steps_of(items))
-
-        def apply(i: int, direction: Tensor) -> None:
-            self._apply(params[i], direction, self.state[params[i]], groups[i])
-
-        self.last_step_stats = self._runtime.step_pipeline.run(
-            active=matrix_active,
-            payloads=payloads,
-            payload_dtype=lambda i: self._payload_dtype(params[i], groups[i]),
-            direction_dtype=lambda i: self._direction_dtype(params[i], groups[i]),
-            local_shapes=shapes,
-            compute=compute,
-            apply=apply,
-            batch_key=lambda i: id(groups[i]),
-        )
+        try:
+            if start.previous is not None:
+                self._migrate_owner_state(start.previous, params, gids)
+            self._watch_gradients(start, table)
+            if start.skip:
+                self.skipped_steps += 1
+                self.last_step_stats = StepStats(rank=self._runtime.rank, skipped=True)
+                return loss
+            self._step_params = params
+            self.last_step_stats = self._run_step(start, table, params, names, gids, failure)
+        finally:
+            self._runtime.abandon()
+            self._step_params = []
         return loss
 
-    @staticmethod
-    def _matrix_indices(params: list[Tensor], groups: list[dict[str, Any]]) -> list[int]:
-        return [
-            i for i, g in enumerate(groups) if g["algorithm"] != ADAMW and params[i].numel() > 0
-        ]
+    def _run_step(
+        self,
+        start: StepStart,
+        table: StepTable,
+        params: list[Tensor],
+        names: list[str],
+        gids: list[int],
+        failure: Failure | None,
+    ) -> StepStats:
+        txn = StepTransaction(atomic=self.pipeline_config.atomic)
+        self._owner.begin(atomic=self.pipeline_config.atomic)
+        txn.on_rollback(self._owner.rollback)
+        adamw: list[tuple[int, list[int]]] = []
+        if failure is None:
+            try:
+                adamw = self._prepare(start, table, params, names, gids, txn)
+            except Exception as exc:
+                failure = Failure("preparing the step", exc)
+        try:
+            stats: StepStats = self._runtime.run(
+                table,
+                params,
+                names,
+                compute=self._directions,
+                apply=self._apply_batch,
+                failure=failure,
+            )
+        except BaseException:
+            txn.rollback()
+            raise
+        txn.commit()
+        self._owner.commit()
+        for gid, idxs in adamw:
+            self._adamw_params(gid, [params[i] for i in idxs])
+        return stats
 
-    def _plan_inputs(self, params: list[Tensor], groups: list[dict[str, Any]]) -> dict[str, Any]:
-        """What the runtime plans from, besides the parameters (identical on every rank)."""
-        return {
-            "itemsize": lambda i: self._payload_dtype(params[i], groups[i]).itemsize,
-            "extra": self._config_repr(),
-            "hparams": self._hyper_fingerprint(),
-        }
+    def _prepare(
+        self,
+        start: StepStart,
+        table: StepTable,
+        params: list[Tensor],
+        names: list[str],
+        gids: list[int],
+        txn: StepTransaction,
+    ) -> list[tuple[int, list[int]]]:
+        """Counters, lazy state, AdamW moments and matrix payloads (before the vote).
 
-    def _sync_plan(self) -> None:
-        """Agree on the plan with every rank (collective); re-plans when needed."""
-        params, names, groups = self._flat()
-        self._runtime.sync_plan(
-            names, params, self._matrix_indices(params, groups), **self._plan_inputs(params, groups)
-        )
-        self._migrate_owner_state(params, groups)
+        Returns:
+            The AdamW parameters by param group, whose update follows the vote.
+        """
+        groups = self.param_groups
+        matrix = set(table.matrix)
+        adamw: dict[int, list[int]] = {}
+        prepared: dict[int, list[int]] = {}
+        steps: list[Tensor] = []
+        grads: dict[int, Tensor] = {}
+        for i in sorted(start.active):
+            p, gid = params[i], gids[i]
+            group = groups[gid]
+            state = self.state[p]
+            if "step" not in state:
+                txn.created(self.state, p)
+                self._init_state(p, state, group, i in matrix)
+            steps.append(state["step"])
+            if group["algorithm"] == ADAMW:
+                adamw.setdefault(gid, []).append(i)
+            elif i not in matrix:
+                continue  # an empty matrix: only its step counter moves
+            elif i in start.payload:
+                prepared.setdefault(gid, []).append(i)
+            # every rank, in the same order: a gradient in other placements is redistributed
+            grads[i] = local_grad(names[i], p)
+        txn.bump(steps)
+        for gid, idxs in adamw.items():
+            states = [self.state[params[i]] for i in idxs]
+            exp_avgs = [local_tensor(s["exp_avg"]) for s in states]
+            exp_avg_sqs = [local_tensor(s["exp_avg_sq"]) for s in states]
+            txn.save(exp_avgs + exp_avg_sqs)
+            adamw_moments_(
+                [grads[i] for i in idxs],
+                exp_avgs,
+                exp_avg_sqs,
+                betas=tuple(groups[gid]["adamw_betas"]),
+            )
+        for gid, idxs in prepared.items():
+            self._prepare_group(
+                groups[gid],
+                [params[i] for i in idxs],
+                [grads[i] for i in idxs],
+                [start.payload[i] for i in idxs],
+                txn,
+            )
+        return list(adamw.items())
 
-    def _migrate_owner_state(self, params: list[Tensor], groups: list[dict[str, Any]]) -> None:
-        """After a re-plan, move owner-held state from the old owners to the new ones."""
-        previous = self._runtime.previous
-        self._runtime.previous = None
-        if previous is None:
-            return
-        stepped = {i for i, p in enumerate(params) if "step" in self.state.get(p, {})}
-        entries = [
-            e
-            for e in self._entries(params, groups, stepped)
-            if e.param < len(previous.topology.layouts)
-        ]
-        if not entries:
-            return
-        old = self._owner_state
-        values = export_state(
-            previous,
-            entries,
-            get=lambda item, key: self._owner_state_of(item, params[item.param], groups, old)[key],
-            meshes={e.param: param_mesh(params[e.param]) for e in entries},
-        )
-        self._owner_state = {}
-
-        def put(item: Item, key: str, value: Tensor) -> None:
-            self._owner_state.setdefault(item.key, {})[key] = value
-
-        import_state(snapshot(self._runtime), entries, values, put)
-
-    @staticmethod
-    def _bump_step(state: dict[str, Any]) -> int:
-        if "step" not in state:
-            state["step"] = torch.tensor(0.0)
-        state["step"] += 1
-        return int(state["step"])
-
-    def _adamw(self, p: Tensor, name: str, group: dict[str, Any]) -> None:
-        state = self.state[p]
-        if "step" not in state:
-            state["step"] = torch.tensor(0.0)
+    def _init_state(
+        self, p: Tensor, state: dict[str, Any], group: dict[str, Any], mat: bool
+    ) -> None:
+        state["step"] = torch.tensor(0.0)
+        if group["algorithm"] == ADAMW:
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        step = self._bump_step(state)
-        adamw_(
-            local_tensor(p),
-            local_grad(name, p),
-            local_tensor(state["exp_avg"]),
-            local_tensor(state["exp_avg_sq"]),
-            step,
-            lr=scalar(group["lr"]),
-            betas=tuple(group["adamw_betas"]),
-            eps=group["adamw_eps"],
-            weight_decay=group["weight_decay"],
-        )
+        elif mat:
+            self._init_storage_state(p, state, group)
+            self._add_owner_placeholders(p, state, group)
+
+    def _adamw_params(self, gid: int, params: list[Tensor]) -> None:
+        """AdamW's parameter update of one group (after the vote), by step count."""
+        group = self.param_groups[gid]
+        by_step: dict[int, list[Tensor]] = {}
+        for p in params:
+            by_step.setdefault(int(self.state[p]["step"]), []).append(p)
+        for step, ps in by_step.items():
+            states = [self.state[p] for p in ps]
+            adamw_params_(
+                [local_tensor(p) for p in ps],
+                [local_tensor(s["exp_avg"]) for s in states],
+                [local_tensor(s["exp_avg_sq"]) for s in states],
+                step,
+                lr=scalar(group["lr"]),
+                betas=tuple(group["adamw_betas"]),
+                eps=group["adamw_eps"],
+                weight_decay=group["weight_decay"],
+            )
+
+    def _watch_gradients(self, start: StepStart, table: StepTable) -> None:
+        """Warn (on every rank alike) when no matrix has had a gradient for a few steps."""
+        if self._steps_without_grads < 0:
+            return
+        if any(i in start.active for i in table.matrix) or not table.matrix:
+            self._steps_without_grads = -1  # seen one: never warn
+            return
+        self._steps_without_grads += 1
+        if self._steps_without_grads == NO_GRAD_WARN_STEPS:
+            warnings.warn(
+                f"{type(self).__name__}: none of its {len(table.matrix)} matrix parameters has "
+                f"had a gradient in {NO_GRAD_WARN_STEPS} steps, so nothing was updated. The "
+                "likely cause: the optimizer was built before fully_shard or "
+                "parallelize_module replaced the model's parameters; build it afterwards "
+                "(canzona.param_groups(model) on the sharded model).",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
     # ------------------------------------------------------------------ helpers
     @staticmethod

@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
+from canzona.optim.owner_state import OwnerState
 from canzona.runtime import (
+    Snapshot,
     StateEntry,
     as_storage_layout,
     check_all_ok,
-    export_state,
-    import_state,
     param_mesh,
     snapshot,
 )
@@ -25,7 +26,16 @@ def _shape(value: Any) -> tuple[int, ...] | None:
     return tuple(value.shape) if isinstance(value, Tensor) else None
 
 
-class OwnerStateMixin:
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _step_tensor(value: Any) -> Tensor:
+    """A step counter as torch.optim keeps it: a float32 scalar tensor (numbers converted)."""
+    return torch.tensor(float(value)) if _is_number(value) else value
+
+
+class CheckpointMixin:
     """Checkpointing for optimizers whose matrix state lives on owner ranks.
 
     ``state_dict()`` returns, for every parameter, the same keys on every rank:
@@ -33,43 +43,21 @@ class OwnerStateMixin:
     Shampoo's factors) as DTensors sharded by rows over the parameter's mesh (plain
     tensors for plain parameters), so ``torch.distributed.checkpoint`` can save it
     and reload it on another mesh. Both calls are collective on a distributed mesh.
+    The owner-held values themselves live in the optimizer's :class:`OwnerState`.
     """
 
     # provided by MatrixOptimizer
     state: Any
     param_groups: list[dict[str, Any]]
     storage_keys: ClassVar[tuple[str, ...]] = ()
-    _owner_state: dict[tuple[int, int | None, int], dict[str, Tensor]]
+    _owner: OwnerState
     _runtime: Any
 
-    def _flat(self) -> tuple[list[Tensor], list[str], list[dict[str, Any]]]:
+    def _flat(self) -> tuple[list[Tensor], list[str], list[int]]:
         raise NotImplementedError
 
-    def _sync_plan(self) -> None:
+    def _step_table(self, params: list[Tensor], gids: list[int]) -> Any:
         raise NotImplementedError
-
-    def _owner_state_of(
-        self,
-        item: Any,
-        p: Tensor,
-        groups: list[dict[str, Any]],
-        store: dict[Any, dict[str, Tensor]] | None = None,
-    ) -> dict[str, Tensor]:
-        """The owner-held state of ``item``; a fresh one if it was never computed.
-
-        A step that raised :class:`~canzona.UpdateFailedError` skips the matrices after the
-        failure, so their owners may hold no state yet although the step counter moved.
-        """
-        owned = self._owner_state if store is None else store
-        state = owned.get(item.key)
-        if state is None:
-            state = self._fresh_owner_state(item, p, groups[item.param])
-            owned[item.key] = state
-        return state
-
-    def _fresh_owner_state(self, item: Any, p: Tensor, group: dict[str, Any]) -> dict[str, Tensor]:
-        """A new owner-held state for one matrix (none for optimizers without any)."""
-        return {}
 
     def _owner_specs(
         self, p: Tensor, group: dict[str, Any]
@@ -90,8 +78,9 @@ class OwnerStateMixin:
             state[key] = torch.empty(0)
 
     def _entries(
-        self, params: list[Tensor], groups: list[dict[str, Any]], stepped: set[int]
+        self, params: list[Tensor], groups: Sequence[dict[str, Any]], stepped: set[int]
     ) -> list[StateEntry]:
+        """Owner-held state tensors of the stepped matrix parameters (``groups`` per param)."""
         entries: list[StateEntry] = []
         for i in sorted(stepped):
             p, group = params[i], groups[i]
@@ -101,20 +90,43 @@ class OwnerStateMixin:
                 entries.append(StateEntry(i, key, shape, dtype))
         return entries
 
+    def _stepped_entries(self, params: list[Tensor], gids: list[int]) -> list[StateEntry]:
+        stepped = {i for i, p in enumerate(params) if "step" in self.state.get(p, {})}
+        return self._entries(params, [self.param_groups[g] for g in gids], stepped)
+
+    def _sync_plan(self) -> None:
+        """Agree on the plan with every rank (collective); re-plans and moves state if needed."""
+        params, names, gids = self._flat()
+        previous = self._runtime.sync_plan(names, params, self._step_table(params, gids))
+        if previous is not None:
+            self._migrate_owner_state(previous, params, gids)
+
+    def _migrate_owner_state(
+        self, previous: Snapshot, params: list[Tensor], gids: list[int]
+    ) -> None:
+        """After a re-plan, move owner-held state from the old owners to the new ones."""
+        entries = [
+            e
+            for e in self._stepped_entries(params, gids)
+            if e.param < len(previous.topology.layouts)
+        ]
+        if not entries:
+            return
+        meshes = {e.param: param_mesh(params[e.param]) for e in entries}
+        self._owner.migrate(previous, snapshot(self._runtime), entries, meshes)
+
     # ------------------------------------------------------------------ save
     def state_dict(self) -> dict[str, Any]:
         """The optimizer state (collective on a distributed mesh); see the class doc."""
         sd: dict[str, Any] = super().state_dict()  # type: ignore[misc]
-        params, _, groups = self._flat()
-        stepped = {i for i, p in enumerate(params) if "step" in self.state.get(p, {})}
-        entries = self._entries(params, groups, stepped)
+        params, _, gids = self._flat()
+        entries = self._stepped_entries(params, gids)
         if not entries:
             return sd
         self._sync_plan()
-        values = export_state(
+        values = self._owner.export(
             snapshot(self._runtime),
             entries,
-            get=lambda item, key: self._owner_state_of(item, params[item.param], groups)[key],
             meshes={e.param: param_mesh(params[e.param]) for e in entries},
         )
         packed = {k: dict(v) for k, v in sd["state"].items()}
@@ -191,6 +203,8 @@ class OwnerStateMixin:
             if extra:
                 raise ValueError(f"state of parameter {label!r} has unexpected key {extra[0]!r}")
             for key, shape in expected.items():
+                if key == "step" and _is_number(entry[key]):
+                    continue  # a plain number (older checkpoints) loads as a tensor
                 got = _shape(entry[key])
                 if got is None:
                     raise ValueError(f"state {key!r} of parameter {label!r} is not a tensor")
@@ -244,7 +258,7 @@ class OwnerStateMixin:
             stepped.add(pos)
             keys = owner_keys.get(pos, set())
             storage[pid] = {
-                k: v if k == "step" else as_storage_layout(v, params[pos])
+                k: _step_tensor(v) if k == "step" else as_storage_layout(v, params[pos])
                 for k, v in entry.items()
                 if k not in keys
             }
@@ -253,15 +267,11 @@ class OwnerStateMixin:
         if entries:
             self._sync_plan()  # collective: every rank has validated by now
         super().load_state_dict({**state_dict, "state": storage})  # type: ignore[misc]
-        self._owner_state.clear()
         for pos in sorted(stepped & set(owner_keys)):
             p = params[pos]
             if p.numel():
                 self._add_owner_placeholders(p, self.state[p], group_of[pos])
-        if not entries:
-            return
-
-        def put(item: Any, key: str, value: Tensor) -> None:
-            self._owner_state.setdefault(item.key, {})[key] = value
-
-        import_state(snapshot(self._runtime), entries, owner_values, put)
+        if entries:
+            self._owner.load(snapshot(self._runtime), entries, owner_values)
+        else:
+            self._owner.clear()

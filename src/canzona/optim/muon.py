@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from canzona.optim.base import MatrixOptimizer, scalar
+from canzona.optim.transaction import StepTransaction
 from canzona.plan import PlanConfig
-from canzona.runtime import Item, PipelineConfig, local_tensor
-from canzona.updates import muon_apply_, muon_direction, muon_lr, muon_prepare_
+from canzona.runtime import ApplyBatch, ComputeBatch, PipelineConfig, local_tensor
+from canzona.updates import muon_direction, muon_lr
+from canzona.updates.batched import decay_and_step_, muon_prepare_batch_
 
 _ADJUST = (None, "original", "match_rms_adamw")
 
@@ -116,14 +118,21 @@ class Muon(MatrixOptimizer):
     def _init_storage_state(self, p: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
         state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
-    def _prepare(
-        self, p: Tensor, grad: Tensor, state: dict[str, Any], group: dict[str, Any]
-    ) -> Tensor:
-        return muon_prepare_(
-            local_tensor(state["momentum_buffer"]),
-            grad,
-            momentum=group["momentum"],
-            nesterov=group["nesterov"],
+    def _row_signature(self, group: dict[str, Any]) -> tuple[object, ...]:
+        return (group.get("ns_dtype"),)
+
+    def _prepare_group(
+        self,
+        group: dict[str, Any],
+        params: list[Tensor],
+        grads: list[Tensor],
+        payloads: list[Tensor],
+        txn: StepTransaction,
+    ) -> None:
+        bufs = [local_tensor(self.state[p]["momentum_buffer"]) for p in params]
+        txn.save(bufs)
+        muon_prepare_batch_(
+            bufs, grads, payloads, momentum=group["momentum"], nesterov=group["nesterov"]
         )
 
     def _payload_dtype(self, p: Tensor, group: dict[str, Any]) -> torch.dtype:
@@ -132,33 +141,35 @@ class Muon(MatrixOptimizer):
         ns: torch.dtype = group["ns_dtype"]
         return ns if ns.itemsize < p.dtype.itemsize else p.dtype
 
-    def _directions(
-        self, items: Sequence[Item], full: Tensor, group: dict[str, Any], steps: list[int]
-    ) -> Tensor:
+    def _directions(self, batch: ComputeBatch, full: Tensor) -> Tensor:
+        hp = batch.hparams
         return muon_direction(
             full,
-            coefficients=group["ns_coefficients"],
-            steps=group["ns_steps"],
-            eps=group["eps"],
-            dtype=group["ns_dtype"],
+            coefficients=hp["ns_coefficients"],
+            steps=hp["ns_steps"],
+            eps=hp["eps"],
+            dtype=hp["ns_dtype"],
         )
 
     def _direction_dtype(self, p: Tensor, group: dict[str, Any]) -> torch.dtype:
         dtype: torch.dtype = group["ns_dtype"]
         return dtype
 
-    def _apply(
-        self, p: Tensor, direction: Tensor, state: dict[str, Any], group: dict[str, Any]
-    ) -> None:
-        lr = scalar(group["lr"])
-        if p.dtype == direction.dtype and p.shape[-2] > p.shape[-1]:
+    def _apply_batch(self, batch: ApplyBatch) -> None:
+        hp = batch.hparams
+        lr = scalar(hp["lr"])
+        m, n = batch.shape
+        directions = batch.directions
+        if m > n:
             # torch adds the transposed (column-major) Newton–Schulz output of a tall
             # matrix, and a same-dtype low-precision add_ rounds by memory layout
-            direction = direction.mT.contiguous().mT
-        muon_apply_(
-            local_tensor(p),
-            direction,
-            lr=lr,
-            weight_decay=group["weight_decay"],
-            adjusted_lr=muon_lr(lr, group["adjust_lr_fn"], tuple(p.shape)),
+            directions = [
+                d.mT.contiguous().mT if d.dtype == t.dtype else d
+                for t, d in zip(batch.targets, directions, strict=True)
+            ]
+        decay_and_step_(
+            batch.targets,
+            directions,
+            decay=1 - lr * hp["weight_decay"],
+            alpha=-muon_lr(lr, hp["adjust_lr_fn"], batch.shape),
         )

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from canzona.optim.base import MatrixOptimizer
-from canzona.runtime import Item, local_tensor
+from canzona.optim.transaction import StepTransaction
+from canzona.runtime import ComputeBatch, Item, local_tensor
 
 InitFn = Callable[..., dict[str, Tensor]]
 DirectionFn = Callable[[Tensor, dict[str, Tensor], int, Any], Tensor]
@@ -33,23 +34,33 @@ class OwnerStateOptimizer(MatrixOptimizer):
     def _validate_group(self, group: dict[str, Any]) -> None:
         self.hparams(group)
 
-    def _prepare(
-        self, p: Tensor, grad: Tensor, state: dict[str, Any], group: dict[str, Any]
-    ) -> Tensor:
-        return grad
+    def _prepare_group(
+        self,
+        group: dict[str, Any],
+        params: list[Tensor],
+        grads: list[Tensor],
+        payloads: list[Tensor],
+        txn: StepTransaction,
+    ) -> None:
+        torch._foreach_copy_(payloads, grads)
 
     @staticmethod
     def _state_dtype(p: Tensor) -> torch.dtype:
         return torch.promote_types(p.dtype, torch.float32)
 
-    def _new_state(
-        self, item: Item, hp: Any, dtype: torch.dtype, device: torch.device
-    ) -> dict[str, Tensor]:
-        return type(self).init_fn((item.m, item.n), hp, dtype=dtype, device=device)
+    def _fresh_item_state(self, item: Item) -> dict[str, Tensor]:
+        p = (self._step_params or self._flat()[0])[item.param]
+        group = self._group_of(item.param)
+        dtype, device = self._state_dtype(p), local_tensor(p).device
+        return type(self).init_fn((item.m, item.n), self.hparams(group), dtype=dtype, device=device)
 
-    def _fresh_owner_state(self, item: Item, p: Tensor, group: dict[str, Any]) -> dict[str, Tensor]:
-        hp = self.hparams(group)
-        return self._new_state(item, hp, self._state_dtype(p), local_tensor(p).device)
+    def _group_of(self, param: int) -> dict[str, Any]:
+        seen = 0
+        for group in self.param_groups:
+            seen += len(group["params"])
+            if param < seen:
+                return group
+        raise IndexError(f"no parameter {param} in this optimizer")
 
     def _owner_specs(
         self, p: Tensor, group: dict[str, Any]
@@ -60,16 +71,11 @@ class OwnerStateOptimizer(MatrixOptimizer):
         )
         return {k: (tuple(v.shape), v.dtype) for k, v in meta.items()}
 
-    def _directions(
-        self, items: Sequence[Item], full: Tensor, group: dict[str, Any], steps: list[int]
-    ) -> Tensor:
-        hp = self.hparams(group)
+    def _directions(self, batch: ComputeBatch, full: Tensor) -> Tensor:
+        hp = self.hparams(dict(batch.hparams))  # a group's values (they may change per step)
         direction = type(self).direction_fn
         out = torch.empty_like(full, dtype=torch.promote_types(full.dtype, torch.float32))
-        for k, item in enumerate(items):
-            state = self._owner_state.get(item.key)
-            if state is None:
-                state = self._new_state(item, hp, out.dtype, full.device)
-                self._owner_state[item.key] = state
-            out[k] = direction(full[k].to(out.dtype), state, steps[k], hp)
+        for k, item in enumerate(batch.items):
+            state = self._owner.get(item)
+            out[k] = direction(full[k].to(out.dtype), state, self._item_step(item), hp)
         return out

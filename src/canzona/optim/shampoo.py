@@ -11,8 +11,9 @@ from torch import Tensor
 from canzona.optim.base import scalar
 from canzona.optim.owned import OwnerStateOptimizer
 from canzona.plan import PlanConfig
-from canzona.runtime import PipelineConfig, local_tensor
-from canzona.updates import ShampooHParams, shampoo_apply_, shampoo_direction, shampoo_init
+from canzona.runtime import ApplyBatch, PipelineConfig
+from canzona.updates import ShampooHParams, shampoo_direction, shampoo_init
+from canzona.updates.batched import decay_and_step_
 
 
 def _hparams(group: dict[str, Any]) -> ShampooHParams:
@@ -124,9 +125,9 @@ class Shampoo(OwnerStateOptimizer):
         """The hyper-parameters of a param group."""
         return _hparams(group)
 
-    def _apply(
-        self, p: Tensor, direction: Tensor, state: dict[str, Any], group: dict[str, Any]
-    ) -> None:
-        shampoo_apply_(
-            local_tensor(p), direction, lr=scalar(group["lr"]), weight_decay=group["weight_decay"]
+    def _apply_batch(self, batch: ApplyBatch) -> None:
+        hp = batch.hparams
+        lr = scalar(hp["lr"])
+        decay_and_step_(
+            batch.targets, batch.directions, decay=1 - lr * hp["weight_decay"], alpha=-lr
         )

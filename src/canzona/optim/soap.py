@@ -10,8 +10,9 @@ from torch import Tensor
 from canzona.optim.base import scalar
 from canzona.optim.owned import OwnerStateOptimizer
 from canzona.plan import PlanConfig
-from canzona.runtime import PipelineConfig, local_tensor
-from canzona.updates import SOAPHParams, soap_apply_, soap_direction, soap_init
+from canzona.runtime import ApplyBatch, PipelineConfig
+from canzona.updates import SOAPHParams, soap_direction, soap_init
+from canzona.updates.batched import soap_apply_batch_
 
 
 def _hparams(group: dict[str, Any]) -> SOAPHParams:
@@ -102,14 +103,17 @@ class SOAP(OwnerStateOptimizer):
         """The hyper-parameters of a param group."""
         return _hparams(group)
 
-    def _apply(
-        self, p: Tensor, direction: Tensor, state: dict[str, Any], group: dict[str, Any]
-    ) -> None:
-        soap_apply_(
-            local_tensor(p),
-            direction,
-            lr=scalar(group["lr"]),
-            weight_decay=group["weight_decay"],
-            step=int(state["step"]),
-            hp=_hparams(group),
-        )
+    def _apply_batch(self, batch: ApplyBatch) -> None:
+        hp = batch.hparams
+        by_step: dict[int, list[int]] = {}
+        for k, p in enumerate(batch.params):
+            by_step.setdefault(int(self.state[self._step_params[p]]["step"]), []).append(k)
+        for step, ks in by_step.items():
+            soap_apply_batch_(
+                [batch.targets[k] for k in ks],
+                [batch.directions[k] for k in ks],
+                lr=scalar(hp["lr"]),
+                weight_decay=hp["weight_decay"],
+                step=step,
+                hp=_hparams(dict(hp)),
+            )

@@ -7,35 +7,41 @@ from canzona.runtime.config import (
     PlanMismatchError,
     UpdateFailedError,
 )
-from canzona.runtime.engine import (
-    MatrixRuntime,
+from canzona.runtime.engine import MatrixRuntime, StepStart, check_all_ok, snapshot
+from canzona.runtime.layout import Fragment, LayoutError, fragment_for
+from canzona.runtime.pipeline import Failure, StepStats
+from canzona.runtime.routing import Item
+from canzona.runtime.statecomm import Snapshot, StateEntry, export_state, import_state
+from canzona.runtime.table import ApplyBatch, ComputeBatch, ParamRow, StepTable
+from canzona.runtime.tensors import (
     all_finite,
     as_storage_layout,
-    check_all_ok,
     fingerprint,
     local_grad,
     local_tensor,
     needs_communication,
     param_mesh,
-    snapshot,
     validate_param,
 )
-from canzona.runtime.layout import Fragment, LayoutError, fragment_for
-from canzona.runtime.pipeline import StepStats
-from canzona.runtime.routing import Item
-from canzona.runtime.statecomm import StateEntry, export_state, import_state
 
 __all__ = [
+    "ApplyBatch",
     "CollectiveTimeoutError",
+    "ComputeBatch",
+    "Failure",
     "Fragment",
     "GradientMismatchError",
     "Item",
     "LayoutError",
     "MatrixRuntime",
+    "ParamRow",
     "PipelineConfig",
     "PlanMismatchError",
+    "Snapshot",
     "StateEntry",
+    "StepStart",
     "StepStats",
+    "StepTable",
     "UpdateFailedError",
     "all_finite",
     "as_storage_layout",

@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Hashable, Sequence
 
+import torch.distributed as dist
+
 from canzona.runtime.config import GradientMismatchError, PlanMismatchError
 from canzona.runtime.watchdog import Watchdog, gather_ints
 
@@ -42,16 +44,18 @@ def check_header(
     names: Sequence[str] = (),
     has_grad: Sequence[bool] = (),
     nonfinite: bool = False,
-) -> tuple[bool, bool]:
+    failed: bool = False,
+) -> tuple[bool, bool, bool]:
     """All-gather one small fixed-size header and compare it across ranks.
 
     The header holds the parameter count and digests of the parameter list, the plan,
-    the hyper-parameters and the gradient-presence bitmap, plus two flags (non-finite
-    gradient, re-plan needed). It is the only collective of a step's checks when
-    everything agrees.
+    the hyper-parameters and the gradient-presence bitmap, plus three flags (something
+    already failed on this rank, non-finite gradient, re-plan needed). It is the only
+    collective of a step's checks when everything agrees.
 
     Returns:
-        (any rank needs to (re)build its plan, any rank saw a non-finite gradient).
+        (any rank needs to (re)build its plan, any rank saw a non-finite gradient, any
+        rank reported a failure).
 
     Raises:
         PlanMismatchError: on every rank, naming the ranks that disagree and on what.
@@ -66,7 +70,7 @@ def check_header(
     ]
     grads = digest_chunks(grads_digest(has_grad))
     gathered = gather_ints(
-        [*values, *grads, int(nonfinite), int(needs_setup)],
+        [*values, *grads, int(failed), int(nonfinite), int(needs_setup)],
         watchdog=watchdog,
         phase=0,
         what="the step's cross-rank check",
@@ -74,6 +78,8 @@ def check_header(
     rows = [(*r[: len(values)], r[-1]) for r in gathered]
     grad_rows = {tuple(r[len(values) : len(values) + _CHUNKS]) for r in gathered}
     flagged = any(r[-2] for r in gathered)
+    if any(r[-3] for r in gathered):
+        return False, flagged, True
     setups = [r[-1] for r in rows]
     compared = [r[:-1] for r in rows]
     # a rank that is about to re-plan has no valid plan digest yet: compare it only
@@ -85,7 +91,7 @@ def check_header(
         _raise_mismatch(rows, any(setups))
     if len(grad_rows) != 1:
         _raise_partial_gradients(names, has_grad, watchdog=watchdog)
-    return any(setups), flagged
+    return any(setups), flagged, False
 
 
 def _raise_mismatch(rows: list[tuple[int, ...]], replanning: bool) -> None:
@@ -158,3 +164,20 @@ def failing_ranks(
     """All-gather a success flag; returns the ranks where it was False."""
     rows = gather_ints([0 if ok else 1], watchdog=watchdog, phase=4, what=what)
     return [r for r, (bad,) in enumerate(rows) if bad]
+
+
+def vote(report: str | None, *, watchdog: Watchdog) -> list[tuple[int, str]]:
+    """Agree on whether every rank succeeded; ``report`` is None on success.
+
+    One small all-gather of success flags; only when some rank failed, one more
+    (``all_gather_object``) brings every failing rank's report to every rank.
+
+    Returns:
+        ``(rank, report)`` of every failing rank, in rank order (empty on success).
+    """
+    failed = failing_ranks(report is None, watchdog=watchdog, what="the step's success vote")
+    if not failed:
+        return []
+    reports: list[str | None] = [None] * watchdog.world
+    dist.all_gather_object(reports, report, group=watchdog.group)
+    return [(r, reports[r] or "failed") for r in failed]

@@ -53,6 +53,12 @@ class PipelineConfig:
             NaN or Inf (counted in ``optimizer.skipped_steps``), as a gradient scaler
             does. Off by default: non-finite values then propagate exactly as on one
             device. Costs one device-to-host read per step.
+        atomic: A step that fails on any rank changes nothing on any rank. Parameters are
+            written only after every rank has voted success, in every mode; with
+            ``atomic`` the optimizer state that changes before the vote (momentum, Adam
+            moments, owner-held state) is copied first and restored on failure, which
+            costs one copy of that state per step in time and, during the step, in
+            memory. Without it a failed step leaves that state advanced.
     """
 
     overlap: bool = True
@@ -62,6 +68,7 @@ class PipelineConfig:
     process_group: Any = None
     progress_markers: bool = True
     skip_nonfinite: bool = False
+    atomic: bool = True
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:
@@ -70,3 +77,5 @@ class PipelineConfig:
             raise ValueError(f"depth must be an int >= 1, got {self.depth!r}")
         if not isinstance(self.overlap, bool):
             raise ValueError(f"overlap must be a bool, got {self.overlap!r}")
+        if not isinstance(self.atomic, bool):
+            raise ValueError(f"atomic must be a bool, got {self.atomic!r}")

@@ -1,51 +1,50 @@
-"""The runtime facade used by the optimizers: agree, plan, check, run."""
+"""The runtime facade used by the optimizers: agree, plan, check, schedule, run."""
 
 from __future__ import annotations
 
-import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from canzona.plan import CostModel, Plan, PlanConfig, build_plan
-from canzona.runtime.checks import (
-    check_header,
-    check_plan_digest,
-    failing_ranks,
-)
-from canzona.runtime.config import PipelineConfig
-from canzona.runtime.layout import check_placements, fragment_for
-from canzona.runtime.pipeline import Pipeline
+from canzona.runtime.checks import check_header, check_plan_digest, failing_ranks, vote
+from canzona.runtime.config import PipelineConfig, UpdateFailedError
+from canzona.runtime.pipeline import Failure, Pipeline, StepStats
 from canzona.runtime.routing import Item, Route, build_items, plan_specs, route_all
+from canzona.runtime.schedule import ScheduleBuilder
 from canzona.runtime.statecomm import Snapshot
+from canzona.runtime.table import ApplyFn, ComputeFn, StepTable
+from canzona.runtime.tensors import local_tensor, needs_communication, tensor_device
 from canzona.runtime.topology import ParamLayout, Topology, agree, describe, structure_digest
 from canzona.runtime.watchdog import Watchdog
 
-
-def fingerprint(value: object) -> str:
-    """sha256 of a value's repr (used for hyper-parameters)."""
-    return hashlib.sha256(repr(value).encode()).hexdigest()
+_SCHEDULES = 4  # schedules kept per plan (one per set of parameters with gradients)
 
 
-def tensor_device(tensors: Sequence[torch.Tensor]) -> torch.device:
-    """Where the parameters live (the device of communication buffers and checks)."""
-    for t in tensors:
-        if isinstance(t, DTensor):
-            return t._local_tensor.device
-    return tensors[0].device if tensors else torch.device("cpu")
+@dataclass(frozen=True, slots=True)
+class StepStart:
+    """What :meth:`MatrixRuntime.begin_step` tells the optimizer.
 
+    Attributes:
+        active: Parameters with a gradient on every rank (the others are skipped).
+        skip: Every rank skips the step (a non-finite gradient with ``skip_nonfinite``).
+        payload: Per active matrix parameter with local data, where the optimizer writes
+            its prepared payload (a view shaped like the parameter's local shard; valid
+            until :meth:`MatrixRuntime.run` returns).
+        previous: After a re-plan, the old plan's snapshot (owner-held state moves from
+            it to the new owners); None otherwise.
+    """
 
-def needs_communication(tensors: Sequence[torch.Tensor]) -> bool:
-    """True when some parameter is a DTensor on a mesh of more than one rank."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return False
-    return any(isinstance(t, DTensor) and t.device_mesh.size() > 1 for t in tensors)
+    active: frozenset[int]
+    skip: bool
+    payload: dict[int, torch.Tensor]
+    previous: Snapshot | None
 
 
 class MatrixRuntime:
-    """Everything distributed about one optimizer: layouts, plan, routes, pipeline.
+    """Everything distributed about one optimizer: layouts, plan, routes, schedules.
 
     Attributes:
         _instances: Runtimes created in this process (names progress markers).
@@ -68,7 +67,6 @@ class MatrixRuntime:
         self.items: list[Item] = []
         self.routes: dict[str, Route] = {}
         self.topology: Topology | None = None
-        self.pipeline: Pipeline | None = None
         self.group: dist.ProcessGroup | None = None
         self.rank = 0
         self.world = 1
@@ -77,9 +75,12 @@ class MatrixRuntime:
         self._layout_key: tuple[object, ...] = ()
         self._layouts: list[ParamLayout] = []
         self._layout_version = 0
-        self._structure_key: tuple[int, str] = (0, "")
+        self._structure_key: tuple[object, ...] = ()
         self._structure_now = ""
-        self.previous: Snapshot | None = None
+        self._planned = False
+        self._plan_version = 0
+        self._pipelines: dict[tuple[object, ...], Pipeline] = {}
+        self._current: Pipeline | None = None
         self.watchdog = Watchdog(None, 0, 1, pipeline_config.timeout_s)
         # (group, rank, world, watchdog) the current plan was made for: parameters added
         # later can make the job distributed before the old plan's state is moved
@@ -101,7 +102,8 @@ class MatrixRuntime:
 
     def invalidate(self) -> None:
         """Forget the plan (e.g. after ``add_param_group``); the next step re-plans."""
-        self.pipeline = None
+        self._planned = False
+        self._pipelines.clear()
 
     def _resolve_group(self, tensors: Sequence[torch.Tensor]) -> None:
         if needs_communication(tensors):
@@ -134,149 +136,218 @@ class MatrixRuntime:
             self._layout_key = key
         return self._layouts
 
+    # ------------------------------------------------------------------ step
     def begin_step(
         self,
         names: Sequence[str],
         tensors: Sequence[torch.Tensor],
-        matrix_params: Sequence[int],
+        table: StepTable,
         *,
-        itemsize: Callable[[int], int],
-        extra: str,
         has_grad: Sequence[bool],
-        hparams: str,
         nonfinite: bool = False,
-    ) -> tuple[set[int], bool]:
-        """Check the step across ranks, (re)plan if needed, return the active parameters.
+        failure: Failure | None = None,
+    ) -> StepStart:
+        """Check the step across ranks, (re)plan if needed, and allocate the step's buffers.
 
         Every collective here is small and entered by every rank in the same order,
-        before the pipeline's first all-to-all. After a re-plan, ``previous`` holds the
-        old plan's snapshot so that owner-held state can be moved to the new owners.
+        before the pipeline's first all-to-all.
 
         Args:
             names: Parameter names, in optimizer order.
             tensors: The parameters.
-            matrix_params: Indices of parameters updated by the matrix algorithm.
-            itemsize: Bytes per element of a parameter's payload.
-            extra: Algorithm configuration every rank must share.
+            table: The optimizer's table (matrix parameters, dtypes, hyper-parameters).
             has_grad: Whether each parameter has a gradient on this rank.
-            hparams: Fingerprint of the param groups' hyper-parameters.
             nonfinite: This rank saw a non-finite gradient (with ``skip_nonfinite``).
+            failure: Something already failed on this rank (every rank then raises).
 
-        Returns:
-            The parameters with a gradient on every rank, and whether any rank saw a
-            non-finite gradient (then every rank skips the step).
+        Raises:
+            UpdateFailedError: on every rank, when ``failure`` was given on some rank.
         """
         self.watchdog.step += 1
-        _, flagged = self.sync_plan(
+        previous, flagged, failed = self._sync(
             names,
             tensors,
-            matrix_params,
-            itemsize=itemsize,
-            extra=extra,
-            hparams=hparams,
+            table,
             has_grad=has_grad,
             nonfinite=nonfinite,
+            failed=failure is not None,
         )
-        return {i for i, g in enumerate(has_grad) if g}, flagged
+        if failed or (failure is not None and self.group is None):
+            self._raise_failures(failure, names)
+        # without a header (check_every_step=False) a failure reaches the others at the vote
+        active = frozenset(i for i, g in enumerate(has_grad) if g)
+        if flagged:
+            return StepStart(active, True, {}, previous)
+        pipeline = self._pipeline(table, active, tensors)
+        pipeline.schedule.acquire()
+        self._current = pipeline
+        return StepStart(active, False, pipeline.schedule.payload, previous)
+
+    def run(
+        self,
+        table: StepTable,
+        tensors: Sequence[torch.Tensor],
+        names: Sequence[str],
+        *,
+        compute: ComputeFn,
+        apply: ApplyFn,
+        failure: Failure | None = None,
+    ) -> StepStats:
+        """Run the step begun by :meth:`begin_step` (see :meth:`Pipeline.run`)."""
+        pipeline = self._current
+        if pipeline is None:
+            raise RuntimeError("MatrixRuntime.begin_step() must run before run()")
+        self._current = None
+        return pipeline.run(
+            table=table, tensors=tensors, names=names, compute=compute, apply=apply, failure=failure
+        )
+
+    def abandon(self) -> None:
+        """Release a begun step's buffers without running it."""
+        if self._current is not None:
+            self._current.schedule.release()
+            self._current = None
+
+    def _raise_failures(self, failure: Failure | None, names: Sequence[str]) -> None:
+        mine = None if failure is None else failure.describe(names)
+        reports = vote(mine, watchdog=self.watchdog) if self.group is not None else []
+        if self.group is None and mine is not None:
+            reports = [(self.rank, mine)]
+        text = "; ".join(f"rank {r}: {line}" for r, line in reports)
+        raise UpdateFailedError(
+            f"the step failed on ranks {[r for r, _ in reports]} ({text}); "
+            "nothing was updated on any rank"
+        ) from (failure.error if failure is not None else None)
 
     def sync_plan(
+        self, names: Sequence[str], tensors: Sequence[torch.Tensor], table: StepTable
+    ) -> Snapshot | None:
+        """Agree on the plan with every rank (collective); re-plan when needed.
+
+        Returns:
+            The old plan's snapshot after a re-plan (owner-held state moves from it).
+        """
+        previous, _, _ = self._sync(names, tensors, table)
+        return previous
+
+    def _sync(
         self,
         names: Sequence[str],
         tensors: Sequence[torch.Tensor],
-        matrix_params: Sequence[int],
+        table: StepTable,
         *,
-        itemsize: Callable[[int], int],
-        extra: str,
-        hparams: str,
         has_grad: Sequence[bool] = (),
         nonfinite: bool = False,
-    ) -> tuple[bool, bool]:
-        """Run the cross-rank header check and (re)plan when needed.
-
-        Returns:
-            (whether it re-planned, whether any rank saw a non-finite gradient).
-        """
+        failed: bool = False,
+    ) -> tuple[Snapshot | None, bool, bool]:
         layouts = self.layouts(names, tensors)
         config = repr(
-            (extra, self.plan_config, self.config.overlap, self.config.depth, tuple(matrix_params))
+            (table.config, self.plan_config, self.config.overlap, self.config.depth, table.matrix)
         )
-        if self._structure_key != (self._layout_version, config):  # hashing is O(params)
-            self._structure_key = (self._layout_version, config)
+        if self._structure_key != (self._layout_version, table.version, config):
+            self._structure_key = (self._layout_version, table.version, config)
             self._structure_now = structure_digest(layouts, config)
         structure = self._structure_now
-        needs_setup = self.pipeline is None or structure != self._structure
+        needs_setup = not self._planned or structure != self._structure
         self.watchdog.tag = f"{self._instance}-{structure[:16]}"
         flagged = nonfinite
         if self.group is not None and (self.config.check_every_step or self.config.skip_nonfinite):
-            needs_setup, flagged = check_header(
+            needs_setup, flagged, failed = check_header(
                 num_params=len(tensors),
                 structure=structure,
                 plan=self.digest,
-                hparams=hparams,
+                hparams=table.fingerprint,
                 needs_setup=needs_setup,
                 watchdog=self.watchdog,
                 names=names,
                 has_grad=has_grad,
                 nonfinite=nonfinite,
+                failed=failed,
             )
-        self.previous = None
+            if failed:
+                return None, flagged, True
+        previous = None
         if needs_setup:
             if self.topology is not None:
-                self.previous = snapshot(self)
-            self._setup(layouts, structure, config, matrix_params, itemsize)
-        return needs_setup, flagged
+                previous = snapshot(self)
+            self._setup(layouts, structure, config, table)
+        return previous, flagged, failed
 
     def _setup(
-        self,
-        layouts: Sequence[ParamLayout],
-        structure: str,
-        config: str,
-        matrix_params: Sequence[int],
-        itemsize: Callable[[int], int],
+        self, layouts: Sequence[ParamLayout], structure: str, config: str, table: StepTable
     ) -> None:
         self.topology = agree(
             layouts, group=self.group, rank=self.rank, world=self.world, extra=config
         )
         self.items = build_items(
-            self.topology, matrix_params, replica_dedup=self.plan_config.replica_dedup
+            self.topology, table.matrix, replica_dedup=self.plan_config.replica_dedup
         )
-        specs = plan_specs(self.items, itemsize)
+        specs = plan_specs(self.items, lambda p: table.row(p).itemsize)
         self.plan = (
             build_plan(specs, self.world, self.plan_config, optimizer=self.cost) if specs else None
         )
         self.routes = route_all(self.items, self.topology, self.plan, self.rank)
+        self.planned_on = (self.group, self.rank, self.world, self.watchdog)
+        self.digest = self.plan.digest() if self.plan else structure
+        self._structure = structure
+        self._planned = True
+        self._plan_version += 1
+        self._pipelines.clear()
+        if self.group is not None:
+            check_plan_digest(self.digest, watchdog=self.watchdog)
+
+    def _pipeline(
+        self, table: StepTable, active: frozenset[int], tensors: Sequence[torch.Tensor]
+    ) -> Pipeline:
+        """The pipeline of the current plan for this table and set of active parameters."""
+        matrix_active = tuple(p for p in table.matrix if p in active)
+        key = (self._plan_version, table.version, matrix_active)
+        pipeline = self._pipelines.get(key)
+        if pipeline is not None:
+            return pipeline
+        assert self.topology is not None
+        chosen = set(matrix_active)
         by_name = {it.name: it for it in self.items}
-        groups = [[by_name[n] for n in g.names] for g in self.plan.groups] if self.plan else []
-        local = [it for it in self.items if it.is_local and it.unit == (self.rank,)]
-        self.pipeline = Pipeline(
+        groups = (
+            [[by_name[n] for n in g.names if by_name[n].param in chosen] for g in self.plan.groups]
+            if self.plan
+            else []
+        )
+        local = [
+            it
+            for it in self.items
+            if it.is_local and it.unit == (self.rank,) and it.param in chosen
+        ]
+        shapes = {p: tuple(local_tensor(tensors[p]).shape) for p in matrix_active}
+        schedule = ScheduleBuilder(
+            topology=self.topology,
             routes=self.routes,
             groups=groups,
             local_items=local,
+            table=table,
+            local_shapes={p: s for p, s in shapes.items() if _held(s)},
+            rank=self.rank,
+            world=self.world,
+            replicated=bool(self.plan and self.plan.assignment.replicated),
+            device=self.device,
+        ).build()
+        pipeline = Pipeline(
+            schedule=schedule,
             group=self.group,
             rank=self.rank,
             world=self.world,
             config=self.config,
-            replicated=bool(self.plan and self.plan.assignment.replicated),
             watchdog=self.watchdog,
             device=self.device,
         )
-        self.planned_on = (self.group, self.rank, self.world, self.watchdog)
-        self.digest = self.plan.digest() if self.plan else structure
-        self._structure = structure
-        if self.group is not None:
-            check_plan_digest(self.digest, watchdog=self.watchdog)
-
-    @property
-    def step_pipeline(self) -> Pipeline:
-        """The pipeline of the current plan (``begin_step`` builds it)."""
-        if self.pipeline is None:
-            raise RuntimeError("MatrixRuntime.begin_step() must run before the pipeline")
-        return self.pipeline
+        if len(self._pipelines) >= _SCHEDULES:
+            self._pipelines.pop(next(iter(self._pipelines)))
+        self._pipelines[key] = pipeline
+        return pipeline
 
 
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor (sharing storage), or the tensor itself."""
-    return t._local_tensor if isinstance(t, DTensor) else t
+def _held(shape: tuple[int, ...]) -> bool:
+    return all(s > 0 for s in shape)
 
 
 def snapshot(runtime: MatrixRuntime) -> Snapshot:
@@ -301,78 +372,3 @@ def check_all_ok(ok: bool, runtime: MatrixRuntime) -> list[int]:
     if runtime.group is None:
         return [] if ok else [runtime.rank]
     return failing_ranks(ok, watchdog=runtime.watchdog)
-
-
-def validate_param(name: str, p: torch.Tensor) -> None:
-    """Reject storage layouts the runtime cannot reconstruct (e.g. ``Partial``), by name.
-
-    Raises:
-        canzona.runtime.layout.LayoutError: a ``ValueError`` naming the parameter.
-    """
-    if isinstance(p, DTensor):
-        check_placements(name, tuple(p.placements), p.ndim)
-
-
-def all_finite(grads: Sequence[torch.Tensor]) -> bool:
-    """True when every local gradient shard is free of NaN and Inf (one host read)."""
-    flags = [torch.isfinite(local_tensor(g)).all() for g in grads if local_tensor(g).numel()]
-    return bool(torch.stack(flags).all()) if flags else True
-
-
-def as_storage_layout(value: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """Element-wise state in ``p``'s storage layout, from a loaded value.
-
-    A plain tensor of the parameter's global shape (a consolidated checkpoint) becomes a
-    DTensor holding this rank's slice; a DTensor in other placements on the same mesh is
-    redistributed (collective: every rank loads the same structure); a DTensor loaded
-    for a plain parameter is gathered.
-
-    Raises:
-        ValueError: for a DTensor on another mesh than the parameter's.
-    """
-    if not isinstance(p, DTensor):
-        return value.full_tensor() if isinstance(value, DTensor) else value
-    mesh, placements = p.device_mesh, tuple(p.placements)
-    if isinstance(value, DTensor):
-        if value.device_mesh != mesh:
-            raise ValueError(
-                f"state on mesh {value.device_mesh} cannot be loaded for a parameter on {mesh}"
-            )
-        if tuple(value.placements) == placements:
-            return value
-        return value.redistribute(mesh, placements)
-    coordinate = mesh.get_coordinate()
-    assert coordinate is not None, "this rank holds the parameter, so it is in its mesh"
-    frag = fragment_for(tuple(p.shape), tuple(mesh.shape), placements, coordinate)
-    local = frag.read(value.to(p._local_tensor.device)).contiguous()
-    return DTensor.from_local(
-        local, mesh, placements, run_check=False, shape=p.shape, stride=p.stride()
-    )
-
-
-def param_mesh(p: torch.Tensor) -> object | None:
-    """The DeviceMesh of a DTensor parameter (None for a plain tensor)."""
-    return p.device_mesh if isinstance(p, DTensor) else None
-
-
-def local_grad(name: str, p: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of ``p.grad`` in ``p``'s storage layout.
-
-    Raises:
-        RuntimeError: for sparse gradients.
-        TypeError: for a plain gradient on a DTensor parameter.
-    """
-    grad = p.grad
-    if grad is None:
-        raise RuntimeError(f"parameter {name!r} has no gradient")
-    if grad.is_sparse:
-        raise RuntimeError(f"parameter {name!r}: sparse gradients are not supported")
-    if isinstance(p, DTensor):
-        if not isinstance(grad, DTensor):
-            raise TypeError(
-                f"parameter {name!r} is a DTensor but its gradient is a plain tensor; "
-                "set .grad to a DTensor with the parameter's placements"
-            )
-        if tuple(grad.placements) != tuple(p.placements):
-            grad = grad.redistribute(p.device_mesh, p.placements)
-    return local_tensor(grad)

@@ -1,29 +1,21 @@
-"""The gather -> compute -> scatter pipeline over micro-groups, with overlap."""
+"""Runs a step's schedule: gather -> compute -> scatter over micro-groups, then vote and apply."""
 
 from __future__ import annotations
 
-import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from canzona.runtime.checks import failing_ranks
+from canzona.runtime.checks import vote
 from canzona.runtime.config import PipelineConfig, UpdateFailedError
-from canzona.runtime.layout import Fragment
-from canzona.runtime.routing import Item, Route
+from canzona.runtime.schedule import Delivery, GroupSchedule, OwnerBatch, Piece, Schedule
+from canzona.runtime.table import ApplyBatch, ApplyFn, ComputeBatch, ComputeFn, StepTable
+from canzona.runtime.tensors import local_tensor
 from canzona.runtime.watchdog import Watchdog
-
-ComputeFn = Callable[[Sequence[Item], torch.Tensor], torch.Tensor]
-"""Owner side: full payloads ``(k, m, n)`` of same-shape items -> directions ``(k, m, n)``."""
-
-ApplyFn = Callable[[int, torch.Tensor], None]
-"""Storage side: (parameter index, this rank's fragment of its direction) -> None."""
-
-Batches = dict[tuple[int, int, torch.dtype, object], list[Route]]
 
 
 @dataclass
@@ -32,7 +24,8 @@ class StepStats:
 
     ``compute_s`` is the wall time of the owner-side math and ``compute_cpu_s`` its CPU
     time on this thread (they differ when processes share cores); ``wait_s`` is time
-    blocked on collectives; ``total_s`` is the whole matrix phase of the step.
+    blocked on collectives; ``apply_s`` the time writing directions into the parameters
+    after the step's success vote; ``total_s`` is the whole matrix phase of the step.
     """
 
     rank: int = 0
@@ -41,9 +34,11 @@ class StepStats:
     bytes_sent: int = 0
     bytes_received: int = 0
     matrices_computed: int = 0
+    batches: int = 0
     compute_s: float = 0.0
     compute_cpu_s: float = 0.0
     wait_s: float = 0.0
+    apply_s: float = 0.0
     total_s: float = 0.0
     skipped: bool = False
     group_compute_s: list[float] = field(default_factory=list)
@@ -57,136 +52,58 @@ class StepStats:
             "bytes_sent": self.bytes_sent,
             "bytes_received": self.bytes_received,
             "matrices_computed": self.matrices_computed,
+            "batches": self.batches,
             "compute_s": self.compute_s,
             "compute_cpu_s": self.compute_cpu_s,
             "wait_s": self.wait_s,
+            "apply_s": self.apply_s,
             "total_s": self.total_s,
             "skipped": self.skipped,
         }
 
 
-def common_dtype(dtypes: Sequence[torch.dtype]) -> torch.dtype:
-    """The dtype every member of ``dtypes`` converts to and from exactly."""
-    out = dtypes[0]
-    for d in dtypes[1:]:
-        out = torch.promote_types(out, d)
-    if out in (torch.bfloat16, torch.float16) and len(set(dtypes)) > 1:
-        out = torch.float32
-    return out
+@dataclass
+class Failure:
+    """The first thing that raised on this rank during a step.
+
+    Attributes:
+        where: What was running (e.g. ``"computing micro-group 2"``).
+        error: The exception.
+        params: Parameter indices concerned (empty when unknown).
+    """
+
+    where: str
+    error: BaseException
+    params: tuple[int, ...] = ()
+
+    def describe(self, names: Sequence[str]) -> str:
+        """One line naming what failed and the parameters concerned."""
+        named = [names[p] for p in self.params[:3]]
+        more = f" and {len(self.params) - 3} more" if len(self.params) > 3 else ""
+        what = f" (parameters {named}{more})" if named else ""
+        return f"{self.where}{what} raised {type(self.error).__name__}: {self.error}"
 
 
 @dataclass
 class _Pending:
-    """An all-to-all in flight and how to read what it receives."""
+    """An all-to-all in flight, with the buffers it holds."""
 
     work: Any
     out: torch.Tensor
-    plan: list[tuple[int, list[tuple[Route, Fragment]]]]
+    inp: torch.Tensor
     what: str
-    group_index: int
-    status: bool  # each source segment starts with one status element
-
-    def segments(self) -> tuple[list[int], list[tuple[Route, Fragment, torch.Tensor]]]:
-        """(ranks that reported a failure, [(route, fragment, received data)])."""
-        failed: list[int] = []
-        out: list[tuple[Route, Fragment, torch.Tensor]] = []
-        offset = 0
-        for src, entries in self.plan:
-            if self.status:
-                if self.out[offset].item() != 0:
-                    failed.append(src)
-                offset += 1
-            for route, frag in entries:
-                n = frag.numel
-                out.append((route, frag, self.out[offset : offset + n].view(frag.shape)))
-                offset += n
-        return failed, out
-
-
-@dataclass
-class _Step:
-    """Per-step inputs and bookkeeping of :meth:`Pipeline.run`."""
-
-    active: set[int]
-    payloads: dict[int, torch.Tensor]
-    payload_dtype: Callable[[int], torch.dtype]
-    direction_dtype: Callable[[int], torch.dtype]
-    compute: ComputeFn
-    apply: ApplyFn
-    stats: StepStats
-    dirs: dict[int, torch.Tensor] = field(default_factory=dict)
-    pending: dict[int, int] = field(default_factory=dict)
-    applied: set[int] = field(default_factory=set)
-    error: BaseException | None = None
-    error_where: str = ""
-    remote: list[tuple[int, list[int]]] = field(default_factory=list)
-    device: torch.device | None = None
-    shapes: dict[int, tuple[int, ...]] = field(default_factory=dict)
-    batch_key: Callable[[int], object] = lambda p: None
-
-    def key(self, item: Item) -> tuple[int, int, torch.dtype, object]:
-        """Matrices computed in one call: same shape, payload dtype and batch key."""
-        return (item.m, item.n, self.payload_dtype(item.param), self.batch_key(item.param))
-
-    def local_view(self, route: Route) -> torch.Tensor:
-        data = self.payloads[route.item.param]
-        return data if route.pos is None else data[route.pos]
-
-    def deliver(self, route: Route, data: torch.Tensor) -> None:
-        p = route.item.param
-        if route.pos is None:  # a 2-D parameter: one fragment is its whole direction
-            self.pending[p] -= 1
-            self.applied.add(p)
-            self.apply(p, data.view(self.shapes[p]).to(self.direction_dtype(p)))
-            return
-        if p not in self.dirs:
-            self.dirs[p] = self.empty_direction(p)
-        self.dirs[p][route.pos].copy_(data.view(self.dirs[p].shape[1:]))
-        self.pending[p] -= 1
-        if self.pending[p] == 0:
-            self.applied.add(p)
-            self.apply(p, self.dirs[p])
-
-    def empty_direction(self, p: int) -> torch.Tensor:
-        return torch.empty(self.shapes[p], dtype=self.direction_dtype(p), device=self.device)
-
-    def run_compute(
-        self, batches: Batches, fill: Callable[[list[Route], torch.Tensor], None], where: str
-    ) -> list[tuple[list[Route], torch.Tensor]]:
-        """Compute every batch; an exception is recorded and zeros stand in for the result."""
-        results = []
-        for (m, n, dtype, _), members in batches.items():
-            if self.error is None:
-                try:
-                    full = torch.empty((len(members), m, n), dtype=dtype, device=self.device)
-                    fill(members, full)
-                    start, cpu = time.perf_counter(), time.thread_time()
-                    out = self.compute([r.item for r in members], full)
-                    self.stats.compute_s += time.perf_counter() - start
-                    self.stats.compute_cpu_s += time.thread_time() - cpu
-                    self.stats.matrices_computed += len(members)
-                    results.append((members, out))
-                    continue
-                except Exception as exc:  # every rank must still enter the collectives
-                    self.error, self.error_where = exc, where
-            dt = common_dtype([self.direction_dtype(r.item.param) for r in members])
-            zeros = torch.zeros((len(members), m, n), dtype=dt, device=self.device)
-            results.append((members, zeros))
-        return results
+    group: int
 
 
 class Pipeline:
     """Runs one optimizer step's matrix updates for one rank.
 
     Args:
-        routes: This rank's routes by item name (from :func:`route_all`).
-        groups: Global micro-groups, each a list of items in canonical order.
-        local_items: Items this rank updates alone (no communication).
+        schedule: The step's precomputed work.
         group: Process group of the collectives (None: single process).
         rank: This rank in ``group``.
         world: Size of ``group``.
         config: Pipeline configuration.
-        replicated: The plan's strategy is ``replicated`` (no scatter phase).
         watchdog: Deadline and progress markers of the collectives.
         device: Device of the communication buffers (the parameters' device).
     """
@@ -194,247 +111,294 @@ class Pipeline:
     def __init__(
         self,
         *,
-        routes: dict[str, Route],
-        groups: Sequence[Sequence[Item]],
-        local_items: Sequence[Item],
+        schedule: Schedule,
         group: dist.ProcessGroup | None,
         rank: int,
         world: int,
         config: PipelineConfig,
-        replicated: bool = False,
-        watchdog: Watchdog | None = None,
-        device: torch.device | None = None,
+        watchdog: Watchdog,
+        device: torch.device,
     ) -> None:
-        self.routes = routes
-        self.groups = [list(g) for g in groups]
-        self.local_items = list(local_items)
+        self.schedule = schedule
         self.group = group
         self.rank = rank
         self.world = world
         self.config = config
-        self.replicated = replicated
-        self.watchdog = watchdog or Watchdog(group, rank, world, config.timeout_s)
-        self.device = device or torch.device("cpu")
+        self.watchdog = watchdog
+        self.device = device
 
-    def _exchange(
-        self,
-        sends: dict[int, list[torch.Tensor]],
-        recvs: dict[int, list[tuple[Route, Fragment]]],
-        dtype: torch.dtype,
-        what: str,
-        group_index: int,
-        stats: StepStats,
-        status: float | None = None,
-    ) -> _Pending:
-        """Issue one packed all_to_all_single; with ``status``, every pair exchanges a flag."""
-        extra = 0 if status is None else 1
-        in_splits = [extra + sum(t.numel() for t in sends.get(r, ())) for r in range(self.world)]
-        out_splits = [extra + sum(f.numel for _, f in recvs.get(r, ())) for r in range(self.world)]
-        chunks: list[torch.Tensor] = []
-        for r in range(self.world):
-            if status is not None:
-                chunks.append(torch.full((1,), status, dtype=dtype, device=self.device))
-            chunks += [t.reshape(-1).to(dtype) for t in sends.get(r, ())]
-        inp = torch.cat(chunks) if chunks else torch.empty(0, dtype=dtype, device=self.device)
-        out = torch.empty(sum(out_splits), dtype=dtype, device=self.device)
-        phase = 10 + 2 * group_index + (1 if what == "scatter" else 0)
-        self.watchdog.mark(phase, f"the {what} of micro-group {group_index}")
-        work = dist.all_to_all_single(
-            out, inp, out_splits, in_splits, group=self.group, async_op=True
-        )
-        stats.collectives += 1
-        size = out.element_size()
-        stats.bytes_sent += (inp.numel() - in_splits[self.rank]) * size
-        stats.bytes_received += (out.numel() - out_splits[self.rank]) * size
-        if status is None:
-            plan = [(r, recvs[r]) for r in range(self.world) if recvs.get(r)]
-        else:
-            plan = [(r, recvs.get(r, [])) for r in range(self.world)]
-        return _Pending(work, out, plan, what, group_index, status is not None)
-
-    def _wait(self, pending: _Pending, stats: StepStats) -> None:
-        start = time.perf_counter()
-        self.watchdog.wait(pending.work, f"the {pending.what} of micro-group {pending.group_index}")
-        stats.wait_s += time.perf_counter() - start
-
+    # ------------------------------------------------------------------ step
     def run(
         self,
         *,
-        active: set[int],
-        payloads: dict[int, torch.Tensor],
-        payload_dtype: Callable[[int], torch.dtype],
-        direction_dtype: Callable[[int], torch.dtype],
-        local_shapes: dict[int, tuple[int, ...]],
+        table: StepTable,
+        tensors: Sequence[torch.Tensor],
+        names: Sequence[str],
         compute: ComputeFn,
         apply: ApplyFn,
-        batch_key: Callable[[int], object] = lambda p: None,
+        failure: Failure | None = None,
     ) -> StepStats:
-        """Update every active matrix; ``apply`` is called once per local active parameter.
+        """Compute every active matrix's direction, agree that every rank succeeded, apply.
 
-        ``compute`` receives same-shape matrices that share ``batch_key`` (the optimizer's
-        param group: one set of hyper-parameters per call).
+        The schedule's buffers must hold the prepared payloads (see
+        :meth:`MatrixRuntime.begin_step`). Nothing is applied before every rank has voted
+        success, so a failure anywhere leaves every parameter untouched.
+
+        Args:
+            table: This step's table.
+            tensors: The optimizer's parameters (targets of the apply).
+            names: Their names (error messages).
+            compute: Owner-side math of one batch.
+            apply: Storage-side update of one batch.
+            failure: What already failed on this rank in this step (e.g. the prepare).
 
         Raises:
-            UpdateFailedError: on every rank, when the computation of some matrix raised
-                on some rank. The collectives still complete; the micro-group where the
-                failure happened, and every later one, is not applied on any rank.
+            UpdateFailedError: on every rank, naming the failing ranks and what failed
+                there, when anything failed on any rank; nothing was applied anywhere.
         """
-        step = _Step(active, payloads, payload_dtype, direction_dtype, compute, apply, StepStats())
-        step.device = self.device
-        step.stats.rank = self.rank
+        run = _Run(self, table, compute, failure)
         t0 = time.perf_counter()
-        step.shapes = local_shapes
-        step.batch_key = batch_key
-        for p in active:
-            if p in local_shapes:
-                step.pending[p] = 0
-        for route in self.routes.values():
-            if route.item.param in active and route.frag is not None:
-                step.pending[route.item.param] += 1
-        local = [self.routes[it.name] for it in self.local_items if it.param in active]
-        if local:
-            batches: Batches = {}
-            for r in local:
-                batches.setdefault(step.key(r.item), []).append(r)
+        try:
+            if run.failure is None:
+                try:  # the payloads travel in their payload dtype
+                    for prepared, payload in self.schedule.casts:
+                        payload.tensor.copy_(prepared.tensor)
+                except Exception as exc:
+                    run.fail("casting the payloads", exc)
+            kept = run.local_batches()
+            if self.schedule.groups and self.group is not None:
+                run.micro_groups()
+            self._vote(run.failure, names)
+            start = time.perf_counter()
+            _apply(kept + run.received, table, tensors, apply)
+            run.stats.apply_s = time.perf_counter() - start
+        finally:
+            self.schedule.release()
+        run.stats.total_s = time.perf_counter() - t0
+        return run.stats
 
-            def fill_local(members: list[Route], full: torch.Tensor) -> None:
-                for i, r in enumerate(members):
-                    full[i].copy_(step.local_view(r))
-
-            results = step.run_compute(batches, fill_local, "a local matrix")
-            if step.error is None:
-                for members, out in results:
-                    for i, r in enumerate(members):
-                        step.deliver(r, out[i])
-        groups = [[it for it in g if it.param in active] for g in self.groups]
-        groups = [g for g in groups if g]
-        step.stats.micro_groups = len(groups)
-        if groups and self.group is not None:
-            self._run_groups(groups, step)
-        self._finish(step)
-        step.stats.total_s = time.perf_counter() - t0
-        return step.stats
-
-    def _finish(self, step: _Step) -> None:
-        if step.error is not None:
-            raise UpdateFailedError(
-                f"rank {self.rank}: computing {step.error_where} raised "
-                f"{type(step.error).__name__}: {step.error}; the step stopped on every rank"
-            ) from step.error
-        if step.remote:
-            k, ranks = step.remote[0]
-            what = "the step" if self.replicated else f"micro-group {k}"
-            raise UpdateFailedError(
-                f"rank {self.rank}: the update of {what} failed on ranks {ranks} "
-                "(see their errors); it and the later micro-groups were not applied"
-            )
-        for p, count in step.pending.items():
-            if p not in step.applied:
-                assert count == 0, f"parameter {p}: {count} fragments never arrived"
-                assert not math.prod(step.shapes[p]), f"parameter {p}: local data but no matrix"
-                step.apply(p, step.empty_direction(p))  # holds nothing of the matrix
-
-    def _gather(self, items: list[Item], step: _Step, k: int) -> _Pending:
-        dtype = common_dtype([step.payload_dtype(it.param) for it in items])
-        sends: dict[int, list[torch.Tensor]] = {}
-        recvs: dict[int, list[tuple[Route, Fragment]]] = {}
-        for it in items:
-            route = self.routes.get(it.name)
-            if route is None:
-                continue
-            for c in route.send_to:
-                sends.setdefault(c, []).append(step.local_view(route))
-            for s, f in route.sources:
-                recvs.setdefault(s, []).append((route, f))
-        return self._exchange(sends, recvs, dtype, "gather", k, step.stats)
-
-    def _compute_group(
-        self, items: list[Item], pending: _Pending, step: _Step, k: int
-    ) -> list[tuple[list[Route], torch.Tensor]]:
-        _, segments = pending.segments()
-        frags: dict[str, list[tuple[Fragment, torch.Tensor]]] = {}
-        for route, frag, data in segments:
-            frags.setdefault(route.item.name, []).append((frag, data))
-        batches: Batches = {}
-        for it in items:
-            if it.name in frags:
-                batches.setdefault(step.key(it), []).append(self.routes[it.name])
-
-        def fill(members: list[Route], full: torch.Tensor) -> None:
-            for i, r in enumerate(members):
-                for frag, data in frags[r.item.name]:
-                    frag.write_(full[i], data)
-
-        start = time.perf_counter()
-        results = step.run_compute(batches, fill, f"micro-group {k}")
-        step.stats.group_compute_s.append(time.perf_counter() - start)
-        return results
-
-    def _scatter(
-        self,
-        items: list[Item],
-        results: list[tuple[list[Route], torch.Tensor]],
-        step: _Step,
-        k: int,
-    ) -> _Pending:
-        by_name = {r.item.name: out[i] for members, out in results for i, r in enumerate(members)}
-        sends: dict[int, list[torch.Tensor]] = {}
-        recvs: dict[int, list[tuple[Route, Fragment]]] = {}
-        for it in items:  # owners send and holders receive in the group's item order
-            route = self.routes.get(it.name)
-            if route is None:
-                continue
-            direction = by_name.get(it.name)
-            if direction is not None:
-                for t, f in route.targets:
-                    sends.setdefault(t, []).append(f.read(direction))
-            if route.frag is not None:
-                recvs.setdefault(route.computing[0], []).append((route, route.frag))
-        dtype = common_dtype([step.direction_dtype(it.param) for it in items])
-        failed = 1.0 if step.error is not None else 0.0
-        return self._exchange(sends, recvs, dtype, "scatter", k, step.stats, status=failed)
-
-    def _apply_scatter(self, pending: _Pending, step: _Step) -> None:
-        self._wait(pending, step.stats)
-        failed, segments = pending.segments()
-        if failed or step.remote:
-            if failed and not step.remote:
-                step.remote.append((pending.group_index, failed))
+    def _vote(self, failure: Failure | None, names: Sequence[str]) -> None:
+        if self.group is None:
+            if failure is not None:
+                raise UpdateFailedError(
+                    f"rank {self.rank}: {failure.describe(names)}; nothing was updated"
+                ) from failure.error
             return
-        for route, _, data in segments:
-            step.deliver(route, data)
+        mine = None if failure is None else failure.describe(names)
+        reports = vote(mine, watchdog=self.watchdog)
+        if reports:
+            text = "; ".join(f"rank {r}: {line}" for r, line in reports)
+            raise UpdateFailedError(
+                f"the step failed on ranks {[r for r, _ in reports]} ({text}); "
+                "nothing was updated on any rank"
+            ) from (failure.error if failure is not None else None)
 
-    def _run_groups(self, groups: list[list[Item]], step: _Step) -> None:
-        lookahead = self.config.depth if self.config.overlap else 0
+
+class _Run:
+    """One step of a :class:`Pipeline`: its buffers in flight, results and first failure."""
+
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        table: StepTable,
+        compute: ComputeFn,
+        failure: Failure | None,
+    ) -> None:
+        self.p = pipeline
+        self.table = table
+        self.compute = compute
+        self.failure = failure
+        self.stats = StepStats(rank=pipeline.rank)
+        self.received: list[tuple[torch.Tensor, Delivery]] = []
+
+    def fail(self, where: str, exc: BaseException, params: Sequence[int] = ()) -> None:
+        if self.failure is None:
+            self.failure = Failure(where, exc, tuple(params))
+
+    # ------------------------------------------------------------------ compute
+    def _compute(self, batch: OwnerBatch, full: torch.Tensor | None, where: str) -> torch.Tensor:
+        """The batch's directions; after a failure, zeros of the scatter's dtype."""
+        if self.failure is None and full is not None:
+            try:
+                cb = ComputeBatch(batch.items, batch.key, self.table.hparams[batch.key])
+                start, cpu = time.perf_counter(), time.thread_time()
+                out = self.compute(cb, full)
+                self.stats.compute_s += time.perf_counter() - start
+                self.stats.compute_cpu_s += time.thread_time() - cpu
+                self.stats.matrices_computed += len(batch.items)
+                self.stats.batches += 1
+                return out
+            except Exception as exc:  # every rank must still enter the collectives
+                self.fail(where, exc, [it.param for it in batch.items])
+        dtype = self.table.row(batch.items[0].param).direction_dtype
+        return torch.zeros((len(batch.items), batch.m, batch.n), dtype=dtype, device=self.p.device)
+
+    def local_batches(self) -> list[tuple[torch.Tensor, Delivery]]:
+        """Matrices this rank holds whole: stack, compute, keep."""
+        outs = []
+        for batch in self.p.schedule.local:
+            full = None
+            try:
+                if self.failure is None:
+                    full = torch.stack(batch.inputs)
+            except Exception as exc:
+                self.fail("stacking local matrices", exc, [it.param for it in batch.items])
+            outs.append(self._compute(batch, full, "computing a local matrix"))
+        return [(piece_of(outs, piece), d) for piece, d in self.p.schedule.local_kept]
+
+    # ------------------------------------------------------------------ groups
+    def micro_groups(self) -> None:
+        groups = self.p.schedule.groups
+        self.stats.micro_groups = len(groups)
+        lookahead = self.p.config.depth if self.p.config.overlap else 0
         gathers: dict[int, _Pending] = {}
-        issued = 0  # gathers issued so far, in group order
-        in_flight: list[_Pending] = []
-        kept: list[tuple[Route, torch.Tensor]] = []  # replicated: own fragments, applied last
-        for k, items in enumerate(groups):
+        issued = 0
+        in_flight: list[tuple[_Pending, GroupSchedule]] = []
+        for k, g in enumerate(groups):
             while issued <= min(k + lookahead, len(groups) - 1):
-                gathers[issued] = self._gather(groups[issued], step, issued)
+                gathers[issued] = self._gather(groups[issued])
                 issued += 1
             pending = gathers.pop(k)
-            self._wait(pending, step.stats)
-            results = self._compute_group(items, pending, step, k)
-            if self.replicated:  # every rank computed every matrix: keep its own fragment
-                for members, out in results:
-                    kept += [
-                        (r, r.frag.read(out[i]).clone()) for i, r in enumerate(members) if r.frag
-                    ]
-            else:
-                in_flight.append(self._scatter(items, results, step, k))
-                while len(in_flight) > lookahead:
-                    self._apply_scatter(in_flight.pop(0), step)
+            self._wait(pending)
+            outs = self._compute_group(g, pending.out)
+            del pending
+            if self.p.schedule.replicated:  # every rank keeps its own fragment: no scatter
+                self.received += [(piece_of(outs, pc).clone(), d) for pc, d in g.kept]
+                continue
+            in_flight.append((self._scatter(g, outs), g))
+            while len(in_flight) > lookahead:
+                self._receive(*in_flight.pop(0))
         while in_flight:
-            self._apply_scatter(in_flight.pop(0), step)
-        if self.replicated:
-            # no scatter carries a status: one small all-gather decides for every rank
-            failed = failing_ranks(
-                step.error is None, watchdog=self.watchdog, what="the step's success check"
-            )
-            if failed:
-                step.remote.append((len(groups) - 1, failed))
-                return
-            for route, data in kept:
-                step.deliver(route, data)
+            self._receive(*in_flight.pop(0))
+
+    def _exchange(
+        self, inp: torch.Tensor, out_splits: list[int], in_splits: list[int], what: str, k: int
+    ) -> _Pending:
+        out = torch.empty(sum(out_splits), dtype=inp.dtype, device=self.p.device)
+        phase = 10 + 2 * k + (1 if what == "scatter" else 0)
+        self.p.watchdog.mark(phase, f"the {what} of micro-group {k}")
+        work = dist.all_to_all_single(
+            out, inp, out_splits, in_splits, group=self.p.group, async_op=True
+        )
+        stats = self.stats
+        stats.collectives += 1
+        size = out.element_size()
+        stats.bytes_sent += (inp.numel() - in_splits[self.p.rank]) * size
+        stats.bytes_received += (out.numel() - out_splits[self.p.rank]) * size
+        return _Pending(work, out, inp, what, k)
+
+    def _wait(self, pending: _Pending) -> None:
+        start = time.perf_counter()
+        self.p.watchdog.wait(pending.work, f"the {pending.what} of micro-group {pending.group}")
+        pending.work = None  # drop the handle as soon as it completed
+        self.stats.wait_s += time.perf_counter() - start
+
+    def _gather(self, g: GroupSchedule) -> _Pending:
+        numel = sum(g.gather_in)
+        try:
+            inp = _pack(g.send, g.gather_dtype, self.p.device)
+        except Exception as exc:
+            self.fail(f"packing the gather of micro-group {g.index}", exc)
+            inp = torch.zeros(numel, dtype=g.gather_dtype, device=self.p.device)
+        return self._exchange(inp, g.gather_out, g.gather_in, "gather", g.index)
+
+    def _compute_group(self, g: GroupSchedule, recv: torch.Tensor) -> list[torch.Tensor]:
+        start = time.perf_counter()
+        outs = []
+        for batch in g.batches:
+            full = None
+            if self.failure is None:
+                try:
+                    full = _assemble(batch, recv, self.p.device)
+                except Exception as exc:
+                    self.fail(f"assembling micro-group {g.index}", exc)
+            where = f"computing micro-group {g.index}"
+            outs.append(self._compute(batch, full, where))
+        self.stats.group_compute_s.append(time.perf_counter() - start)
+        return outs
+
+    def _scatter(self, g: GroupSchedule, outs: list[torch.Tensor]) -> _Pending:
+        try:
+            parts = [piece_of(outs, pc).reshape(-1) for pc in g.scatter_pieces]
+            inp = _cat(parts, g.scatter_dtype, self.p.device)
+        except Exception as exc:
+            self.fail(f"packing the scatter of micro-group {g.index}", exc)
+            inp = torch.zeros(sum(g.scatter_in), dtype=g.scatter_dtype, device=self.p.device)
+        return self._exchange(inp, g.scatter_out, g.scatter_in, "scatter", g.index)
+
+    def _receive(self, pending: _Pending, g: GroupSchedule) -> None:
+        self._wait(pending)
+        out = pending.out
+        for d in g.deliveries:
+            numel = d.count * d.shape[0] * d.shape[1]
+            self.received.append((out.narrow(0, d.offset, numel).view(d.count, *d.shape), d))
+
+
+def piece_of(outs: Sequence[torch.Tensor], piece: Piece) -> torch.Tensor:
+    """A run of direction fragments ``(k, fr, fc)`` read from a batch's computed stack."""
+    return piece.selector.read(outs[piece.batch].narrow(0, piece.start, piece.count))
+
+
+def _pack(views: Sequence[torch.Tensor], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    if not views:
+        return torch.empty(0, dtype=dtype, device=device)
+    flat = views[0] if len(views) == 1 else torch.cat(list(views))
+    return flat.to(dtype)
+
+
+def _cat(parts: Sequence[torch.Tensor], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    if not parts:
+        return torch.empty(0, dtype=dtype, device=device)
+    return torch.cat(list(parts)).to(dtype)
+
+
+def _assemble(batch: OwnerBatch, recv: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The batch's full payloads ``(k, m, n)`` from the gather receive buffer."""
+    k = len(batch.items)
+    if len(batch.assembly) == 1:  # one source holds every matrix whole: no copy
+        run = batch.assembly[0]
+        if run.count == k and run.selector.shape == (batch.m, batch.n):
+            view = recv.narrow(0, run.offset, k * batch.m * batch.n).view(k, batch.m, batch.n)
+            return view.to(batch.dtype)
+    full = torch.empty((k, batch.m, batch.n), dtype=batch.dtype, device=device)
+    for run in batch.assembly:
+        fr, fc = run.selector.shape
+        data = recv.narrow(0, run.offset, run.count * fr * fc).view(run.count, fr, fc)
+        run.selector.write_(full.narrow(0, run.start, run.count), data)
+    return full
+
+
+def _apply(
+    runs: Sequence[tuple[torch.Tensor, Delivery]],
+    table: StepTable,
+    tensors: Sequence[torch.Tensor],
+    apply: ApplyFn,
+) -> None:
+    """Group the delivered runs by (param group, shape) and hand each batch to ``apply``."""
+    batches: dict[tuple[int, int, int], ApplyBatch] = {}
+    for data, d in runs:
+        key = (d.key, *d.full)
+        batch = batches.get(key)
+        if batch is None:
+            batch = ApplyBatch(d.key, table.hparams[d.key], d.full)
+            batches[key] = batch
+        if data.dtype != d.dtype:
+            data = data.to(d.dtype)
+        if len(d.targets) == d.count and all(pos is None for _, pos, _ in d.targets):
+            batch.directions += data.unbind(0)  # 2-D parameters: one matrix each
+            batch.params += [p for p, _, _ in d.targets]
+            batch.targets += [local_tensor(tensors[p]) for p, _, _ in d.targets]
+            continue
+        i = 0
+        for p, pos, count in d.targets:
+            local = local_tensor(tensors[p])
+            if pos is None:
+                batch.targets.append(local)
+                batch.directions.append(data[i])
+            else:
+                batch.targets.append(local.narrow(0, pos, count))
+                batch.directions.append(data.narrow(0, i, count))
+            batch.params.append(p)
+            i += count
+    for batch in batches.values():
+        apply(batch)

@@ -1,0 +1,389 @@
+"""Runtime overhead: step time against the number of matrices, with almost no math to hide it.
+
+Every implementation updates ``N`` small matrices (8x8 or 64x32, fp32) with Muon's settings
+except one fp32 Newton–Schulz iteration, so what remains of a step is host work (Python loops,
+allocations, packing, collectives). On ``world`` forked gloo ranks (one thread each) the
+matrices are ``Shard(0)`` DTensors on a ``(world,)`` mesh; world 1 uses plain tensors.
+Implementations: ``canzona.Muon`` with the ``canzona`` and the ``replicated`` plan, torchtitan
+0.3.0's DistMuon (world >= 2, where it runs) and, in one process on the full matrices,
+``torch.optim.Muon`` (``ns_steps=1``) and ``torch.optim.AdamW(foreach=True)``. A step's time
+is the slowest rank's (barrier before each step), the median over the timed steps. Per
+implementation the script fits ``time = fixed + slope * N`` (least squares over the N values)
+and writes ``benchmarks/results/overhead.json``, the ``overhead`` section of
+``docs/benchmarks.md`` and a plot of step time against N.
+
+    python benchmarks/overhead.py --quick      # a reduced grid, about a minute
+    python benchmarks/overhead.py --full       # the published grid, a few minutes
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _peers
+import canzona
+from _ranks import launch
+
+from _report import DOC, RESULTS, ROOT, markdown_table, update_section, write_json
+
+HP = {"lr": 0.02, "weight_decay": 0.1, "momentum": 0.95, "nesterov": True}
+MUON_KW = {**HP, "ns_steps": 1}
+CANZONA_KW = {**MUON_KW, "ns_dtype": torch.float32}
+SHAPES = {"8x8": (8, 8), "64x32": (64, 32)}
+PRESETS: dict[str, dict[str, Any]] = {
+    "full": {
+        "counts": (16, 64, 256, 1024, 4096),
+        "worlds": (1, 2, 4),
+        "shapes": ("8x8", "64x32"),
+        "steps": 12,
+    },
+    "quick": {"counts": (16, 256, 1024), "worlds": (1, 2), "shapes": ("8x8",), "steps": 6},
+}
+IMPLS = ("canzona", "replicated", "torchtitan", "torch_muon", "adamw_foreach")
+LABELS = {
+    "canzona": "`canzona.Muon`, `canzona` plan",
+    "replicated": "`canzona.Muon`, `replicated` plan",
+    "torchtitan": "torchtitan 0.3.0 DistMuon",
+    "torch_muon": "one process: `torch.optim.Muon`",
+    "adamw_foreach": "one process: `AdamW(foreach=True)`",
+}
+#: The issue's targets at world 2 on the 8x8 matrices.
+TARGETS = {"slope_us": 15.0, "fixed_ms": 1.0, "vs_adamw": 1.5, "vs_torchtitan": 0.25}
+
+
+def _matrices(count: int, shape: tuple[int, int], seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=gen) for _ in range(count)]
+
+
+def _time_steps(
+    opt: torch.optim.Optimizer,
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    steps: int,
+    distributed: bool,
+) -> float:
+    """Median seconds of ``opt.step()`` (the slowest rank's when distributed)."""
+    times = []
+    for i in range(steps + 2):  # two warm-up steps (planning, first allocations)
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g
+        if distributed:
+            dist.barrier()
+        start = time.perf_counter()
+        opt.step()
+        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        if distributed:
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        if i >= 2:
+            times.append(float(elapsed))
+    return statistics.median(times)
+
+
+def _distributed_case(rank: int, world: int, count: int, shape: tuple[int, int], steps: int) -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    fulls, full_grads = _matrices(count, shape, 0), _matrices(count, shape, 1)
+    out: dict[str, Any] = {}
+    makers: dict[str, Callable[[list[tuple[str, nn.Parameter]]], torch.optim.Optimizer]] = {
+        "canzona": lambda ps: canzona.Muon(ps, **CANZONA_KW),
+        "replicated": lambda ps: canzona.Muon(
+            ps, **CANZONA_KW, plan=canzona.PlanConfig(strategy="replicated")
+        ),
+        "torchtitan": lambda ps: _peers.torchtitan_dist_muon(ps, mesh, {**HP, "ns_steps": 1}),
+    }
+    for impl, make in makers.items():
+        named = [
+            (f"layers.{i % 8}.w{i}", nn.Parameter(distribute_tensor(f.clone(), mesh, [Shard(0)])))
+            for i, f in enumerate(fulls)
+        ]
+        grads = [distribute_tensor(g, mesh, [Shard(0)]) for g in full_grads]
+        try:
+            opt = make(named)
+            out[impl] = _time_steps(opt, [p for _, p in named], grads, steps, True)
+        except Exception as exc:  # a peer that cannot run here is recorded, not fatal
+            out[impl] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+    return out
+
+
+def _one_process(count: int, shape: tuple[int, int], steps: int) -> dict[str, Any]:
+    fulls, grads = _matrices(count, shape, 0), _matrices(count, shape, 1)
+    makers: dict[str, Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = {
+        "canzona": lambda ps: canzona.Muon(ps, **CANZONA_KW),
+        "torch_muon": lambda ps: torch.optim.Muon(ps, **MUON_KW),
+        "adamw_foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=True),
+    }
+    out: dict[str, Any] = {}
+    for impl, make in makers.items():
+        params = [nn.Parameter(f.clone()) for f in fulls]
+        out[impl] = _time_steps(make(params), params, grads, steps, False)
+    return out
+
+
+def _fit(points: Sequence[tuple[int, float]]) -> tuple[float, float]:
+    """Least-squares ``(fixed, slope)`` of time against N."""
+    xs, ys = [float(x) for x, _ in points], [y for _, y in points]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var if var else 0.0
+    return my - slope * mx, slope
+
+
+def run(preset: dict[str, Any]) -> dict[str, Any]:
+    """Every (shape, world, N) case; rows of seconds per implementation."""
+    rows: list[dict[str, Any]] = []
+    for shape_name in preset["shapes"]:
+        shape = SHAPES[shape_name]
+        for count in preset["counts"]:
+            for world in preset["worlds"]:
+                began = time.perf_counter()
+                if world == 1:
+                    times = _one_process(count, shape, preset["steps"])
+                else:
+                    times = launch(_distributed_case, world, count, shape, preset["steps"])[0]
+                rows.append({"shape": shape_name, "world": world, "n": count, "times": times})
+                print(
+                    f"{shape_name} world {world} N {count}: "
+                    + ", ".join(
+                        f"{k} {v * 1e3:.2f} ms" if isinstance(v, float) else f"{k} failed"
+                        for k, v in times.items()
+                    )
+                    + f" ({time.perf_counter() - began:.0f} s)",
+                    flush=True,
+                )
+    return {"rows": rows, "fits": fits(rows)}
+
+
+def fits(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``fixed`` (ms) and ``slope`` (µs per matrix) per shape, world and implementation."""
+    out = []
+    keys = sorted({(r["shape"], r["world"]) for r in rows})
+    for shape, world in keys:
+        case = [r for r in rows if (r["shape"], r["world"]) == (shape, world)]
+        for impl in IMPLS:
+            points = [
+                (r["n"], r["times"][impl]) for r in case if isinstance(r["times"].get(impl), float)
+            ]
+            if len(points) < 2:
+                continue
+            fixed, slope = _fit(points)
+            out.append(
+                {
+                    "shape": shape,
+                    "world": world,
+                    "impl": impl,
+                    "fixed_ms": fixed * 1e3,
+                    "slope_us": slope * 1e6,
+                }
+            )
+    return out
+
+
+def _lookup(rows: Sequence[dict[str, Any]], shape: str, world: int, n: int, impl: str) -> Any:
+    for r in rows:
+        if (r["shape"], r["world"], r["n"]) == (shape, world, n):
+            return r["times"].get(impl)
+    return None
+
+
+def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """The issue's targets at world 2 on 8x8 matrices, measured against their limits."""
+    rows, out = result["rows"], []
+    fit = {(f["impl"]): f for f in result["fits"] if (f["shape"], f["world"]) == ("8x8", 2)}
+    if "canzona" in fit:
+        out.append(
+            {
+                "target": "slope (µs per matrix)",
+                "limit": TARGETS["slope_us"],
+                "value": fit["canzona"]["slope_us"],
+            }
+        )
+        out.append(
+            {
+                "target": "fixed (ms per step)",
+                "limit": TARGETS["fixed_ms"],
+                "value": fit["canzona"]["fixed_ms"],
+            }
+        )
+    ours = _lookup(rows, "8x8", 2, 1024, "canzona")
+    adamw = _lookup(rows, "8x8", 1, 1024, "adamw_foreach")
+    titan = _lookup(rows, "8x8", 2, 1024, "torchtitan")
+    if isinstance(ours, float) and isinstance(adamw, float):
+        out.append(
+            {
+                "target": "1024 matrices: canzona / one-process AdamW(foreach)",
+                "limit": TARGETS["vs_adamw"],
+                "value": ours / adamw,
+            }
+        )
+    if isinstance(ours, float) and isinstance(titan, float):
+        out.append(
+            {
+                "target": "1024 matrices: canzona / torchtitan DistMuon",
+                "limit": TARGETS["vs_torchtitan"],
+                "value": ours / titan,
+            }
+        )
+    for t in out:
+        t["met"] = t["value"] <= t["limit"]
+    return out
+
+
+def render(result: dict[str, Any], commit: str, plot: str | None) -> str:
+    """The Markdown section of docs/benchmarks.md."""
+    rows = result["rows"]
+    lines = [
+        "## Runtime overhead: step time against the number of matrices",
+        "",
+        f"`benchmarks/overhead.py --full` (commit `{commit}`): N small fp32 matrices, Muon with "
+        "one fp32 Newton–Schulz iteration (almost no math), `Shard(0)` on a `(world,)` mesh of "
+        "forked gloo ranks, one thread per rank; median step time of the slowest rank. "
+        "One-process baselines run on the full matrices.",
+        "",
+    ]
+    for shape in sorted({r["shape"] for r in rows}):
+        headers = ["N", "world", *[LABELS[i] for i in IMPLS]]
+        body = []
+        for r in sorted(
+            (r for r in rows if r["shape"] == shape), key=lambda r: (r["n"], r["world"])
+        ):
+            cells = [r["n"], r["world"]]
+            for impl in IMPLS:
+                v = r["times"].get(impl)
+                cells.append(
+                    f"{v * 1e3:.2f} ms" if isinstance(v, float) else ("–" if v is None else "fails")
+                )
+            body.append(cells)
+        lines += [f"### {shape} matrices", "", markdown_table(headers, body), ""]
+    fit_rows = [
+        [f["shape"], f["world"], LABELS[f["impl"]], f"{f['fixed_ms']:.2f}", f"{f['slope_us']:.1f}"]
+        for f in result["fits"]
+    ]
+    lines += [
+        "### Fit: time = fixed + slope × N",
+        "",
+        markdown_table(
+            ["shape", "world", "implementation", "fixed (ms)", "slope (µs / matrix)"], fit_rows
+        ),
+        "",
+    ]
+    tgt = [
+        [t["target"], f"≤ {t['limit']:g}", f"{t['value']:.3g}", "met" if t["met"] else "**missed**"]
+        for t in result["targets"]
+    ]
+    lines += [
+        "### Targets (world 2, 8x8)",
+        "",
+        markdown_table(["target", "limit", "measured", ""], tgt),
+        "",
+    ]
+    if plot:
+        lines += [f"![step time against N]({plot})", ""]
+    return "\n".join(lines)
+
+
+def draw(result: dict[str, Any], path: Path) -> bool:
+    """Step time against N, one panel per (shape, world); False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    rows = result["rows"]
+    panels = sorted({(r["shape"], r["world"]) for r in rows})
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
+    for ax, (shape, world) in zip(axes[0], panels, strict=True):
+        for impl in IMPLS:
+            pts = sorted(
+                (r["n"], r["times"][impl] * 1e3)
+                for r in rows
+                if (r["shape"], r["world"]) == (shape, world)
+                and isinstance(r["times"].get(impl), float)
+            )
+            if pts:
+                ax.plot(*zip(*pts, strict=True), marker="o", label=LABELS[impl].replace("`", ""))
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_title(f"{shape}, world {world}")
+        ax.set_xlabel("matrices N")
+        ax.set_ylabel("step time (ms)")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def git_commit() -> str:
+    """The commit the benchmark runs on (with ``-dirty`` when the tree has changes)."""
+    import subprocess
+
+    try:
+        sha = subprocess.check_output(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True
+        ).strip()
+        dirty = subprocess.call(["git", "diff", "--quiet", "HEAD", "--", "src"], cwd=ROOT)
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return sha + ("-dirty" if dirty else "")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="reduced grid (default)")
+    mode.add_argument("--full", action="store_true", help="the published grid")
+    parser.add_argument("--out", type=Path, default=None, help="directory of the JSON result")
+    parser.add_argument("--doc", type=Path, default=None, help="Markdown file to update")
+    parser.add_argument("--plot", type=Path, default=None, help="PNG of step time against N")
+    args = parser.parse_args(argv)
+    full = bool(args.full)
+    preset = PRESETS["full" if full else "quick"]
+    result = run(preset)
+    result["targets"] = targets(result)
+    commit = git_commit()
+    out_dir = args.out or (RESULTS if full else RESULTS / "quick")
+    plot = args.plot or (
+        ROOT / "docs" / "img" / "overhead.png" if full else out_dir / "overhead.png"
+    )
+    drawn = draw(result, plot)
+    write_json(
+        "overhead",
+        {
+            "commit": commit,
+            "preset": {k: list(v) if isinstance(v, tuple) else v for k, v in preset.items()},
+            **result,
+        },
+        out_dir=out_dir,
+    )
+    doc = args.doc or (DOC if full else out_dir / "benchmarks_quick.md")
+    rel = os.path.relpath(plot, doc.parent) if drawn else None
+    update_section("overhead", render(result, commit, rel), doc=doc)
+    for t in result["targets"]:
+        verdict = "met" if t["met"] else "MISSED"
+        print(f"target {t['target']}: {t['value']:.3g} (limit {t['limit']:g}) {verdict}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

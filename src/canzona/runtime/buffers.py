@@ -1,0 +1,95 @@
+"""Flat step buffers whose views live across steps while their memory lives only inside a step."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from canzona.runtime.layout import Fragment
+
+__all__ = ["FlatBuffer", "Selector"]
+
+
+class FlatBuffer:
+    """One 1-D tensor with views cut once, whose storage is allocated only during a step.
+
+    Views into a tensor keep pointing at its storage when the storage is resized, so the
+    views (and any list of them) are cut once per plan, while the storage is allocated (a
+    new buffer is), after which :meth:`release` gives the
+    memory back between steps (forward and backward can use it) and :meth:`acquire`
+    allocates it again at the next step. The contents do not survive a release.
+
+    Args:
+        numel: Number of elements.
+        dtype: Element dtype.
+        device: Device.
+    """
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.tensor = torch.empty(numel, dtype=dtype, device=device)
+        self._nbytes = self.tensor.untyped_storage().nbytes()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Element dtype."""
+        return self.tensor.dtype
+
+    def view(self, offset: int, shape: Sequence[int]) -> torch.Tensor:
+        """A view of ``prod(shape)`` elements from ``offset``, shaped ``shape`` (kept valid)."""
+        numel = 1
+        for s in shape:
+            numel *= s
+        return self.tensor.narrow(0, offset, numel).view(tuple(shape))
+
+    def acquire(self) -> None:
+        """Allocate the storage (its contents are undefined)."""
+        storage = self.tensor.untyped_storage()
+        if storage.nbytes() != self._nbytes:
+            storage.resize_(self._nbytes)
+
+    def release(self) -> None:
+        """Free the storage; views stay valid objects until the next :meth:`acquire`."""
+        self.tensor.untyped_storage().resize_(0)
+
+
+class Selector:
+    """Reads one fragment of every matrix of a stack ``(k, m, n)``, item-major ``(k, fr, fc)``.
+
+    A fragment made of one block is a strided view; one made of several index runs per
+    dimension (``_StridedShard``) is gathered with two cached index tensors.
+
+    Args:
+        frag: The 2-D fragment.
+        device: Device of the index tensors.
+    """
+
+    __slots__ = ("_cols", "_rows", "_slices", "shape")
+
+    def __init__(self, frag: Fragment, device: torch.device) -> None:
+        self.shape: tuple[int, int] = (frag.shape[0], frag.shape[1])
+        self._slices: tuple[slice, slice] | None = None
+        self._rows: torch.Tensor | None = None
+        self._cols: torch.Tensor | None = None
+        if frag.contiguous:
+            rows, cols = frag.runs
+            r0, r1 = rows[0] if rows else (0, 0)
+            c0, c1 = cols[0] if cols else (0, 0)
+            self._slices = (slice(r0, r1), slice(c0, c1))
+        else:
+            self._rows, self._cols = frag.index_tensors(device)
+
+    def read(self, stack: torch.Tensor) -> torch.Tensor:
+        """This fragment of every matrix of ``stack`` (a view when it is one block)."""
+        if self._slices is not None:
+            return stack[:, self._slices[0], self._slices[1]]
+        assert self._rows is not None and self._cols is not None
+        return stack.index_select(1, self._rows).index_select(2, self._cols)
+
+    def write_(self, stack: torch.Tensor, data: torch.Tensor) -> None:
+        """Write ``data`` ``(k, fr, fc)`` into this fragment of every matrix of ``stack``."""
+        if self._slices is not None:
+            stack[:, self._slices[0], self._slices[1]].copy_(data)
+            return
+        assert self._rows is not None and self._cols is not None
+        stack[:, self._rows.unsqueeze(1), self._cols.unsqueeze(0)] = data.to(stack.dtype)

@@ -1,0 +1,583 @@
+"""A step worked out once per plan: buffer layout, exchange sizes, batches and delivery runs.
+
+Everything here depends only on the plan, the routes and the optimizer's table, so it is
+built when they change and reused every step; a step then costs a few tensor operations per
+micro-group, batch and run of same-layout matrices, not per matrix.
+
+Wire order. Within a micro-group every rank sorts the group's matrices the same way
+(:func:`canonical_order`): by compute batch (param group, shape, payload dtype; in order of
+first appearance), then by storage layout, then by the plan's order. A segment of an
+all-to-all from rank ``s`` to rank ``c`` holds, in that order, every matrix that travels
+from ``s`` to ``c``, each as its fragment flattened row-major. Consecutive matrices of one
+batch with the same fragment therefore form a *run* ``(k, fr, fc)`` that one copy places
+(gather) or one view reads (scatter).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from canzona.runtime.buffers import FlatBuffer, Selector
+from canzona.runtime.layout import Fragment
+from canzona.runtime.routing import Item, Route
+from canzona.runtime.table import StepTable
+from canzona.runtime.topology import Topology
+
+BatchKey = tuple[int, int, int, torch.dtype]  # (param group, m, n, payload dtype)
+
+
+def common_dtype(dtypes: Sequence[torch.dtype]) -> torch.dtype:
+    """The dtype every member of ``dtypes`` converts to and from exactly."""
+    out = dtypes[0]
+    for d in dtypes[1:]:
+        out = torch.promote_types(out, d)
+    if out in (torch.bfloat16, torch.float16) and len(set(dtypes)) > 1:
+        out = torch.float32
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Assembly:
+    """A run of fragments from one source, placed into the owner's full stack.
+
+    Attributes:
+        offset: Element offset of the run in the micro-group's gather receive buffer.
+        start: Position of the run's first matrix in the batch.
+        count: Matrices in the run.
+        selector: Where the fragment sits in each full matrix.
+    """
+
+    offset: int
+    start: int
+    count: int
+    selector: Selector
+
+
+@dataclass(slots=True)
+class OwnerBatch:
+    """Matrices one rank computes in one call.
+
+    Attributes:
+        items: The matrices, in stack order.
+        key: Their param group.
+        m: Rows.
+        n: Columns.
+        dtype: Dtype of the stacked payload.
+        assembly: Runs that fill the stack from the gather receive buffer.
+        inputs: Local batches: the payload view of each matrix (no communication).
+    """
+
+    items: tuple[Item, ...]
+    key: int
+    m: int
+    n: int
+    dtype: torch.dtype
+    assembly: list[Assembly] = field(default_factory=list)
+    inputs: tuple[torch.Tensor, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """A run of direction fragments read from a computed stack (sent, or kept).
+
+    Attributes:
+        batch: Index of the owner batch.
+        start: First matrix of the run in the batch.
+        count: Matrices in the run.
+        selector: The fragment to read from each matrix.
+    """
+
+    batch: int
+    start: int
+    count: int
+    selector: Selector
+
+    @property
+    def numel(self) -> int:
+        """Elements of the run."""
+        return self.count * self.selector.shape[0] * self.selector.shape[1]
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    """A run of this rank's direction fragments, each for one local target.
+
+    Attributes:
+        offset: Element offset in the scatter receive buffer (unused for kept runs).
+        shape: Local fragment shape ``(fr, fc)`` of every matrix in the run.
+        key: Param group.
+        full: ``(m, n)`` of the full matrices.
+        dtype: Direction dtype the apply receives.
+        targets: The run's targets in order: ``(param, position, count)``: a 2-D
+            parameter's shard (position None, count 1), or ``count`` consecutive matrices
+            of a 3-D stack's shard from ``position`` on (one target, updated at once).
+        count: Matrices in the run.
+    """
+
+    offset: int
+    shape: tuple[int, int]
+    key: int
+    full: tuple[int, int]
+    dtype: torch.dtype
+    targets: tuple[tuple[int, int | None, int], ...]
+    count: int
+
+
+@dataclass(slots=True)
+class GroupSchedule:
+    """One micro-group's exchanges, batches and deliveries on this rank."""
+
+    index: int
+    gather_dtype: torch.dtype
+    send: tuple[torch.Tensor, ...]
+    gather_in: list[int]
+    gather_out: list[int]
+    batches: list[OwnerBatch]
+    scatter_dtype: torch.dtype
+    scatter_pieces: list[Piece]
+    scatter_in: list[int]
+    scatter_out: list[int]
+    deliveries: list[Delivery]
+    kept: list[tuple[Piece, Delivery]]
+
+
+@dataclass(slots=True)
+class Schedule:
+    """A step's precomputed work on this rank.
+
+    Attributes:
+        buffers: Flat buffers: per (param dtype, payload dtype) the prepared payloads, and
+            their cast to the payload dtype when it differs.
+        casts: (prepared, payload) buffer pairs to cast after the optimizer's prepare.
+        payload: Per active matrix parameter with local data: where the optimizer writes
+            its prepared payload (a view shaped like the parameter's local shard).
+        local: Batches of matrices this rank holds whole and updates alone.
+        local_kept: Deliveries of the local batches' results.
+        groups: The micro-groups with active matrices, in plan order.
+        replicated: Every computing rank keeps its own fragment (no scatter).
+    """
+
+    buffers: list[FlatBuffer]
+    casts: list[tuple[FlatBuffer, FlatBuffer]]
+    payload: dict[int, torch.Tensor]
+    local: list[OwnerBatch]
+    local_kept: list[tuple[Piece, Delivery]]
+    groups: list[GroupSchedule]
+    replicated: bool
+
+    def acquire(self) -> None:
+        """Allocate the step buffers."""
+        for buf in self.buffers:
+            buf.acquire()
+
+    def release(self) -> None:
+        """Free the step buffers."""
+        for buf in self.buffers:
+            buf.release()
+
+
+def batch_key(item: Item, table: StepTable) -> BatchKey:
+    """Matrices computed in one call share their param group, shape and payload dtype."""
+    row = table.row(item.param)
+    return (row.batch_key, item.m, item.n, row.payload_dtype)
+
+
+def canonical_order(items: Sequence[Item], topology: Topology, table: StepTable) -> list[Item]:
+    """The wire order of one micro-group's matrices (identical on every rank)."""
+    first_batch: dict[BatchKey, int] = {}
+    first_layout: dict[tuple[object, ...], int] = {}
+    keys = []
+    for pos, item in enumerate(items):
+        bk = batch_key(item, table)
+        layout = topology.layouts[item.param]
+        sig = (bk, layout.mesh_shape, layout.placements, item.copy, item.unit)
+        keys.append((first_batch.setdefault(bk, pos), first_layout.setdefault(sig, pos), pos))
+    order = sorted(range(len(items)), key=keys.__getitem__)
+    return [items[i] for i in order]
+
+
+def _split(items: Sequence[Item], table: StepTable) -> list[tuple[BatchKey, list[Item]]]:
+    """Consecutive items of equal batch key (canonical order keeps each key contiguous)."""
+    out: list[tuple[BatchKey, list[Item]]] = []
+    for item in items:
+        bk = batch_key(item, table)
+        if out and out[-1][0] == bk:
+            out[-1][1].append(item)
+        else:
+            out.append((bk, [item]))
+    return out
+
+
+class _Selectors:
+    """One :class:`Selector` per distinct fragment (index tensors built once)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._cache: dict[Fragment, Selector] = {}
+
+    def __call__(self, frag: Fragment) -> Selector:
+        sel = self._cache.get(frag)
+        if sel is None:
+            sel = Selector(frag, self.device)
+            self._cache[frag] = sel
+        return sel
+
+
+def _runs(
+    entries: Sequence[tuple[int, Fragment]],
+) -> list[tuple[int, int, Fragment]]:
+    """(start, count, fragment) runs of consecutive positions sharing a fragment."""
+    runs: list[tuple[int, int, Fragment]] = []
+    for pos, frag in entries:
+        if runs and runs[-1][0] + runs[-1][1] == pos and runs[-1][2] == frag:
+            start, count, _ = runs[-1]
+            runs[-1] = (start, count + 1, frag)
+        else:
+            runs.append((pos, 1, frag))
+    return runs
+
+
+@dataclass(slots=True)
+class _Layout:
+    """Where each active matrix parameter's payload lives in the flat buffers."""
+
+    views: dict[int, tuple[int, int]] = field(default_factory=dict)  # param -> (class, offset)
+    sizes: list[int] = field(default_factory=list)
+    classes: dict[tuple[torch.dtype, torch.dtype], int] = field(default_factory=dict)
+
+    def place(self, param: int, numel: int, dtypes: tuple[torch.dtype, torch.dtype]) -> None:
+        if param in self.views:
+            return
+        cls = self.classes.setdefault(dtypes, len(self.classes))
+        if cls == len(self.sizes):
+            self.sizes.append(0)
+        self.views[param] = (cls, self.sizes[cls])
+        self.sizes[cls] += numel
+
+
+class ScheduleBuilder:
+    """Builds a :class:`Schedule` for one rank from agreed data.
+
+    Args:
+        topology: Agreed layouts.
+        routes: This rank's routes by item name.
+        groups: The plan's micro-groups (items in plan order), active items only.
+        local_items: Active items this rank updates alone.
+        table: The optimizer's table.
+        local_shapes: Per active matrix parameter, this rank's local shard shape.
+        rank: This rank.
+        world: Ranks in the process group.
+        replicated: Every eligible rank computes every matrix (no scatter).
+        device: Device of the buffers.
+    """
+
+    def __init__(
+        self,
+        *,
+        topology: Topology,
+        routes: dict[str, Route],
+        groups: Sequence[Sequence[Item]],
+        local_items: Sequence[Item],
+        table: StepTable,
+        local_shapes: dict[int, tuple[int, ...]],
+        rank: int,
+        world: int,
+        replicated: bool,
+        device: torch.device,
+    ) -> None:
+        self.topology = topology
+        self.routes = routes
+        self.groups = [canonical_order(g, topology, table) for g in groups]
+        self.local_items = list(local_items)
+        self.table = table
+        self.local_shapes = local_shapes
+        self.rank = rank
+        self.world = world
+        self.replicated = replicated
+        self.device = device
+        self.selectors = _Selectors(device)
+        self.layout = _Layout()
+
+    def _dtypes(self, param: int) -> tuple[torch.dtype, torch.dtype]:
+        return self.topology.layouts[param].dtype, self.table.row(param).payload_dtype
+
+    def _place_payloads(self) -> None:
+        """Lay payloads out in first-send order, so a group's sends are few long ranges."""
+        for items in self.groups:
+            for dest in range(self.world):
+                for item in items:
+                    route = self.routes.get(item.name)
+                    if route is not None and route.frag is not None and dest in route.send_to:
+                        p = item.param
+                        self.layout.place(p, _numel(self.local_shapes[p]), self._dtypes(p))
+        for p in sorted(self.local_shapes):
+            if _numel(self.local_shapes[p]):
+                self.layout.place(p, _numel(self.local_shapes[p]), self._dtypes(p))
+
+    def build(self) -> Schedule:
+        """The schedule."""
+        self._place_payloads()
+        prepared, payloads, buffers, casts = [], [], [], []
+        for (prep, pay), cls in sorted(self.layout.classes.items(), key=lambda kv: kv[1]):
+            size = self.layout.sizes[cls]
+            a = FlatBuffer(size, prep, self.device)
+            b = a if prep == pay else FlatBuffer(size, pay, self.device)
+            prepared.append(a)
+            payloads.append(b)
+            buffers.append(a)
+            if b is not a:
+                buffers.append(b)
+                casts.append((a, b))
+        self.prepared, self.payloads = prepared, payloads
+        payload = {
+            p: prepared[cls].view(off, self.local_shapes[p])
+            for p, (cls, off) in self.layout.views.items()
+        }
+        local, local_kept = self._local()
+        groups = [self._group(k, items) for k, items in enumerate(self.groups)]
+        schedule = Schedule(
+            buffers, casts, payload, local, local_kept, [g for g in groups if g], self.replicated
+        )
+        schedule.release()  # views are cut: the memory is needed only inside a step
+        return schedule
+
+    # ------------------------------------------------------------------ pieces
+    def _item_range(self, item: Item, route: Route) -> tuple[int, int, int]:
+        """(buffer class, offset, numel) of this rank's payload fragment of ``item``."""
+        assert route.frag is not None
+        cls, off = self.layout.views[item.param]
+        numel = route.frag.numel
+        if route.pos is not None:
+            off += route.pos * numel
+        return cls, off, numel
+
+    def _item_view(self, item: Item, route: Route) -> torch.Tensor:
+        cls, off, _ = self._item_range(item, route)
+        assert route.frag is not None
+        return self.payloads[cls].view(off, route.frag.shape)
+
+    def _delivery(self, offset: int, items: Sequence[Item], shape: tuple[int, int]) -> Delivery:
+        first = items[0]
+        row = self.table.row(first.param)
+        targets: list[tuple[int, int | None, int]] = []
+        for it in items:
+            pos = self.routes[it.name].pos
+            if pos is not None and targets:
+                param, start, count = targets[-1]
+                if param == it.param and start is not None and start + count == pos:
+                    targets[-1] = (param, start, count + 1)
+                    continue
+            targets.append((it.param, pos, 1))
+        return Delivery(
+            offset=offset,
+            shape=shape,
+            key=row.batch_key,
+            full=(first.m, first.n),
+            dtype=row.direction_dtype,
+            targets=tuple(targets),
+            count=len(items),
+        )
+
+    def _local(self) -> tuple[list[OwnerBatch], list[tuple[Piece, Delivery]]]:
+        batches: list[OwnerBatch] = []
+        kept: list[tuple[Piece, Delivery]] = []
+        by_key: dict[BatchKey, list[Item]] = {}
+        for item in self.local_items:
+            by_key.setdefault(batch_key(item, self.table), []).append(item)
+        for (key, m, n, dtype), items in by_key.items():
+            inputs = tuple(self._item_view(it, self.routes[it.name]) for it in items)
+            batches.append(OwnerBatch(tuple(items), key, m, n, dtype, inputs=inputs))
+            whole = self.selectors(_whole(m, n))
+            kept += self._kept_runs(
+                len(batches) - 1, items, [(j, whole) for j in range(len(items))]
+            )
+        return batches, kept
+
+    def _kept_runs(
+        self, batch: int, items: Sequence[Item], entries: Sequence[tuple[int, Selector]]
+    ) -> list[tuple[Piece, Delivery]]:
+        """Runs of results this rank keeps for its own targets (direction dtype breaks runs)."""
+        out: list[tuple[Piece, Delivery]] = []
+        run: list[tuple[int, Selector]] = []
+
+        def close() -> None:
+            if run:
+                sel = run[0][1]
+                piece = Piece(batch, run[0][0], len(run), sel)
+                out.append((piece, self._delivery(0, [items[j] for j, _ in run], sel.shape)))
+                run.clear()
+
+        for j, sel in entries:
+            if run and (
+                run[-1][0] + 1 != j
+                or run[-1][1] is not sel
+                or self.table.row(items[j].param).direction_dtype
+                != self.table.row(items[run[-1][0]].param).direction_dtype
+            ):
+                close()
+            run.append((j, sel))
+        close()
+        return out
+
+    # ------------------------------------------------------------------ groups
+    def _group(self, index: int, items: list[Item]) -> GroupSchedule | None:
+        if not items:
+            return None
+        table = self.table
+        gather_dtype = common_dtype([table.row(it.param).payload_dtype for it in items])
+        scatter_dtype = common_dtype([table.row(it.param).direction_dtype for it in items])
+        send, gather_in = self._sends(items, gather_dtype)
+        batches, gather_out = self._owner_batches(items)
+        pieces: list[Piece] = []
+        scatter_in = [0] * self.world
+        kept: list[tuple[Piece, Delivery]] = []
+        if self.replicated:
+            for b, batch in enumerate(batches):
+                entries = [
+                    (j, self.selectors(frag))
+                    for j, it in enumerate(batch.items)
+                    if (frag := self.routes[it.name].frag) is not None
+                ]
+                kept += self._kept_runs(b, batch.items, entries)
+            deliveries: list[Delivery] = []
+            scatter_out = [0] * self.world
+        else:
+            pieces, scatter_in = self._scatter_pieces(batches)
+            deliveries, scatter_out = self._deliveries(items)
+        return GroupSchedule(
+            index=index,
+            gather_dtype=gather_dtype,
+            send=send,
+            gather_in=gather_in,
+            gather_out=gather_out,
+            batches=batches,
+            scatter_dtype=scatter_dtype,
+            scatter_pieces=pieces,
+            scatter_in=scatter_in,
+            scatter_out=scatter_out,
+            deliveries=deliveries,
+            kept=kept,
+        )
+
+    def _sends(
+        self, items: list[Item], dtype: torch.dtype
+    ) -> tuple[tuple[torch.Tensor, ...], list[int]]:
+        """Views of this rank's payloads in wire order (merged ranges) and per-rank sizes."""
+        ranges: list[list[int]] = []  # [class, offset, numel]
+        sizes = [0] * self.world
+        for dest in range(self.world):
+            for item in items:
+                route = self.routes.get(item.name)
+                if route is None or route.frag is None or dest not in route.send_to:
+                    continue
+                cls, off, numel = self._item_range(item, route)
+                sizes[dest] += numel
+                if ranges and ranges[-1][0] == cls and ranges[-1][1] + ranges[-1][2] == off:
+                    ranges[-1][2] += numel
+                else:
+                    ranges.append([cls, off, numel])
+        views = tuple(self.payloads[cls].view(off, (numel,)) for cls, off, numel in ranges)
+        return views, sizes
+
+    def _owner_batches(self, items: list[Item]) -> tuple[list[OwnerBatch], list[int]]:
+        """The batches this rank computes and how the gather fills them."""
+        mine = [it for it in items if (r := self.routes.get(it.name)) is not None and r.computes]
+        batches: list[OwnerBatch] = []
+        position: dict[str, tuple[int, int]] = {}
+        for (key, m, n, dtype), members in _split(mine, self.table):
+            for j, it in enumerate(members):
+                position[it.name] = (len(batches), j)
+            batches.append(OwnerBatch(tuple(members), key, m, n, dtype))
+        sizes = [0] * self.world
+        entries: dict[int, list[tuple[int, int, Fragment]]] = {}  # source -> (batch, pos, frag)
+        for it in mine:
+            b, j = position[it.name]
+            for src, frag in self.routes[it.name].sources:
+                entries.setdefault(src, []).append((b, j, frag))
+        base = 0
+        for src in range(self.world):
+            offset = base
+            by_batch: dict[int, list[tuple[int, Fragment]]] = {}
+            for b, j, frag in entries.get(src, []):
+                by_batch.setdefault(b, []).append((j, frag))
+            for b, pairs in by_batch.items():
+                for start, count, frag in _runs(pairs):
+                    run = Assembly(offset, start, count, self.selectors(frag))
+                    batches[b].assembly.append(run)
+                    offset += count * frag.numel
+            sizes[src] = offset - base
+            base = offset
+        return batches, sizes
+
+    def _scatter_pieces(self, batches: list[OwnerBatch]) -> tuple[list[Piece], list[int]]:
+        """Owner side: direction runs for every holder, target-major in wire order."""
+        sizes = [0] * self.world
+        pieces: list[Piece] = []
+        per_target: dict[int, list[tuple[int, int, Fragment]]] = {}
+        for b, batch in enumerate(batches):
+            for j, it in enumerate(batch.items):
+                for target, frag in self.routes[it.name].targets:
+                    per_target.setdefault(target, []).append((b, j, frag))
+        for target in range(self.world):
+            by_batch: dict[int, list[tuple[int, Fragment]]] = {}
+            for b, j, frag in per_target.get(target, []):
+                by_batch.setdefault(b, []).append((j, frag))
+            for b, pairs in by_batch.items():
+                for start, count, frag in _runs(pairs):
+                    piece = Piece(b, start, count, self.selectors(frag))
+                    pieces.append(piece)
+                    sizes[target] += piece.numel
+        return pieces, sizes
+
+    def _deliveries(self, items: list[Item]) -> tuple[list[Delivery], list[int]]:
+        """Holder side: runs of this rank's fragments in the scatter receive buffer."""
+        sizes = [0] * self.world
+        per_owner: dict[int, list[Item]] = {}
+        for it in items:
+            route = self.routes.get(it.name)
+            if route is not None and route.frag is not None:
+                per_owner.setdefault(route.computing[0], []).append(it)
+        out: list[Delivery] = []
+        offset = 0
+        for owner in range(self.world):
+            start = offset
+            for run, shape in self._holder_runs(per_owner.get(owner, [])):
+                out.append(self._delivery(offset, run, shape))
+                offset += len(run) * shape[0] * shape[1]
+            sizes[owner] = offset - start
+        return out, sizes
+
+    def _holder_runs(self, items: list[Item]) -> list[tuple[list[Item], tuple[int, int]]]:
+        """Consecutive items sharing fragment shape, batch and direction dtype."""
+        runs: list[tuple[list[Item], tuple[int, int]]] = []
+        for it in items:
+            frag = self.routes[it.name].frag
+            assert frag is not None
+            shape = (frag.shape[0], frag.shape[1])
+            if runs:
+                run, last = runs[-1]
+                first = run[0]
+                if (
+                    shape == last
+                    and batch_key(it, self.table) == batch_key(first, self.table)
+                    and self.table.row(it.param).direction_dtype
+                    == self.table.row(first.param).direction_dtype
+                ):
+                    run.append(it)
+                    continue
+            runs.append(([it], shape))
+        return runs
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _whole(m: int, n: int) -> Fragment:
+    return Fragment((((0, m),), ((0, n),)))

@@ -1,0 +1,113 @@
+"""DTensor helpers: local shards, gradients, meshes and state in a parameter's storage layout."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from canzona.runtime.layout import check_placements, fragment_for
+
+
+def fingerprint(value: object) -> str:
+    """sha256 of a value's repr (used for hyper-parameters)."""
+    return hashlib.sha256(repr(value).encode()).hexdigest()
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (sharing storage), or the tensor itself."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def tensor_device(tensors: Sequence[torch.Tensor]) -> torch.device:
+    """Where the parameters live (the device of communication buffers and checks)."""
+    for t in tensors:
+        if isinstance(t, DTensor):
+            return t._local_tensor.device
+    return tensors[0].device if tensors else torch.device("cpu")
+
+
+def needs_communication(tensors: Sequence[torch.Tensor]) -> bool:
+    """True when some parameter is a DTensor on a mesh of more than one rank."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    return any(isinstance(t, DTensor) and t.device_mesh.size() > 1 for t in tensors)
+
+
+def param_mesh(p: torch.Tensor) -> object | None:
+    """The DeviceMesh of a DTensor parameter (None for a plain tensor)."""
+    return p.device_mesh if isinstance(p, DTensor) else None
+
+
+def validate_param(name: str, p: torch.Tensor) -> None:
+    """Reject storage layouts the runtime cannot reconstruct (e.g. ``Partial``), by name.
+
+    Raises:
+        canzona.runtime.layout.LayoutError: a ``ValueError`` naming the parameter.
+    """
+    if isinstance(p, DTensor):
+        check_placements(name, tuple(p.placements), p.ndim)
+
+
+def all_finite(grads: Sequence[torch.Tensor]) -> bool:
+    """True when every local gradient shard is free of NaN and Inf (one host read)."""
+    flags = [torch.isfinite(local_tensor(g)).all() for g in grads if local_tensor(g).numel()]
+    return bool(torch.stack(flags).all()) if flags else True
+
+
+def local_grad(name: str, p: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of ``p.grad`` in ``p``'s storage layout.
+
+    Raises:
+        RuntimeError: for a missing or sparse gradient.
+        TypeError: for a plain gradient on a DTensor parameter.
+    """
+    grad = p.grad
+    if grad is None:
+        raise RuntimeError(f"parameter {name!r} has no gradient")
+    if grad.is_sparse:
+        raise RuntimeError(f"parameter {name!r}: sparse gradients are not supported")
+    if isinstance(p, DTensor):
+        if not isinstance(grad, DTensor):
+            raise TypeError(
+                f"parameter {name!r} is a DTensor but its gradient is a plain tensor; "
+                "set .grad to a DTensor with the parameter's placements"
+            )
+        if grad.placements != p.placements:
+            grad = grad.redistribute(p.device_mesh, p.placements)
+        return grad._local_tensor
+    return grad
+
+
+def as_storage_layout(value: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """Element-wise state in ``p``'s storage layout, from a loaded value.
+
+    A plain tensor of the parameter's global shape (a consolidated checkpoint) becomes a
+    DTensor holding this rank's slice; a DTensor in other placements on the same mesh is
+    redistributed (collective: every rank loads the same structure); a DTensor loaded
+    for a plain parameter is gathered.
+
+    Raises:
+        ValueError: for a DTensor on another mesh than the parameter's.
+    """
+    if not isinstance(p, DTensor):
+        return value.full_tensor() if isinstance(value, DTensor) else value
+    mesh, placements = p.device_mesh, tuple(p.placements)
+    if isinstance(value, DTensor):
+        if value.device_mesh != mesh:
+            raise ValueError(
+                f"state on mesh {value.device_mesh} cannot be loaded for a parameter on {mesh}"
+            )
+        if tuple(value.placements) == placements:
+            return value
+        return value.redistribute(mesh, placements)
+    coordinate = mesh.get_coordinate()
+    assert coordinate is not None, "this rank holds the parameter, so it is in its mesh"
+    frag = fragment_for(tuple(p.shape), tuple(mesh.shape), placements, coordinate)
+    local = frag.read(value.to(p._local_tensor.device)).contiguous()
+    return DTensor.from_local(
+        local, mesh, placements, run_check=False, shape=p.shape, stride=p.stride()
+    )

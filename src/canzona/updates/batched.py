@@ -1,0 +1,193 @@
+"""The element-wise phases on lists of local tensors: one ``torch._foreach_*`` op per phase.
+
+Each function runs, for every tensor of its lists, the op sequence of its single-tensor
+counterpart (:func:`muon_prepare_`, :func:`muon_apply_`, :func:`shampoo_apply_`,
+:func:`soap_apply_`, :func:`adamw_`), so the results are bitwise equal to a Python loop over
+them; the host pays one dispatch per op and list instead of one per op and tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from canzona.updates.common import check_step
+from canzona.updates.soap import SOAPHParams, soap_step_size
+
+__all__ = [
+    "adamw_moments_",
+    "adamw_params_",
+    "decay_and_step_",
+    "mul_",
+    "muon_prepare_batch_",
+    "soap_apply_batch_",
+]
+
+
+_EXACT_FOREACH_MUL = (torch.float32, torch.float64)
+
+
+def mul_(tensors: Sequence[Tensor], value: float) -> None:
+    """``t.mul_(value)`` for every tensor.
+
+    ``torch._foreach_mul_`` with a Python scalar rounds the scalar to a half-precision
+    tensor's dtype before multiplying, while ``Tensor.mul_`` multiplies in float32; such
+    tensors therefore take the per-tensor path (measured on torch 2.13's CPU kernels).
+
+    Args:
+        tensors: Tensors, updated in place.
+        value: The factor.
+    """
+    if all(t.dtype in _EXACT_FOREACH_MUL for t in tensors):
+        torch._foreach_mul_(list(tensors), value)
+        return
+    for t in tensors:
+        t.mul_(value)
+
+
+def muon_prepare_batch_(
+    bufs: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    out: Sequence[Tensor],
+    *,
+    momentum: float,
+    nesterov: bool,
+) -> None:
+    r"""Muon's momentum for every tensor: :math:`B \leftarrow \mu B + (1-\mu) G`, then the payload.
+
+    Writes ``G.lerp(B, mu)`` (Nesterov) or ``B`` into ``out``: the values
+    :func:`~canzona.updates.muon_prepare_` returns, computed in place.
+
+    Args:
+        bufs: Momentum buffers, updated in place.
+        grads: Gradients (or matching shards).
+        out: Where the payloads go (same shapes; may have the buffers' dtype only).
+        momentum: Momentum factor :math:`\mu`.
+        nesterov: Whether to use the Nesterov blend.
+    """
+    if not bufs:
+        return
+    torch._foreach_lerp_(list(bufs), list(grads), 1 - momentum)
+    if nesterov:
+        torch._foreach_copy_(list(out), list(grads))
+        torch._foreach_lerp_(list(out), list(bufs), momentum)
+    else:
+        torch._foreach_copy_(list(out), list(bufs))
+
+
+def decay_and_step_(
+    params: Sequence[Tensor],
+    directions: Sequence[Tensor],
+    *,
+    decay: float,
+    alpha: float,
+) -> None:
+    """``p.mul_(decay)`` then ``p.add_(d, alpha=alpha)`` per pair (Muon's and Shampoo's apply).
+
+    ``decay = 1 - lr * weight_decay``; the multiplication runs even when it is 1, as in the
+    single-tensor functions, so the two agree bit for bit.
+
+    Args:
+        params: Parameters (or shards), updated in place.
+        directions: Matching directions (any dtype; promoted by the add as in ``add_``).
+        decay: Decoupled weight-decay factor.
+        alpha: Scale of the direction (the negative, shape-adjusted learning rate).
+    """
+    if not params:
+        return
+    mul_(params, decay)
+    torch._foreach_add_(list(params), list(directions), alpha=alpha)
+
+
+def soap_apply_batch_(
+    params: Sequence[Tensor],
+    directions: Sequence[Tensor],
+    *,
+    lr: float,
+    weight_decay: float,
+    step: int,
+    hp: SOAPHParams,
+) -> None:
+    """:func:`~canzona.updates.soap_apply_` for tensors sharing one step count.
+
+    Args:
+        params: Parameters (or shards), updated in place.
+        directions: Matching directions.
+        lr: Learning rate.
+        weight_decay: Weight decay (applied after the step, scaled by ``lr``).
+        step: 1-based count of calls for these matrices (nothing happens on step 1).
+        hp: Hyper-parameters.
+    """
+    check_step(step)
+    if step == 1 or not params:
+        return
+    torch._foreach_add_(list(params), list(directions), alpha=-soap_step_size(lr, step, hp))
+    if weight_decay > 0:
+        torch._foreach_add_(list(params), list(params), alpha=-lr * weight_decay)
+
+
+def adamw_moments_(
+    grads: Sequence[Tensor],
+    exp_avgs: Sequence[Tensor],
+    exp_avg_sqs: Sequence[Tensor],
+    *,
+    betas: tuple[float, float],
+) -> None:
+    """AdamW's moment updates for every tensor (the first half of :func:`~canzona.updates.adamw_`).
+
+    Args:
+        grads: Gradients.
+        exp_avgs: First moments, updated in place.
+        exp_avg_sqs: Second moments, updated in place.
+        betas: ``(beta1, beta2)``.
+    """
+    if not grads:
+        return
+    beta1, beta2 = betas
+    torch._foreach_lerp_(list(exp_avgs), list(grads), 1 - beta1)
+    mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(list(exp_avg_sqs), list(grads), list(grads), value=1 - beta2)
+
+
+def adamw_params_(
+    params: Sequence[Tensor],
+    exp_avgs: Sequence[Tensor],
+    exp_avg_sqs: Sequence[Tensor],
+    step: int,
+    *,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+) -> None:
+    """AdamW's parameter update from updated moments (the second half of ``adamw_``).
+
+    Together with :func:`adamw_moments_` (in either order: they touch different tensors)
+    the op sequence of ``adamw_``, hence of ``torch.optim.AdamW(foreach=False)``.
+
+    Args:
+        params: Parameters, updated in place.
+        exp_avgs: First moments (already updated).
+        exp_avg_sqs: Second moments (already updated).
+        step: 1-based count of this update, shared by every tensor of the lists.
+        lr: Learning rate.
+        betas: ``(beta1, beta2)``.
+        eps: Denominator term.
+        weight_decay: Decoupled weight decay coefficient.
+    """
+    check_step(step)
+    if not params:
+        return
+    beta1, beta2 = betas
+    if weight_decay != 0:
+        mul_(params, 1 - lr * weight_decay)
+    bias_correction1 = 1 - beta1**step
+    bias_correction2 = 1 - beta2**step
+    step_size = lr / bias_correction1
+    bias_correction2_sqrt = bias_correction2**0.5
+    denom = torch._foreach_sqrt(list(exp_avg_sqs))
+    torch._foreach_div_(denom, bias_correction2_sqrt)
+    torch._foreach_add_(denom, eps)
+    torch._foreach_addcdiv_(list(params), list(exp_avgs), denom, value=-step_size)
