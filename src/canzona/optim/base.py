@@ -13,8 +13,9 @@ from torch.optim import Optimizer
 
 from canzona.optim.checkpoint import CheckpointMixin
 from canzona.optim.owner_state import OwnerState
-from canzona.optim.transaction import StepTransaction
-from canzona.plan import PlanConfig
+from canzona.optim.prepare import GroupWork, StepWork, build_work
+from canzona.optim.transaction import Backup, StepTransaction
+from canzona.plan import GroupedCost, PlanConfig, cost_model
 from canzona.runtime import (
     ApplyBatch,
     ComputeBatch,
@@ -104,6 +105,8 @@ class MatrixOptimizer(CheckpointMixin, Optimizer):
         self._table_key: tuple[object, ...] = ()
         self._table_version = 0
         self._step_params: list[Tensor] = []
+        self._work: tuple[tuple[object, ...], dict[int, Tensor], StepWork] | None = None
+        self._state_generation = 0
         self._steps_without_grads = 0
         self.last_step_stats: StepStats | None = None
         self.skipped_steps = 0
@@ -199,17 +202,13 @@ class MatrixOptimizer(CheckpointMixin, Optimizer):
         """Create the element-wise state of a matrix parameter (storage layout)."""
 
     def _prepare_group(
-        self,
-        group: dict[str, Any],
-        params: list[Tensor],
-        grads: list[Tensor],
-        payloads: list[Tensor],
-        txn: StepTransaction,
+        self, group: dict[str, Any], work: GroupWork, grads: list[Tensor], txn: StepTransaction
     ) -> None:
-        """Element-wise phase of one param group's matrices on this rank's shards.
+        """Element-wise phase of one param group's matrices with local data.
 
-        Writes each matrix's payload into ``payloads`` (views shaped like the local
-        shards); state changed in place must be handed to ``txn.save`` first.
+        Writes each matrix's payload into ``work.payloads`` (views shaped like the local
+        shards; ``grads`` are the matching gradients); state changed in place must be
+        saved with ``txn.save`` first. ``work.cache`` keeps lists across steps.
         """
         raise NotImplementedError
 
@@ -232,6 +231,19 @@ class MatrixOptimizer(CheckpointMixin, Optimizer):
         """The group values the table rows depend on (besides the parameters' dtypes)."""
         return ()
 
+    def _cost_params(self, group: dict[str, Any]) -> dict[str, Any]:
+        """The parameters of this group's cost model (its own hyper-parameters)."""
+        return {}
+
+    def _cost(self) -> GroupedCost | None:
+        """One cost model per matrix param group, from the group's hyper-parameters."""
+        models = {
+            str(gid): cost_model(self.cost_model, **self._cost_params(g))
+            for gid, g in enumerate(self.param_groups)
+            if g["algorithm"] != ADAMW
+        }
+        return GroupedCost(models, name=self.cost_model) if models else None
+
     def _config_repr(self) -> str:
         return type(self).__name__
 
@@ -248,7 +260,15 @@ class MatrixOptimizer(CheckpointMixin, Optimizer):
         """The table of this step (rows rebuilt only when groups, params or dtypes change)."""
         groups = self.param_groups
         key = (
-            tuple((len(g["params"]), g["algorithm"], self._row_signature(g)) for g in groups),
+            tuple(
+                (
+                    len(g["params"]),
+                    g["algorithm"],
+                    self._row_signature(g),
+                    tuple(sorted(self._cost_params(g).items())) if g["algorithm"] != ADAMW else (),
+                )
+                for g in groups
+            ),
             tuple(map(id, params)),
             tuple(p.dtype for p in params),
         )
@@ -267,13 +287,15 @@ class MatrixOptimizer(CheckpointMixin, Optimizer):
                 for i in matrix
             ]
             self._table_version += 1
+            cost = self._cost()
             self._table = StepTable(
                 matrix=tuple(matrix),
                 rows=tuple(rows),
                 hparams=(),
                 fingerprint="",
-                config=self._config_repr(),
+                config=repr((self._config_repr(), cost)),
                 version=self._table_version,
+                cost=cost,
             )
             self._table_key = key
         return self._table.with_hparams(groups, self._hyper_fingerprint())
@@ -335,10 +357,11 @@ class MatrixOptimizer(CheckpointMixin, Optimizer):
         txn = StepTransaction(atomic=self.pipeline_config.atomic)
         self._owner.begin(atomic=self.pipeline_config.atomic)
         txn.on_rollback(self._owner.rollback)
-        adamw: list[tuple[int, list[int]]] = []
+        work: StepWork | None = None
         if failure is None:
             try:
-                adamw = self._prepare(start, table, params, names, gids, txn)
+                work = self._step_work(start, table, params, gids, txn)
+                self._prepare(work, start, names, txn)
             except Exception as exc:
                 failure = Failure("preparing the step", exc)
         try:
@@ -352,94 +375,105 @@ class MatrixOptimizer(CheckpointMixin, Optimizer):
             )
         except BaseException:
             txn.rollback()
+            self._state_generation += 1  # states created in the step are gone
             raise
         txn.commit()
         self._owner.commit()
-        for gid, idxs in adamw:
-            self._adamw_params(gid, [params[i] for i in idxs])
+        assert work is not None  # a failed prepare fails the vote
+        for group_work in work.groups:
+            if group_work.adamw:
+                self._adamw_params(group_work)
         return stats
 
-    def _prepare(
+    def _step_work(
         self,
         start: StepStart,
         table: StepTable,
         params: list[Tensor],
-        names: list[str],
         gids: list[int],
         txn: StepTransaction,
-    ) -> list[tuple[int, list[int]]]:
-        """Counters, lazy state, AdamW moments and matrix payloads (before the vote).
-
-        Returns:
-            The AdamW parameters by param group, whose update follows the vote.
-        """
-        groups = self.param_groups
+    ) -> StepWork:
+        """The step's lists: reused while the table, active set and states are unchanged."""
+        key = (table.version, start.active, self._state_generation)
+        cached = self._work
+        if cached is not None and cached[0] == key and cached[1] is start.payload:
+            return cached[2]
+        active = sorted(start.active)
         matrix = set(table.matrix)
-        adamw: dict[int, list[int]] = {}
-        prepared: dict[int, list[int]] = {}
-        steps: list[Tensor] = []
-        grads: dict[int, Tensor] = {}
-        for i in sorted(start.active):
-            p, gid = params[i], gids[i]
-            group = groups[gid]
+        created = False
+        for i in active:
+            p = params[i]
             state = self.state[p]
             if "step" not in state:
                 txn.created(self.state, p)
-                self._init_state(p, state, group, i in matrix)
-            steps.append(state["step"])
-            if group["algorithm"] == ADAMW:
-                adamw.setdefault(gid, []).append(i)
-            elif i not in matrix:
-                continue  # an empty matrix: only its step counter moves
-            elif i in start.payload:
-                prepared.setdefault(gid, []).append(i)
-            # every rank, in the same order: a gradient in other placements is redistributed
-            grads[i] = local_grad(names[i], p)
-        txn.bump(steps)
-        for gid, idxs in adamw.items():
-            states = [self.state[params[i]] for i in idxs]
-            exp_avgs = [local_tensor(s["exp_avg"]) for s in states]
-            exp_avg_sqs = [local_tensor(s["exp_avg_sq"]) for s in states]
-            txn.save(exp_avgs + exp_avg_sqs)
-            adamw_moments_(
-                [grads[i] for i in idxs],
-                exp_avgs,
-                exp_avg_sqs,
-                betas=tuple(groups[gid]["adamw_betas"]),
-            )
-        for gid, idxs in prepared.items():
-            self._prepare_group(
-                groups[gid],
-                [params[i] for i in idxs],
-                [grads[i] for i in idxs],
-                [start.payload[i] for i in idxs],
-                txn,
-            )
-        return list(adamw.items())
+                self._init_state(p, state, self.param_groups[gids[i]], i in matrix)
+                created = True
+        if created:
+            self._state_generation += 1
+        work = build_work(
+            active=active,
+            params=params,
+            gids=gids,
+            groups=self.param_groups,
+            matrix=matrix,
+            payload=start.payload,
+            state=self.state,
+        )
+        key = (table.version, start.active, self._state_generation)
+        self._work = (key, start.payload, work)  # the payload views are the schedule's
+        return work
+
+    def _prepare(
+        self, work: StepWork, start: StepStart, names: list[str], txn: StepTransaction
+    ) -> None:
+        """Counters, AdamW moments and matrix payloads (before the vote)."""
+        txn.bump(work.steps)
+        for w in work.groups:
+            grads = [local_grad(names[i], p) for i, p in zip(w.idxs, w.params, strict=True)]
+            group = self.param_groups[w.gid]
+            if w.adamw:
+                self._adamw_moments(w, grads, txn)
+            elif w.prepared:
+                if len(w.prepared) != len(grads):
+                    grads = [grads[k] for k in w.prepared]
+                self._prepare_group(group, w, grads, txn)
 
     def _init_state(
-        self, p: Tensor, state: dict[str, Any], group: dict[str, Any], mat: bool
+        self, p: Tensor, state: dict[str, Any], group: dict[str, Any], is_matrix: bool
     ) -> None:
         state["step"] = torch.tensor(0.0)
         if group["algorithm"] == ADAMW:
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        elif mat:
+        elif is_matrix:
             self._init_storage_state(p, state, group)
             self._add_owner_placeholders(p, state, group)
 
-    def _adamw_params(self, gid: int, params: list[Tensor]) -> None:
+    def _adamw_moments(self, w: GroupWork, grads: list[Tensor], txn: StepTransaction) -> None:
+        """AdamW's moment updates of one group (before the vote; saved for a rollback)."""
+        if "exp_avgs" not in w.cache:
+            states = [self.state[p] for p in w.params]
+            w.cache["exp_avgs"] = [local_tensor(s["exp_avg"]) for s in states]
+            w.cache["exp_avg_sqs"] = [local_tensor(s["exp_avg_sq"]) for s in states]
+            w.cache["locals"] = [local_tensor(p) for p in w.params]
+            w.cache["backup"] = Backup(w.cache["exp_avgs"] + w.cache["exp_avg_sqs"])
+        txn.save(w.cache["backup"])
+        betas = tuple(self.param_groups[w.gid]["adamw_betas"])
+        adamw_moments_(grads, w.cache["exp_avgs"], w.cache["exp_avg_sqs"], betas=betas)
+
+    def _adamw_params(self, w: GroupWork) -> None:
         """AdamW's parameter update of one group (after the vote), by step count."""
-        group = self.param_groups[gid]
-        by_step: dict[int, list[Tensor]] = {}
-        for p in params:
-            by_step.setdefault(int(self.state[p]["step"]), []).append(p)
-        for step, ps in by_step.items():
-            states = [self.state[p] for p in ps]
+        group = self.param_groups[w.gid]
+        by_step: dict[int, list[int]] = {}
+        for k, p in enumerate(w.params):
+            by_step.setdefault(int(self.state[p]["step"]), []).append(k)
+        every = [w.cache["locals"], w.cache["exp_avgs"], w.cache["exp_avg_sqs"]]
+        for step, ks in by_step.items():
+            lists = every if len(ks) == len(w.params) else [[xs[k] for k in ks] for xs in every]
             adamw_params_(
-                [local_tensor(p) for p in ps],
-                [local_tensor(s["exp_avg"]) for s in states],
-                [local_tensor(s["exp_avg_sq"]) for s in states],
+                lists[0],
+                lists[1],
+                lists[2],
                 step,
                 lr=scalar(group["lr"]),
                 betas=tuple(group["adamw_betas"]),

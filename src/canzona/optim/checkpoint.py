@@ -52,6 +52,7 @@ class CheckpointMixin:
     storage_keys: ClassVar[tuple[str, ...]] = ()
     _owner: OwnerState
     _runtime: Any
+    _state_generation: int
 
     def _flat(self) -> tuple[list[Tensor], list[str], list[int]]:
         raise NotImplementedError
@@ -267,6 +268,7 @@ class CheckpointMixin:
         if entries:
             self._sync_plan()  # collective: every rank has validated by now
         super().load_state_dict({**state_dict, "state": storage})  # type: ignore[misc]
+        self._state_generation += 1  # every state tensor was replaced
         for pos in sorted(stepped & set(owner_keys)):
             p = params[pos]
             if p.numel():

@@ -9,7 +9,8 @@ import torch
 from torch import Tensor
 
 from canzona.optim.base import MatrixOptimizer, scalar
-from canzona.optim.transaction import StepTransaction
+from canzona.optim.prepare import GroupWork
+from canzona.optim.transaction import Backup, StepTransaction
 from canzona.plan import PlanConfig
 from canzona.runtime import ApplyBatch, ComputeBatch, PipelineConfig, local_tensor
 from canzona.updates import muon_direction, muon_lr
@@ -121,18 +122,24 @@ class Muon(MatrixOptimizer):
     def _row_signature(self, group: dict[str, Any]) -> tuple[object, ...]:
         return (group.get("ns_dtype"),)
 
+    def _cost_params(self, group: dict[str, Any]) -> dict[str, Any]:
+        return {"ns_steps": group["ns_steps"]}
+
     def _prepare_group(
-        self,
-        group: dict[str, Any],
-        params: list[Tensor],
-        grads: list[Tensor],
-        payloads: list[Tensor],
-        txn: StepTransaction,
+        self, group: dict[str, Any], work: GroupWork, grads: list[Tensor], txn: StepTransaction
     ) -> None:
-        bufs = [local_tensor(self.state[p]["momentum_buffer"]) for p in params]
-        txn.save(bufs)
+        if "bufs" not in work.cache:
+            params = [work.params[k] for k in work.prepared]
+            bufs = [local_tensor(self.state[p]["momentum_buffer"]) for p in params]
+            work.cache["bufs"] = bufs
+            work.cache["backup"] = Backup(bufs)
+        txn.save(work.cache["backup"])
         muon_prepare_batch_(
-            bufs, grads, payloads, momentum=group["momentum"], nesterov=group["nesterov"]
+            work.cache["bufs"],
+            grads,
+            work.payloads,
+            momentum=group["momentum"],
+            nesterov=group["nesterov"],
         )
 
     def _payload_dtype(self, p: Tensor, group: dict[str, Any]) -> torch.dtype:

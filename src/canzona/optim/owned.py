@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from canzona.optim.base import MatrixOptimizer
+from canzona.optim.prepare import GroupWork
 from canzona.optim.transaction import StepTransaction
 from canzona.runtime import ComputeBatch, Item, local_tensor
 
@@ -35,14 +36,9 @@ class OwnerStateOptimizer(MatrixOptimizer):
         self.hparams(group)
 
     def _prepare_group(
-        self,
-        group: dict[str, Any],
-        params: list[Tensor],
-        grads: list[Tensor],
-        payloads: list[Tensor],
-        txn: StepTransaction,
+        self, group: dict[str, Any], work: GroupWork, grads: list[Tensor], txn: StepTransaction
     ) -> None:
-        torch._foreach_copy_(payloads, grads)
+        torch._foreach_copy_(work.payloads, grads)
 
     @staticmethod
     def _state_dtype(p: Tensor) -> torch.dtype:

@@ -103,6 +103,12 @@ class SOAP(OwnerStateOptimizer):
         """The hyper-parameters of a param group."""
         return _hparams(group)
 
+    def _cost_params(self, group: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "precondition_frequency": group["precondition_frequency"],
+            "max_precond_dim": group["max_precond_dim"],
+        }
+
     def _apply_batch(self, batch: ApplyBatch) -> None:
         hp = batch.hparams
         by_step: dict[int, list[int]] = {}

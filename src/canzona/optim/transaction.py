@@ -8,6 +8,51 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from canzona.runtime import FlatBuffer
+
+
+class Backup:
+    """A copy of a fixed list of tensors, in flat buffers whose views are cut once.
+
+    Built once for a list of state tensors that a step changes in place (e.g. the
+    momentum buffers of a param group); each step then copies them with one foreach op
+    per dtype. The memory is held only between :meth:`take` and :meth:`drop`.
+
+    Args:
+        tensors: The tensors (any shapes and dtypes, one device).
+    """
+
+    def __init__(self, tensors: Sequence[Tensor]) -> None:
+        by_dtype: dict[torch.dtype, list[Tensor]] = {}
+        for t in tensors:
+            if t.numel():
+                by_dtype.setdefault(t.dtype, []).append(t)
+        self._parts: list[tuple[FlatBuffer, list[Tensor], list[Tensor]]] = []
+        for dtype, ts in by_dtype.items():
+            buf = FlatBuffer(sum(t.numel() for t in ts), dtype, ts[0].device)
+            views, offset = [], 0
+            for t in ts:
+                views.append(buf.view(offset, t.shape))
+                offset += t.numel()
+            buf.release()
+            self._parts.append((buf, ts, views))
+
+    def take(self) -> None:
+        """Copy the tensors."""
+        for buf, ts, views in self._parts:
+            buf.acquire()
+            torch._foreach_copy_(views, ts)
+
+    def restore(self) -> None:
+        """Write the copies back."""
+        for _, ts, views in self._parts:
+            torch._foreach_copy_(ts, views)
+
+    def drop(self) -> None:
+        """Free the copies' memory."""
+        for buf, _, _ in self._parts:
+            buf.release()
+
 
 class StepTransaction:
     """Records what a step changed before its success vote, so that a failure can undo it.
@@ -26,7 +71,7 @@ class StepTransaction:
         self.atomic = atomic
         self._created: list[tuple[dict[Any, Any], Any]] = []
         self._steps: list[Tensor] = []
-        self._saved: list[tuple[list[Tensor], Tensor]] = []
+        self._saved: list[Backup] = []
         self._undo: list[Callable[[], None]] = []
 
     def created(self, container: dict[Any, Any], key: Any) -> None:
@@ -39,14 +84,11 @@ class StepTransaction:
             torch._foreach_add_(list(steps), 1)
             self._steps += steps
 
-    def save(self, tensors: Sequence[Tensor]) -> None:
+    def save(self, backup: Backup) -> None:
         """Tensors about to change in place: copy them (when ``atomic``) to restore them."""
-        if not self.atomic:
-            return
-        live = [t for t in tensors if t.numel()]
-        if live:
-            flat = torch.cat([t.reshape(-1) for t in live])
-            self._saved.append((live, flat))
+        if self.atomic:
+            backup.take()
+            self._saved.append(backup)
 
     def on_rollback(self, undo: Callable[[], None]) -> None:
         """Run ``undo`` on rollback (e.g. the owner-held state's own restore)."""
@@ -56,10 +98,8 @@ class StepTransaction:
         """Undo everything recorded, newest first."""
         for undo in reversed(self._undo):
             undo()
-        for tensors, flat in reversed(self._saved):
-            pieces = torch.split(flat, [t.numel() for t in tensors])
-            for t, piece in zip(tensors, pieces, strict=True):
-                t.copy_(piece.view(t.shape))
+        for backup in reversed(self._saved):
+            backup.restore()
         if self._steps:
             torch._foreach_sub_(self._steps, 1)
         for container, key in reversed(self._created):
@@ -68,6 +108,8 @@ class StepTransaction:
 
     def commit(self) -> None:
         """Forget what was recorded (the step succeeded)."""
+        for backup in self._saved:
+            backup.drop()
         self._created.clear()
         self._steps.clear()
         self._saved.clear()

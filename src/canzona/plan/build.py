@@ -147,7 +147,13 @@ class Plan:
                 "params": cost_model_params(self.optimizer),
             },
             "specs": [
-                [s.name, list(s.shape), s.itemsize, None if s.ranks is None else list(s.ranks)]
+                [
+                    s.name,
+                    list(s.shape),
+                    s.itemsize,
+                    None if s.ranks is None else list(s.ranks),
+                    *([] if s.cost_key is None else [s.cost_key]),
+                ]
                 for s in self.specs
             ],
             "owners": [self.assignment.owner[s.name] for s in self.specs],

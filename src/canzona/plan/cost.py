@@ -65,6 +65,11 @@ def _payload(spec: MatrixSpec) -> int:
     return spec.numel * spec.itemsize
 
 
+def _non_negative_int(owner: str, field_name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{owner}: {field_name} must be an integer >= 0, got {value!r}")
+
+
 def _positive_int(owner: str, field_name: str, value: object) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{owner}: {field_name} must be an integer >= 1, got {value!r}")
@@ -171,7 +176,7 @@ class ShampooCost(_GradientPayload):
 
     def __post_init__(self) -> None:
         _positive_int("shampoo", "precondition_frequency", self.precondition_frequency)
-        _positive_int("shampoo", "max_precond_dim", self.max_precond_dim)
+        _non_negative_int("shampoo", "max_precond_dim", self.max_precond_dim)
 
     def flops(self, spec: MatrixSpec) -> float:
         """Statistics + preconditioning + amortised roots + element-wise, times the batch."""
@@ -210,7 +215,7 @@ class SoapCost(_GradientPayload):
 
     def __post_init__(self) -> None:
         _positive_int("soap", "precondition_frequency", self.precondition_frequency)
-        _positive_int("soap", "max_precond_dim", self.max_precond_dim)
+        _non_negative_int("soap", "max_precond_dim", self.max_precond_dim)
 
     def flops(self, spec: MatrixSpec) -> float:
         """Statistics + two projections + amortised refresh + element-wise, times the batch."""
@@ -232,6 +237,58 @@ class AdamWCost(_GradientPayload):
     def flops(self, spec: MatrixSpec) -> float:
         """``12 * numel``."""
         return float(ADAM_ELEMENTWISE * spec.numel)
+
+
+@dataclass(frozen=True, slots=True)
+class GroupedCost:
+    """Prices each matrix with the cost model its :attr:`MatrixSpec.cost_key` names.
+
+    One optimizer's param groups can set the work differently (``ns_steps``,
+    ``precondition_frequency``, ...): each group gets its own model, so the plan costs
+    what the user runs.
+
+    Attributes:
+        models: Cost model per key.
+        name: The optimizer's name.
+    """
+
+    models: Mapping[str, CostModel]
+    name: str = "grouped"
+
+    def __post_init__(self) -> None:
+        if not self.models:
+            raise ValueError("GroupedCost needs at least one cost model")
+        for key, model in self.models.items():
+            if not isinstance(key, str) or not isinstance(model, CostModel):
+                raise ValueError(f"GroupedCost maps str keys to cost models, got {key!r}")
+
+    def _model(self, spec: MatrixSpec) -> CostModel:
+        model = self.models.get(spec.cost_key) if spec.cost_key is not None else None
+        if model is None:
+            raise ValueError(
+                f"matrix {spec.name!r} has cost_key {spec.cost_key!r}, not one of "
+                f"{sorted(self.models)}"
+            )
+        return model
+
+    def flops(self, spec: MatrixSpec) -> float:
+        """The FLOPs of the spec's own model."""
+        return self._model(spec).flops(spec)
+
+    def comm_bytes(self, spec: MatrixSpec) -> int:
+        """The bytes of the spec's own model."""
+        return self._model(spec).comm_bytes(spec)
+
+    def memory_bytes(self, spec: MatrixSpec) -> int:
+        """The bytes in flight of the spec's own model."""
+        return self._model(spec).memory_bytes(spec)
+
+    def params(self) -> dict[str, Any]:
+        """Every model's name and parameters (what the plan digest covers)."""
+        return {
+            key: {"name": m.name, "params": cost_model_params(m)}
+            for key, m in sorted(self.models.items())
+        }
 
 
 COST_MODELS: Mapping[str, type[Any]] = {

@@ -28,12 +28,16 @@ class MatrixSpec:
         itemsize: Bytes per element of the payload that travels to the owner (4 for fp32).
         ranks: The ranks allowed to own the matrix, sorted and unique; ``None`` means every
             rank. Checked against the number of ranks when owners are assigned.
+        cost_key: Which cost model of a :class:`~canzona.plan.GroupedCost` prices this
+            matrix (e.g. its param group, whose hyper-parameters set the work); ``None``
+            for a single cost model.
     """
 
     name: str
     shape: tuple[int, ...]
     itemsize: int = 4
     ranks: tuple[int, ...] | None = None
+    cost_key: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -69,6 +73,11 @@ class MatrixSpec:
                     f"MatrixSpec {self.name!r}: ranks must be sorted and unique, got {ranks!r}"
                 )
             object.__setattr__(self, "ranks", tuple(ranks))
+        if self.cost_key is not None and not isinstance(self.cost_key, str):
+            raise ValueError(
+                f"MatrixSpec {self.name!r}: cost_key must be a string or None, "
+                f"got {self.cost_key!r}"
+            )
 
     @property
     def batch(self) -> int:

@@ -1,5 +1,6 @@
 """The distributed runtime: storage layouts, cross-rank checks, gather -> compute -> scatter."""
 
+from canzona.runtime.buffers import FlatBuffer
 from canzona.runtime.config import (
     CollectiveTimeoutError,
     GradientMismatchError,
@@ -19,8 +20,8 @@ from canzona.runtime.tensors import (
     fingerprint,
     local_grad,
     local_tensor,
-    needs_communication,
     param_mesh,
+    process_group_of,
     validate_param,
 )
 
@@ -29,6 +30,7 @@ __all__ = [
     "CollectiveTimeoutError",
     "ComputeBatch",
     "Failure",
+    "FlatBuffer",
     "Fragment",
     "GradientMismatchError",
     "Item",
@@ -52,8 +54,8 @@ __all__ = [
     "import_state",
     "local_grad",
     "local_tensor",
-    "needs_communication",
     "param_mesh",
+    "process_group_of",
     "snapshot",
     "validate_param",
 ]

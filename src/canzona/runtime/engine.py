@@ -16,7 +16,7 @@ from canzona.runtime.routing import Item, Route, build_items, plan_specs, route_
 from canzona.runtime.schedule import ScheduleBuilder
 from canzona.runtime.statecomm import Snapshot
 from canzona.runtime.table import ApplyFn, ComputeFn, StepTable
-from canzona.runtime.tensors import local_tensor, needs_communication, tensor_device
+from canzona.runtime.tensors import local_tensor, process_group_of, tensor_device
 from canzona.runtime.topology import ParamLayout, Topology, agree, describe, structure_digest
 from canzona.runtime.watchdog import Watchdog
 
@@ -106,8 +106,9 @@ class MatrixRuntime:
         self._pipelines.clear()
 
     def _resolve_group(self, tensors: Sequence[torch.Tensor]) -> None:
-        if needs_communication(tensors):
-            self.group = self.config.process_group or dist.group.WORLD
+        group = process_group_of(self.config.process_group)
+        if group is not None:
+            self.group = group
             self.rank = dist.get_rank(self.group)
             self.world = dist.get_world_size(self.group)
         else:
@@ -282,9 +283,15 @@ class MatrixRuntime:
         self.items = build_items(
             self.topology, table.matrix, replica_dedup=self.plan_config.replica_dedup
         )
-        specs = plan_specs(self.items, lambda p: table.row(p).itemsize)
+        grouped = table.cost is not None and not isinstance(table.cost, str)
+        specs = plan_specs(
+            self.items,
+            lambda p: table.row(p).itemsize,
+            (lambda p: str(table.row(p).batch_key)) if grouped else (lambda p: None),
+        )
+        cost = table.cost if table.cost is not None else self.cost
         self.plan = (
-            build_plan(specs, self.world, self.plan_config, optimizer=self.cost) if specs else None
+            build_plan(specs, self.world, self.plan_config, optimizer=cost) if specs else None
         )
         self.routes = route_all(self.items, self.topology, self.plan, self.rank)
         self.planned_on = (self.group, self.rank, self.world, self.watchdog)

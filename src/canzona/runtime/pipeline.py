@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from canzona.runtime.checks import vote
+from canzona.runtime.checks import reports_of, vote
 from canzona.runtime.config import PipelineConfig, UpdateFailedError
 from canzona.runtime.schedule import Delivery, GroupSchedule, OwnerBatch, Piece, Schedule
 from canzona.runtime.table import ApplyBatch, ApplyFn, ComputeBatch, ComputeFn, StepTable
@@ -168,7 +168,7 @@ class Pipeline:
             kept = run.local_batches()
             if self.schedule.groups and self.group is not None:
                 run.micro_groups()
-            self._vote(run.failure, names)
+            self._vote(run.failure, run.failed_ranks, names)
             start = time.perf_counter()
             _apply(kept + run.received, table, tensors, apply)
             run.stats.apply_s = time.perf_counter() - start
@@ -177,15 +177,21 @@ class Pipeline:
         run.stats.total_s = time.perf_counter() - t0
         return run.stats
 
-    def _vote(self, failure: Failure | None, names: Sequence[str]) -> None:
-        if self.group is None:
-            if failure is not None:
-                raise UpdateFailedError(
-                    f"rank {self.rank}: {failure.describe(names)}; nothing was updated"
-                ) from failure.error
-            return
+    def _vote(
+        self, failure: Failure | None, failed: list[int] | None, names: Sequence[str]
+    ) -> None:
+        """Raise the same error on every rank when any rank failed.
+
+        ``failed`` holds the failing ranks when the last scatter carried every rank's
+        status; otherwise one small all-reduce decides.
+        """
         mine = None if failure is None else failure.describe(names)
-        reports = vote(mine, watchdog=self.watchdog)
+        if self.group is None:
+            reports = [] if mine is None else [(self.rank, mine)]
+        elif failed is None:
+            reports = vote(mine, watchdog=self.watchdog)
+        else:
+            reports = reports_of(failed, mine, watchdog=self.watchdog)
         if reports:
             text = "; ".join(f"rank {r}: {line}" for r, line in reports)
             raise UpdateFailedError(
@@ -210,6 +216,7 @@ class _Run:
         self.failure = failure
         self.stats = StepStats(rank=pipeline.rank)
         self.received: list[tuple[torch.Tensor, Delivery]] = []
+        self.failed_ranks: list[int] | None = None  # from the last scatter's status
 
     def fail(self, where: str, exc: BaseException, params: Sequence[int] = ()) -> None:
         if self.failure is None:
@@ -319,16 +326,35 @@ class _Run:
 
     def _scatter(self, g: GroupSchedule, outs: list[torch.Tensor]) -> _Pending:
         try:
-            parts = [piece_of(outs, pc).reshape(-1) for pc in g.scatter_pieces]
+            if g.status:  # every segment starts with "has the sender failed so far"
+                flag = torch.full(
+                    (1,),
+                    float(self.failure is not None),
+                    dtype=g.scatter_dtype,
+                    device=self.p.device,
+                )
+                parts: list[torch.Tensor] = []
+                for t in range(self.p.world):
+                    parts.append(flag)
+                    lo, hi = g.piece_bounds[t], g.piece_bounds[t + 1]
+                    parts += [piece_of(outs, pc).reshape(-1) for pc in g.scatter_pieces[lo:hi]]
+            else:
+                parts = [piece_of(outs, pc).reshape(-1) for pc in g.scatter_pieces]
             inp = _cat(parts, g.scatter_dtype, self.p.device)
         except Exception as exc:
             self.fail(f"packing the scatter of micro-group {g.index}", exc)
-            inp = torch.zeros(sum(g.scatter_in), dtype=g.scatter_dtype, device=self.p.device)
+            inp = torch.full(
+                (sum(g.scatter_in),), 1.0, dtype=g.scatter_dtype, device=self.p.device
+            )  # every status element says "failed"
         return self._exchange(inp, g.scatter_out, g.scatter_in, "scatter", g.index)
 
     def _receive(self, pending: _Pending, g: GroupSchedule) -> None:
         self._wait(pending)
         out = pending.out
+        if g.status:  # one host read per step: which ranks failed
+            index = torch.tensor(g.status_offsets, device=out.device)
+            flags = out.index_select(0, index).tolist()
+            self.failed_ranks = [r for r, f in enumerate(flags) if f != 0]
         for d in g.deliveries:
             numel = d.count * d.shape[0] * d.shape[1]
             self.received.append((out.narrow(0, d.offset, numel).view(d.count, *d.shape), d))

@@ -89,10 +89,16 @@ def build_items(
     return items
 
 
-def plan_specs(items: Sequence[Item], itemsize: Callable[[int], int]) -> list[MatrixSpec]:
+def plan_specs(
+    items: Sequence[Item],
+    itemsize: Callable[[int], int],
+    cost_key: Callable[[int], str | None] = lambda p: None,
+) -> list[MatrixSpec]:
     """Plan specs for the items that need communication (local items are not planned)."""
     return [
-        MatrixSpec(it.name, (it.m, it.n), itemsize(it.param), tuple(sorted(it.unit)))
+        MatrixSpec(
+            it.name, (it.m, it.n), itemsize(it.param), tuple(sorted(it.unit)), cost_key(it.param)
+        )
         for it in items
         if not it.is_local
     ]

@@ -128,7 +128,14 @@ class Delivery:
 
 @dataclass(slots=True)
 class GroupSchedule:
-    """One micro-group's exchanges, batches and deliveries on this rank."""
+    """One micro-group's exchanges, batches and deliveries on this rank.
+
+    With ``status`` (the step's last scatter), every segment of the scatter starts with one
+    element saying whether its sender has failed so far in the step, so every rank learns
+    every rank's outcome without another collective: ``piece_bounds[t]`` is where target
+    ``t``'s pieces start in ``scatter_pieces``; ``status_offsets[s]`` is where sender
+    ``s``'s flag sits in the receive buffer.
+    """
 
     index: int
     gather_dtype: torch.dtype
@@ -142,6 +149,9 @@ class GroupSchedule:
     scatter_out: list[int]
     deliveries: list[Delivery]
     kept: list[tuple[Piece, Delivery]]
+    status: bool = False
+    piece_bounds: list[int] = field(default_factory=list)
+    status_offsets: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -337,7 +347,11 @@ class ScheduleBuilder:
             for p, (cls, off) in self.layout.views.items()
         }
         local, local_kept = self._local()
-        groups = [self._group(k, items) for k, items in enumerate(self.groups)]
+        last = max((k for k, items in enumerate(self.groups) if items), default=-1)
+        status = not self.replicated
+        groups = [
+            self._group(k, items, status and k == last) for k, items in enumerate(self.groups)
+        ]
         schedule = Schedule(
             buffers, casts, payload, local, local_kept, [g for g in groups if g], self.replicated
         )
@@ -423,7 +437,7 @@ class ScheduleBuilder:
         return out
 
     # ------------------------------------------------------------------ groups
-    def _group(self, index: int, items: list[Item]) -> GroupSchedule | None:
+    def _group(self, index: int, items: list[Item], status: bool) -> GroupSchedule | None:
         if not items:
             return None
         table = self.table
@@ -445,8 +459,8 @@ class ScheduleBuilder:
             deliveries: list[Delivery] = []
             scatter_out = [0] * self.world
         else:
-            pieces, scatter_in = self._scatter_pieces(batches)
-            deliveries, scatter_out = self._deliveries(items)
+            pieces, scatter_in, bounds = self._scatter_pieces(batches, status)
+            deliveries, scatter_out, flags = self._deliveries(items, status)
         return GroupSchedule(
             index=index,
             gather_dtype=gather_dtype,
@@ -460,6 +474,9 @@ class ScheduleBuilder:
             scatter_out=scatter_out,
             deliveries=deliveries,
             kept=kept,
+            status=status,
+            piece_bounds=[] if self.replicated else bounds,
+            status_offsets=[] if self.replicated else flags,
         )
 
     def _sends(
@@ -512,16 +529,21 @@ class ScheduleBuilder:
             base = offset
         return batches, sizes
 
-    def _scatter_pieces(self, batches: list[OwnerBatch]) -> tuple[list[Piece], list[int]]:
+    def _scatter_pieces(
+        self, batches: list[OwnerBatch], status: bool
+    ) -> tuple[list[Piece], list[int], list[int]]:
         """Owner side: direction runs for every holder, target-major in wire order."""
-        sizes = [0] * self.world
+        extra = 1 if status else 0
+        sizes = [extra] * self.world
         pieces: list[Piece] = []
+        bounds: list[int] = []
         per_target: dict[int, list[tuple[int, int, Fragment]]] = {}
         for b, batch in enumerate(batches):
             for j, it in enumerate(batch.items):
                 for target, frag in self.routes[it.name].targets:
                     per_target.setdefault(target, []).append((b, j, frag))
         for target in range(self.world):
+            bounds.append(len(pieces))
             by_batch: dict[int, list[tuple[int, Fragment]]] = {}
             for b, j, frag in per_target.get(target, []):
                 by_batch.setdefault(b, []).append((j, frag))
@@ -530,10 +552,18 @@ class ScheduleBuilder:
                     piece = Piece(b, start, count, self.selectors(frag))
                     pieces.append(piece)
                     sizes[target] += piece.numel
-        return pieces, sizes
+        bounds.append(len(pieces))
+        return pieces, sizes, bounds
 
-    def _deliveries(self, items: list[Item]) -> tuple[list[Delivery], list[int]]:
-        """Holder side: runs of this rank's fragments in the scatter receive buffer."""
+    def _deliveries(
+        self, items: list[Item], status: bool
+    ) -> tuple[list[Delivery], list[int], list[int]]:
+        """Holder side: runs of this rank's fragments in the scatter receive buffer.
+
+        Returns:
+            The deliveries, the elements received from each rank and, with ``status``,
+            where each sender's status flag sits.
+        """
         sizes = [0] * self.world
         per_owner: dict[int, list[Item]] = {}
         for it in items:
@@ -541,14 +571,18 @@ class ScheduleBuilder:
             if route is not None and route.frag is not None:
                 per_owner.setdefault(route.computing[0], []).append(it)
         out: list[Delivery] = []
+        flags: list[int] = []
         offset = 0
         for owner in range(self.world):
             start = offset
+            if status:
+                flags.append(offset)
+                offset += 1
             for run, shape in self._holder_runs(per_owner.get(owner, [])):
                 out.append(self._delivery(offset, run, shape))
                 offset += len(run) * shape[0] * shape[1]
             sizes[owner] = offset - start
-        return out, sizes
+        return out, sizes, flags
 
     def _holder_runs(self, items: list[Item]) -> list[tuple[list[Item], tuple[int, int]]]:
         """Consecutive items sharing fragment shape, batch and direction dtype."""

@@ -47,7 +47,10 @@ class StepTable:
         hparams: Per param group (``ParamRow.batch_key``), its hyper-parameters.
         fingerprint: Digest of every group's hyper-parameters (compared across ranks).
         config: Algorithm configuration every rank must share (compared across ranks).
-        version: Changes whenever ``matrix`` or ``rows`` change.
+        version: Changes whenever ``matrix``, ``rows`` or ``cost`` change.
+        cost: The planner's cost model: one per param group (a
+            :class:`~canzona.plan.GroupedCost` keyed by ``str(batch_key)``, built from each
+            group's own hyper-parameters), or None for the runtime's default.
     """
 
     matrix: tuple[int, ...]
@@ -56,6 +59,7 @@ class StepTable:
     fingerprint: str
     config: str
     version: int
+    cost: Any = None
     by_param: Mapping[int, ParamRow] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -77,6 +81,7 @@ class StepTable:
             fingerprint=fingerprint,
             config=self.config,
             version=self.version,
+            cost=self.cost,
             by_param=self.by_param,
         )
 

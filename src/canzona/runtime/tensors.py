@@ -30,11 +30,17 @@ def tensor_device(tensors: Sequence[torch.Tensor]) -> torch.device:
     return tensors[0].device if tensors else torch.device("cpu")
 
 
-def needs_communication(tensors: Sequence[torch.Tensor]) -> bool:
-    """True when some parameter is a DTensor on a mesh of more than one rank."""
+def process_group_of(configured: object | None) -> dist.ProcessGroup | None:
+    """The process group an optimizer runs its checks and collectives on, or None.
+
+    The configured group, else the default one, when it has more than one rank: plain
+    tensors replicated on several ranks (a DDP-style job) take part in the step's checks
+    and success vote too, so that replicas never diverge.
+    """
     if not (dist.is_available() and dist.is_initialized()):
-        return False
-    return any(isinstance(t, DTensor) and t.device_mesh.size() > 1 for t in tensors)
+        return None
+    group = configured if configured is not None else dist.group.WORLD
+    return group if dist.get_world_size(group) > 1 else None  # type: ignore[arg-type,return-value]
 
 
 def param_mesh(p: torch.Tensor) -> object | None:
@@ -76,7 +82,7 @@ def local_grad(name: str, p: torch.Tensor) -> torch.Tensor:
                 f"parameter {name!r} is a DTensor but its gradient is a plain tensor; "
                 "set .grad to a DTensor with the parameter's placements"
             )
-        if grad.placements != p.placements:
+        if grad._spec.placements is not p._spec.placements and grad.placements != p.placements:
             grad = grad.redistribute(p.device_mesh, p.placements)
         return grad._local_tensor
     return grad

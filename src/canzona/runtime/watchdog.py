@@ -143,3 +143,13 @@ def gather_ints(values: list[int], *, watchdog: Watchdog, phase: int, what: str)
     watchdog.wait(work, what)
     rows: list[list[int]] = out.view(watchdog.world, len(values)).tolist()
     return rows
+
+
+def reduce_max_ints(values: list[int], *, watchdog: Watchdog, phase: int, what: str) -> list[int]:
+    """All-reduce a short int64 vector with MAX (same length on every rank)."""
+    t = torch.tensor(values, dtype=torch.int64, device=watchdog.device)
+    watchdog.mark(phase, what)
+    work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=watchdog.group, async_op=True)
+    watchdog.wait(work, what)
+    out: list[int] = t.tolist()
+    return out
