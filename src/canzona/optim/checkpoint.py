@@ -66,6 +66,23 @@ class CheckpointMixin:
         """Owner-held state of one matrix of ``p``: key -> (shape, dtype). None by default."""
         return {}
 
+    def _state_specs(
+        self, p: Tensor, group: dict[str, Any]
+    ) -> dict[str, tuple[tuple[int, ...], torch.dtype, int | None]]:
+        """Owner-held state of ``p``'s matrices: key -> (shape, dtype, block).
+
+        A split parameter has one state per block, under ``"<key>#<block>"``.
+        """
+        split = group.get("split")
+        if split is None or p.ndim not in (2, 3):
+            return {k: (shape, dt, None) for k, (shape, dt) in self._owner_specs(p, group).items()}
+        out: dict[str, tuple[tuple[int, ...], torch.dtype, int | None]] = {}
+        for j, shape in enumerate(split.shapes(p.shape[-2], p.shape[-1])):
+            block = torch.empty(shape, dtype=p.dtype, device="meta")
+            for k, (s, dt) in self._owner_specs(block, group).items():
+                out[f"{k}#{j}"] = (s, dt, j)
+        return out
+
     def _add_owner_placeholders(
         self, p: Tensor, state: dict[str, Any], group: dict[str, Any]
     ) -> None:
@@ -75,7 +92,7 @@ class CheckpointMixin:
         are listed so that code that walks ``optimizer.state`` (e.g. DCP's flattened
         optimizer state dicts) sees the same structure as ``state_dict()``.
         """
-        for key in self._owner_specs(p, group):
+        for key in self._state_specs(p, group):
             state[key] = torch.empty(0)
 
     def _entries(
@@ -87,8 +104,8 @@ class CheckpointMixin:
             p, group = params[i], groups[i]
             if group["algorithm"] == ADAMW or p.numel() == 0:
                 continue
-            for key, (shape, dtype) in self._owner_specs(p, group).items():
-                entries.append(StateEntry(i, key, shape, dtype))
+            for key, (shape, dtype, block) in self._state_specs(p, group).items():
+                entries.append(StateEntry(i, key, shape, dtype, block))
         return entries
 
     def _stepped_entries(self, params: list[Tensor], gids: list[int]) -> list[StateEntry]:
@@ -146,7 +163,7 @@ class CheckpointMixin:
         for key in self.storage_keys:
             keys[key] = tuple(p.shape)
         lead = (p.shape[0],) if p.ndim == 3 else ()
-        for key, (shape, _) in self._owner_specs(p, group).items():
+        for key, (shape, _, _) in self._state_specs(p, group).items():
             keys[key] = (*lead, *shape)
         return keys
 
@@ -248,7 +265,7 @@ class CheckpointMixin:
             group_of += [saved_groups[g]] * len(mine["params"])
         for pos, p in enumerate(params):
             if group_of[pos]["algorithm"] != ADAMW:
-                owner_keys[pos] = set(self._owner_specs(p, group_of[pos]))
+                owner_keys[pos] = set(self._state_specs(p, group_of[pos]))
         storage: dict[Any, dict[str, Any]] = {}
         owner_values: dict[tuple[int, str], Tensor] = {}
         stepped: set[int] = set()

@@ -8,7 +8,7 @@ from torch import Tensor
 
 from canzona.runtime import Item, Snapshot, StateEntry, export_state, import_state
 
-Key = tuple[int, int | None, int]  # Item.key: (param, lead, first unit rank)
+Key = tuple[int, int | None, int | None, int]  # Item.key: (param, lead, block, first unit rank)
 State = dict[str, Tensor]
 FreshFn = Callable[[Item], State]
 """A new, zero-step owner state for one matrix."""
@@ -82,7 +82,7 @@ class OwnerState:
     ) -> dict[tuple[int, str], Tensor]:
         """Every entry in the checkpoint layout (collective when distributed)."""
         return export_state(
-            snap, entries, get=lambda item, key: self.lookup(item)[key], meshes=meshes
+            snap, entries, get=lambda item, key: self.lookup(item)[_own(item, key)], meshes=meshes
         )
 
     def load(
@@ -103,15 +103,23 @@ class OwnerState:
         """Move the state from the owners of ``previous`` to those of ``current`` (collective)."""
         old = self.states
         values = export_state(
-            previous, entries, get=lambda item, key: self.lookup(item, old)[key], meshes=meshes
+            previous,
+            entries,
+            get=lambda item, key: self.lookup(item, old)[_own(item, key)],
+            meshes=meshes,
         )
         self.states = {}
         import_state(current, entries, values, self._put)
 
     def _put(self, item: Item, key: str, value: Tensor) -> None:
-        self.states.setdefault(item.key, {})[key] = value
+        self.states.setdefault(item.key, {})[_own(item, key)] = value
 
     def clear(self) -> None:
         """Drop every state."""
         self.states = {}
         self._touched = {}
+
+
+def _own(item: Item, key: str) -> str:
+    """The key of a matrix's own state for a checkpoint key (``"<key>#<block>"`` for blocks)."""
+    return key if item.block is None else key.rsplit("#", 1)[0]

@@ -20,6 +20,7 @@ from canzona.plan.cost import (
 )
 from canzona.plan.groups import MicroGroup, micro_groups
 from canzona.plan.spec import MatrixSpec
+from canzona.plan.split import Split
 
 __all__ = [
     "COST_MODELS",
@@ -36,6 +37,7 @@ __all__ = [
     "PlanConfig",
     "ShampooCost",
     "SoapCost",
+    "Split",
     "assign_owners",
     "build_plan",
     "cost_model",

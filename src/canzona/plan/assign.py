@@ -187,6 +187,9 @@ def assign_owners(
 
     Strategies:
 
+    A matrix that some ranks already hold whole (:attr:`MatrixSpec.holders`) is owned by
+    one of them under ``canzona`` and ``numel``: it moves no bytes there.
+
     * ``canzona``: longest-processing-time-first greedy on the blended cost
       ``(1 - alpha) * bytes / total_bytes + alpha * flops / total_flops``, in the order
       ``(-cost, -bytes, name)`` (deterministic and independent of the input order), each matrix
@@ -222,6 +225,8 @@ def assign_owners(
     flops = [model.flops(s) for s in specs]
     nbytes = [model.comm_bytes(s) for s in specs]
     eligible = [s.ranks for s in specs]
+    if strategy in ("canzona", "numel"):  # data already in place stays there
+        eligible = [s.holders if s.holders is not None else s.ranks for s in specs]
     total = math.fsum(flops)
     bound = lower_bound(flops, num_ranks)
     restricted = {s.name: s.ranks for s in specs if s.ranks is not None}
@@ -257,10 +262,11 @@ def assign_owners(
         if strategy == "numel":
             costs = [float(s.numel) for s in specs]
         else:
-            total_bytes = math.fsum(nbytes)
+            moved = [0 if s.holders is not None else b for s, b in zip(specs, nbytes, strict=True)]
+            total_bytes = math.fsum(moved)
             w_bytes = (1.0 - alpha) / total_bytes if total_bytes else 0.0
             w_flops = alpha / total if total else 0.0
-            costs = [w_bytes * b + w_flops * f for f, b in zip(flops, nbytes, strict=True)]
+            costs = [w_bytes * b + w_flops * f for f, b in zip(flops, moved, strict=True)]
         order = sorted(range(len(specs)), key=lambda i: (-costs[i], -nbytes[i], specs[i].name))
         ordered_costs = [costs[i] for i in order]
         ordered_elig = [eligible[i] for i in order]
@@ -277,9 +283,9 @@ def assign_owners(
 
     per_rank: list[list[float]] = [[] for _ in range(num_ranks)]
     received = [0] * num_ranks
-    for rank, f, b in zip(owners, flops, nbytes, strict=True):
+    for spec, rank, f, b in zip(specs, owners, flops, nbytes, strict=True):
         per_rank[rank].append(f)
-        received[rank] += b
+        received[rank] += spec.comm_bytes_on(rank, b)
     return Assignment(
         strategy=strategy,
         num_ranks=num_ranks,

@@ -31,6 +31,10 @@ class MatrixSpec:
         cost_key: Which cost model of a :class:`~canzona.plan.GroupedCost` prices this
             matrix (e.g. its param group, whose hyper-parameters set the work); ``None``
             for a single cost model.
+        holders: Ranks that already hold the whole matrix (sorted, unique; a subset of the
+            eligible ranks), e.g. the rank holding an expert under expert parallelism.
+            Owning it there moves no bytes, so ``canzona`` and ``numel`` choose its owner
+            among them. ``None``: no rank holds it whole.
     """
 
     name: str
@@ -38,6 +42,7 @@ class MatrixSpec:
     itemsize: int = 4
     ranks: tuple[int, ...] | None = None
     cost_key: str | None = None
+    holders: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -73,6 +78,20 @@ class MatrixSpec:
                     f"MatrixSpec {self.name!r}: ranks must be sorted and unique, got {ranks!r}"
                 )
             object.__setattr__(self, "ranks", tuple(ranks))
+        if self.holders is not None:
+            holders = tuple(self.holders)
+            if not holders or any(a >= b for a, b in itertools.pairwise(holders)):
+                raise ValueError(
+                    f"MatrixSpec {self.name!r}: holders must be sorted, unique and not empty, "
+                    f"got {self.holders!r}"
+                )
+            if not all(_is_int(r) and r >= 0 for r in holders) or (
+                self.ranks is not None and not set(holders) <= set(self.ranks)
+            ):
+                raise ValueError(
+                    f"MatrixSpec {self.name!r}: holders must be eligible ranks, got {holders!r}"
+                )
+            object.__setattr__(self, "holders", holders)
         if self.cost_key is not None and not isinstance(self.cost_key, str):
             raise ValueError(
                 f"MatrixSpec {self.name!r}: cost_key must be a string or None, "
@@ -108,6 +127,10 @@ class MatrixSpec:
         """The ranks allowed to own this matrix among ``range(num_ranks)``."""
         return tuple(range(num_ranks)) if self.ranks is None else self.ranks
 
+    def comm_bytes_on(self, rank: int, full: int) -> int:
+        """Bytes that travel to ``rank`` if it owns the matrix: none for a holder."""
+        return 0 if self.holders is not None and rank in self.holders else full
+
 
 def check_specs(specs: Sequence[MatrixSpec], num_ranks: int) -> None:
     """Validate a list of specs against a number of ranks.
@@ -129,6 +152,11 @@ def check_specs(specs: Sequence[MatrixSpec], num_ranks: int) -> None:
         if spec.name in seen:
             raise ValueError(f"duplicate matrix name in one plan, got {spec.name!r}")
         seen.add(spec.name)
+        if spec.holders is not None and spec.holders[-1] >= num_ranks:
+            raise ValueError(
+                f"MatrixSpec {spec.name!r}: holders must be < num_ranks={num_ranks}, "
+                f"got {spec.holders!r}"
+            )
         if spec.ranks is not None and spec.ranks[-1] >= num_ranks:
             raise ValueError(
                 f"MatrixSpec {spec.name!r}: eligible ranks must be < num_ranks={num_ranks}, "

@@ -12,7 +12,14 @@ from canzona.plan import CostModel, Plan, PlanConfig, build_plan
 from canzona.runtime.checks import check_header, check_plan_digest, failing_ranks, vote
 from canzona.runtime.config import PipelineConfig, UpdateFailedError
 from canzona.runtime.pipeline import Failure, Pipeline, StepStats
-from canzona.runtime.routing import Item, Route, build_items, plan_specs, route_all
+from canzona.runtime.routing import (
+    Item,
+    Route,
+    build_items,
+    item_holders,
+    plan_specs,
+    route_all,
+)
 from canzona.runtime.schedule import ScheduleBuilder
 from canzona.runtime.statecomm import Snapshot
 from canzona.runtime.table import ApplyFn, ComputeFn, StepTable
@@ -280,14 +287,21 @@ class MatrixRuntime:
         self.topology = agree(
             layouts, group=self.group, rank=self.rank, world=self.world, extra=config
         )
+        splits = {
+            p: row.split for p, row in zip(table.matrix, table.rows, strict=True) if row.split
+        }
         self.items = build_items(
-            self.topology, table.matrix, replica_dedup=self.plan_config.replica_dedup
+            self.topology,
+            table.matrix,
+            replica_dedup=self.plan_config.replica_dedup,
+            splits=splits,
         )
         grouped = table.cost is not None and not isinstance(table.cost, str)
         specs = plan_specs(
             self.items,
             lambda p: table.row(p).itemsize,
             (lambda p: str(table.row(p).batch_key)) if grouped else (lambda p: None),
+            item_holders(self.items, self.topology),
         )
         cost = table.cost if table.cost is not None else self.cost
         self.plan = (

@@ -12,7 +12,15 @@ import torch.distributed as dist
 
 from canzona.runtime.checks import reports_of, vote
 from canzona.runtime.config import PipelineConfig, UpdateFailedError
-from canzona.runtime.schedule import Delivery, GroupSchedule, OwnerBatch, Piece, Schedule
+from canzona.runtime.schedule import (
+    Delivery,
+    GroupSchedule,
+    OwnerBatch,
+    Piece,
+    Schedule,
+    SendView,
+    Target,
+)
 from canzona.runtime.table import ApplyBatch, ApplyFn, ComputeBatch, ComputeFn, StepTable
 from canzona.runtime.tensors import local_tensor
 from canzona.runtime.watchdog import Watchdog
@@ -279,7 +287,13 @@ class _Run:
             self._receive(*in_flight.pop(0))
 
     def _exchange(
-        self, inp: torch.Tensor, out_splits: list[int], in_splits: list[int], what: str, k: int
+        self,
+        inp: torch.Tensor,
+        out_splits: list[int],
+        in_splits: list[int],
+        what: str,
+        k: int,
+        status: bool = False,
     ) -> _Pending:
         out = torch.empty(sum(out_splits), dtype=inp.dtype, device=self.p.device)
         phase = 10 + 2 * k + (1 if what == "scatter" else 0)
@@ -290,8 +304,9 @@ class _Run:
         stats = self.stats
         stats.collectives += 1
         size = out.element_size()
-        stats.bytes_sent += (inp.numel() - in_splits[self.p.rank]) * size
-        stats.bytes_received += (out.numel() - out_splits[self.p.rank]) * size
+        peers = self.p.world - 1 if status else 0  # status flags are not payload
+        stats.bytes_sent += (inp.numel() - in_splits[self.p.rank] - peers) * size
+        stats.bytes_received += (out.numel() - out_splits[self.p.rank] - peers) * size
         return _Pending(work, out, inp, what, k)
 
     def _wait(self, pending: _Pending) -> None:
@@ -346,7 +361,7 @@ class _Run:
             inp = torch.full(
                 (sum(g.scatter_in),), 1.0, dtype=g.scatter_dtype, device=self.p.device
             )  # every status element says "failed"
-        return self._exchange(inp, g.scatter_out, g.scatter_in, "scatter", g.index)
+        return self._exchange(inp, g.scatter_out, g.scatter_in, "scatter", g.index, g.status)
 
     def _receive(self, pending: _Pending, g: GroupSchedule) -> None:
         self._wait(pending)
@@ -365,11 +380,21 @@ def piece_of(outs: Sequence[torch.Tensor], piece: Piece) -> torch.Tensor:
     return piece.selector.read(outs[piece.batch].narrow(0, piece.start, piece.count))
 
 
-def _pack(views: Sequence[torch.Tensor], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def _pack(views: Sequence[SendView], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     if not views:
         return torch.empty(0, dtype=dtype, device=device)
-    flat = views[0] if len(views) == 1 else torch.cat(list(views))
-    return flat.to(dtype)
+    if len(views) == 1 and isinstance(views[0], torch.Tensor) and views[0].dim() == 1:
+        return views[0].to(dtype)
+    flat = [_flat(v) for v in views]
+    return torch.cat(flat).to(dtype)
+
+
+def _flat(view: SendView) -> torch.Tensor:
+    """A sent fragment as a 1-D tensor (a copy for a strided or selected block)."""
+    if isinstance(view, tuple):
+        mat, selector = view
+        return selector.read(mat.unsqueeze(0)).reshape(-1)
+    return view if view.dim() == 1 else view.reshape(-1)
 
 
 def _cat(parts: Sequence[torch.Tensor], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -410,21 +435,43 @@ def _apply(
             batches[key] = batch
         if data.dtype != d.dtype:
             data = data.to(d.dtype)
-        if len(d.targets) == d.count and all(pos is None for _, pos, _ in d.targets):
+        if len(d.targets) == d.count and all(
+            t.pos is None and t.rects is None and t.rows is None for t in d.targets
+        ):
             batch.directions += data.unbind(0)  # 2-D parameters: one matrix each
-            batch.params += [p for p, _, _ in d.targets]
-            batch.targets += [local_tensor(tensors[p]) for p, _, _ in d.targets]
+            batch.params += [t.param for t in d.targets]
+            batch.targets += [local_tensor(tensors[t.param]) for t in d.targets]
             continue
         i = 0
-        for p, pos, count in d.targets:
-            local = local_tensor(tensors[p])
-            if pos is None:
-                batch.targets.append(local)
-                batch.directions.append(data[i])
-            else:
-                batch.targets.append(local.narrow(0, pos, count))
-                batch.directions.append(data.narrow(0, i, count))
-            batch.params.append(p)
-            i += count
+        for t in d.targets:
+            _add_target(batch, t, local_tensor(tensors[t.param]), data, i)
+            i += t.count
     for batch in batches.values():
         apply(batch)
+
+
+def _add_target(
+    batch: ApplyBatch, t: Target, local: torch.Tensor, data: torch.Tensor, i: int
+) -> None:
+    """Append one target (and its directions) of a delivered run ``data`` from matrix ``i``."""
+    if t.pos is not None and t.rows is None and t.rects is None:
+        batch.targets.append(local.narrow(0, t.pos, t.count))  # consecutive stack matrices
+        batch.directions.append(data.narrow(0, i, t.count))
+        batch.params.append(t.param)
+        return
+    mat = local if t.pos is None else local[t.pos]
+    if t.rows is not None:  # consecutive row blocks at full width
+        r0, r1 = t.rows
+        batch.targets.append(mat[r0:r1].view(t.count, (r1 - r0) // t.count, mat.shape[-1]))
+        batch.directions.append(data.narrow(0, i, t.count))
+        batch.params.append(t.param)
+        return
+    if t.rects is None:
+        batch.targets.append(mat)
+        batch.directions.append(data[i])
+        batch.params.append(t.param)
+        return
+    for (f0, f1), (g0, g1), (r0, r1), (c0, c1) in t.rects:
+        batch.targets.append(mat[r0:r1, c0:c1])
+        batch.directions.append(data[i, f0:f1, g0:g1])
+        batch.params.append(t.param)

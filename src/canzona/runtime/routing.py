@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from canzona.plan import MatrixSpec, Plan
+from torch.distributed.tensor.placement_types import Shard
+
+from canzona.plan import MatrixSpec, Plan, Split
 from canzona.runtime.layout import Fragment, LayoutError, fragment_for
 from canzona.runtime.topology import ParamLayout, Topology
+
+Runs = tuple[tuple[int, int], ...]
+LocalPart = tuple[Runs, Runs]  # local (row, column) index runs of a fragment in its shard
 
 
 @dataclass(frozen=True, slots=True)
 class Item:
-    """One matrix the optimizer updates: a 2-D parameter, or one matrix of a 3-D stack.
+    """One matrix the optimizer updates: a 2-D parameter, a matrix of a 3-D stack, a block.
+
+    A block is one matrix of a parameter declared as several (a :class:`~canzona.plan.Split`).
 
     Attributes:
         name: Unique name, also the plan spec's name.
@@ -23,6 +30,9 @@ class Item:
         copy: The mesh copy holding this matrix (group ranks, row-major mesh order).
         unit: The ranks of ``copy`` that take part in this matrix's update: the whole
             copy, or one replica group of it when replicas compute separately.
+        block: Index of the block when the parameter is split (None otherwise).
+        span: ``(start, stop)`` of the block along the split dimension.
+        dim: The split dimension of the matrix (0 rows, 1 columns).
     """
 
     name: str
@@ -32,11 +42,14 @@ class Item:
     n: int
     copy: tuple[int, ...]
     unit: tuple[int, ...]
+    block: int | None = None
+    span: tuple[int, int] | None = None
+    dim: int = 0
 
     @property
-    def key(self) -> tuple[int, int | None, int]:
-        """Identifies the matrix's owner-side state: (param, lead, first unit rank)."""
-        return (self.param, self.lead, self.unit[0])
+    def key(self) -> tuple[int, int | None, int | None, int]:
+        """Identifies the matrix's owner-side state: (param, lead, block, first unit rank)."""
+        return (self.param, self.lead, self.block, self.unit[0])
 
     @property
     def is_local(self) -> bool:
@@ -64,13 +77,18 @@ def _units(layout: ParamLayout, copy: tuple[int, ...], dedup: bool) -> list[tupl
 
 
 def build_items(
-    topology: Topology, matrix_params: Sequence[int], *, replica_dedup: bool
+    topology: Topology,
+    matrix_params: Sequence[int],
+    *,
+    replica_dedup: bool,
+    splits: Mapping[int, Split] | None = None,
 ) -> list[Item]:
-    """List every matrix of the given parameters, for every copy and replica unit.
+    """List every matrix of the given parameters, for every copy, replica unit and block.
 
     The list is identical on every rank (it depends only on agreed information).
     """
     items: list[Item] = []
+    splits = splits or {}
     for index in matrix_params:
         layout = topology.layouts[index]
         units = [
@@ -80,12 +98,25 @@ def build_items(
         ]
         leads: list[int | None] = list(range(layout.shape[0])) if len(layout.shape) == 3 else [None]
         m, n = layout.shape[-2], layout.shape[-1]
+        split = splits.get(index)
+        blocks: list[tuple[int | None, tuple[int, int] | None, int, int]] = [(None, None, m, n)]
+        if split is not None:
+            spans = split.spans(m if split.dim == 0 else n, name=repr(layout.name))
+            blocks = [
+                (j, span, span[1] - span[0], n)
+                if split.dim == 0
+                else (j, span, m, span[1] - span[0])
+                for j, span in enumerate(spans)
+            ]
         for u, (copy, unit) in enumerate(units):
             for lead in leads:
-                name = layout.name + (f"[{lead}]" if lead is not None else "")
-                if len(units) > 1:
-                    name += f"@{u}"
-                items.append(Item(name, index, lead, m, n, copy, unit))
+                for block, span, bm, bn in blocks:
+                    name = layout.name + (f"[{lead}]" if lead is not None else "")
+                    name += f"#{block}" if block is not None else ""
+                    if len(units) > 1:
+                        name += f"@{u}"
+                    dim = split.dim if split is not None else 0
+                    items.append(Item(name, index, lead, bm, bn, copy, unit, block, span, dim))
     return items
 
 
@@ -93,15 +124,69 @@ def plan_specs(
     items: Sequence[Item],
     itemsize: Callable[[int], int],
     cost_key: Callable[[int], str | None] = lambda p: None,
+    holders: Mapping[str, tuple[int, ...]] | None = None,
 ) -> list[MatrixSpec]:
     """Plan specs for the items that need communication (local items are not planned)."""
+    holders = holders or {}
     return [
         MatrixSpec(
-            it.name, (it.m, it.n), itemsize(it.param), tuple(sorted(it.unit)), cost_key(it.param)
+            it.name,
+            (it.m, it.n),
+            itemsize(it.param),
+            tuple(sorted(it.unit)),
+            cost_key(it.param),
+            holders.get(it.name),
         )
         for it in items
         if not it.is_local
     ]
+
+
+def item_holders(items: Sequence[Item], topology: Topology) -> dict[str, tuple[int, ...]]:
+    """Per item held whole by some but not all of its unit's ranks: those ranks, sorted.
+
+    An expert of a stack sharded over the expert dimension, a head block inside one tensor
+    parallel rank's rows, a small matrix that row sharding leaves on one rank. Identical
+    on every rank (agreed information only).
+    """
+    out: dict[str, tuple[int, ...]] = {}
+    frags: dict[tuple[int, int], Fragment] = {}
+    for item in items:
+        if item.is_local:
+            continue
+        layout = topology.layouts[item.param]
+        if not any(isinstance(p, Shard) for p in layout.placements):
+            continue  # replicated: every rank holds it whole
+        pos_of = {r: i for i, r in enumerate(item.copy)}
+        found = []
+        for r in item.unit:
+            coord = _unravel(pos_of[r], layout.mesh_shape) if layout.mesh_shape else ()
+            key = (item.param, pos_of[r])
+            frag = frags.get(key)
+            if frag is None:
+                frag = fragment_for(layout.shape, layout.mesh_shape, layout.placements, coord)
+                frags[key] = frag
+            if _holds(frag, item):
+                found.append(r)
+        if found and len(found) < len(item.unit):
+            out[item.name] = tuple(sorted(found))
+    return out
+
+
+def _holds(frag: Fragment, item: Item) -> bool:
+    """Whether a rank's fragment of the whole parameter contains all of ``item``."""
+    runs = frag.runs
+    if item.lead is not None:
+        if frag.position(item.lead) is None:
+            return False
+        runs = runs[1:]
+    extents = [(0, item.m), (0, item.n)]
+    if item.span is not None:
+        extents[item.dim] = item.span
+    return all(
+        any(start <= a and b <= stop for start, stop in dim_runs)
+        for dim_runs, (a, b) in zip(runs, extents, strict=True)
+    )
 
 
 @dataclass(slots=True)
@@ -116,12 +201,15 @@ class Route:
         send_to: Computing ranks this rank sends its fragment to.
         sources: When this rank computes: (rank, fragment) for each distinct fragment.
         targets: When this rank owns (non-replicated): (rank, fragment) to scatter to.
+        local: For a block, where its fragment sits in this rank's local matrix (row and
+            column index runs); None when the fragment is the whole local matrix.
     """
 
     item: Item
     computing: tuple[int, ...]
     frag: Fragment | None = None
     pos: int | None = None
+    local: LocalPart | None = None
     send_to: tuple[int, ...] = ()
     sources: tuple[tuple[int, Fragment], ...] = ()
     targets: tuple[tuple[int, Fragment], ...] = ()
@@ -132,18 +220,46 @@ class Route:
         return bool(self.sources)
 
 
+def _restrict(frag: Fragment, dim: int, span: tuple[int, int]) -> tuple[Fragment, LocalPart]:
+    """The part of a 2-D fragment inside a block, in block coordinates, and its local runs."""
+    a, b = span
+    inside: list[tuple[int, int]] = []
+    local: list[tuple[int, int]] = []
+    pos = 0
+    for start, stop in frag.runs[dim]:
+        lo, hi = max(start, a), min(stop, b)
+        if lo < hi:
+            inside.append((lo - a, hi - a))
+            local.append((pos + lo - start, pos + hi - start))
+        pos += stop - start
+    runs = list(frag.runs)
+    runs[dim] = tuple(inside)
+    other = 1 - dim
+    whole: Runs = ((0, frag.shape[other]),) if frag.shape[other] else ()
+    parts: list[Runs] = [(), ()]
+    parts[dim], parts[other] = tuple(local), whole
+    return Fragment(tuple(runs)), (parts[0], parts[1])
+
+
 def _item_part(
-    layout: ParamLayout, coord: tuple[int, ...], lead: int | None
-) -> tuple[Fragment | None, int | None]:
-    """A rank's 2-D fragment of one matrix, and for a 3-D stack its position in dim 0."""
+    layout: ParamLayout, coord: tuple[int, ...], item: Item
+) -> tuple[Fragment | None, int | None, LocalPart | None]:
+    """A rank's 2-D fragment of one matrix, its lead position and its local part.
+
+    For a block the fragment is in block coordinates and the local part says where it sits
+    in the rank's local matrix; for a 3-D stack the position is the lead's local index.
+    """
     frag = fragment_for(layout.shape, layout.mesh_shape, layout.placements, coord)
     pos = None
-    if lead is not None:
-        pos = frag.position(lead)
+    if item.lead is not None:
+        pos = frag.position(item.lead)
         if pos is None:
-            return None, None
+            return None, None, None
         frag = Fragment(frag.runs[1:])
-    return (frag, pos) if frag.numel else (None, pos)
+    local = None
+    if item.span is not None:
+        frag, local = _restrict(frag, item.dim, item.span)
+    return (frag, pos, local) if frag.numel else (None, pos, None)
 
 
 def route_item(
@@ -177,8 +293,8 @@ def route_item(
         c = coord_of(r)
         return tuple(c[d] for d in rep)
 
-    frag, pos = _item_part(layout, coord_of(rank), item.lead)
-    route = Route(item, computing, frag, pos)
+    frag, pos, local = _item_part(layout, coord_of(rank), item)
+    route = Route(item, computing, frag, pos, local)
     if frag is not None:
         route.send_to = tuple(c for c in computing if rep_coord(c) == rep_coord(rank))
     if rank in computing:
@@ -186,7 +302,7 @@ def route_item(
         targets: list[tuple[int, Fragment]] = []
         covered = 0
         for r in item.unit:
-            f, _ = _item_part(layout, coord_of(r), item.lead)
+            f, _, _ = _item_part(layout, coord_of(r), item)
             if f is None:
                 continue
             targets.append((r, f))

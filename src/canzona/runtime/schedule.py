@@ -22,11 +22,14 @@ import torch
 
 from canzona.runtime.buffers import FlatBuffer, Selector
 from canzona.runtime.layout import Fragment
-from canzona.runtime.routing import Item, Route
+from canzona.runtime.routing import Item, Route, Runs
 from canzona.runtime.table import StepTable
 from canzona.runtime.topology import Topology
 
 BatchKey = tuple[int, int, int, torch.dtype]  # (param group, m, n, payload dtype)
+SendView = torch.Tensor | tuple[torch.Tensor, Selector]
+"""A sent fragment: a flat range, a strided 2-D view, or (a matrix, the fragment's runs)."""
+SendPart = tuple[int, int, int] | torch.Tensor | tuple[torch.Tensor, Selector] | list[int]
 
 
 def common_dtype(dtypes: Sequence[torch.dtype]) -> torch.dtype:
@@ -102,6 +105,27 @@ class Piece:
 
 
 @dataclass(frozen=True, slots=True)
+class Target:
+    """Where consecutive matrices of a delivery run land in one parameter's local shard.
+
+    Attributes:
+        param: The parameter.
+        pos: For a 3-D stack, the first matrix's position in the local shard's leading dim.
+        count: Matrices covered (consecutive in the run).
+        rows: Blocks along the rows filling local rows ``[start, stop)`` at full width
+            (the target is that row range viewed as ``(count, rows // count, cols)``).
+        rects: One block in several pieces: per piece ``(fragment rows, fragment columns,
+            local rows, local columns)`` as ``(start, stop)`` pairs.
+    """
+
+    param: int
+    pos: int | None = None
+    count: int = 1
+    rows: tuple[int, int] | None = None
+    rects: tuple[tuple[tuple[int, int], ...], ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Delivery:
     """A run of this rank's direction fragments, each for one local target.
 
@@ -111,9 +135,7 @@ class Delivery:
         key: Param group.
         full: ``(m, n)`` of the full matrices.
         dtype: Direction dtype the apply receives.
-        targets: The run's targets in order: ``(param, position, count)``: a 2-D
-            parameter's shard (position None, count 1), or ``count`` consecutive matrices
-            of a 3-D stack's shard from ``position`` on (one target, updated at once).
+        targets: The run's targets in order (each updated at once).
         count: Matrices in the run.
     """
 
@@ -122,7 +144,7 @@ class Delivery:
     key: int
     full: tuple[int, int]
     dtype: torch.dtype
-    targets: tuple[tuple[int, int | None, int], ...]
+    targets: tuple[Target, ...]
     count: int
 
 
@@ -139,7 +161,7 @@ class GroupSchedule:
 
     index: int
     gather_dtype: torch.dtype
-    send: tuple[torch.Tensor, ...]
+    send: tuple[SendView, ...]
     gather_in: list[int]
     gather_out: list[int]
     batches: list[OwnerBatch]
@@ -359,32 +381,63 @@ class ScheduleBuilder:
         return schedule
 
     # ------------------------------------------------------------------ pieces
-    def _item_range(self, item: Item, route: Route) -> tuple[int, int, int]:
-        """(buffer class, offset, numel) of this rank's payload fragment of ``item``."""
+    def _matrix_view(self, item: Item, route: Route) -> torch.Tensor:
+        """This rank's local payload matrix of ``item``'s parameter (the lead for a stack)."""
+        cls, off = self.layout.views[item.param]
+        shape = self.local_shapes[item.param]
+        view = self.payloads[cls].view(off, shape)
+        return view if route.pos is None else view[route.pos]
+
+    def _item_range(self, item: Item, route: Route) -> tuple[int, int, int] | None:
+        """(buffer class, offset, numel) of ``item``'s payload fragment on this rank.
+
+        None when the fragment is not one contiguous range of the flat buffer (a block
+        along the columns, or one made of several runs).
+        """
         assert route.frag is not None
         cls, off = self.layout.views[item.param]
-        numel = route.frag.numel
+        lm, ln = self.local_shapes[item.param][-2:]
         if route.pos is not None:
-            off += route.pos * numel
-        return cls, off, numel
+            off += route.pos * lm * ln
+        if route.local is None:
+            return cls, off, lm * ln
+        rows, cols = route.local
+        if len(rows) == 1 and cols == ((0, ln),):
+            return cls, off + rows[0][0] * ln, (rows[0][1] - rows[0][0]) * ln
+        return None
+
+    def _item_send(self, item: Item, route: Route) -> SendPart:
+        """What this rank sends of ``item``: a flat range, a 2-D view, or a selected part."""
+        rng = self._item_range(item, route)
+        if rng is not None:
+            return rng
+        assert route.local is not None
+        mat = self._matrix_view(item, route)
+        rows, cols = route.local
+        if len(rows) == 1 and len(cols) == 1:
+            return mat[rows[0][0] : rows[0][1], cols[0][0] : cols[0][1]]
+        return (mat, Selector(Fragment((rows, cols)), self.device))
 
     def _item_view(self, item: Item, route: Route) -> torch.Tensor:
-        cls, off, _ = self._item_range(item, route)
-        assert route.frag is not None
-        return self.payloads[cls].view(off, route.frag.shape)
+        """The whole local matrix (block) of an item this rank holds alone."""
+        mat = self._matrix_view(item, route)
+        if route.local is None:
+            return mat
+        (r0, r1), (c0, c1) = route.local[0][0], route.local[1][0]
+        return mat[r0:r1, c0:c1]
 
     def _delivery(self, offset: int, items: Sequence[Item], shape: tuple[int, int]) -> Delivery:
         first = items[0]
         row = self.table.row(first.param)
-        targets: list[tuple[int, int | None, int]] = []
+        targets: list[Target] = []
         for it in items:
-            pos = self.routes[it.name].pos
-            if pos is not None and targets:
-                param, start, count = targets[-1]
-                if param == it.param and start is not None and start + count == pos:
-                    targets[-1] = (param, start, count + 1)
-                    continue
-            targets.append((it.param, pos, 1))
+            target = self._target(it, self.routes[it.name])
+            last = targets[-1] if targets else None
+            merged = _merge(last, target) if last is not None else None
+            if merged is not None:
+                targets[-1] = merged
+            else:
+                targets.append(target)
         return Delivery(
             offset=offset,
             shape=shape,
@@ -394,6 +447,15 @@ class ScheduleBuilder:
             targets=tuple(targets),
             count=len(items),
         )
+
+    def _target(self, item: Item, route: Route) -> Target:
+        if route.local is None:
+            return Target(item.param, route.pos)
+        rows, cols = route.local
+        ln = self.local_shapes[item.param][-1]
+        if item.dim == 0 and len(rows) == 1 and cols == ((0, ln),):
+            return Target(item.param, route.pos, 1, rows[0])
+        return Target(item.param, route.pos, 1, None, _rects(rows, cols))
 
     def _local(self) -> tuple[list[OwnerBatch], list[tuple[Piece, Delivery]]]:
         batches: list[OwnerBatch] = []
@@ -481,23 +543,38 @@ class ScheduleBuilder:
 
     def _sends(
         self, items: list[Item], dtype: torch.dtype
-    ) -> tuple[tuple[torch.Tensor, ...], list[int]]:
-        """Views of this rank's payloads in wire order (merged ranges) and per-rank sizes."""
-        ranges: list[list[int]] = []  # [class, offset, numel]
+    ) -> tuple[tuple[SendView, ...], list[int]]:
+        """This rank's payloads in wire order (contiguous ranges merged) and per-rank sizes."""
+        parts: list[SendPart] = []
         sizes = [0] * self.world
         for dest in range(self.world):
             for item in items:
                 route = self.routes.get(item.name)
                 if route is None or route.frag is None or dest not in route.send_to:
                     continue
-                cls, off, numel = self._item_range(item, route)
-                sizes[dest] += numel
-                if ranges and ranges[-1][0] == cls and ranges[-1][1] + ranges[-1][2] == off:
-                    ranges[-1][2] += numel
+                sizes[dest] += route.frag.numel
+                part = self._item_send(item, route)
+                last = parts[-1] if parts else None
+                if (
+                    isinstance(part, tuple)
+                    and len(part) == 3
+                    and isinstance(last, list)
+                    and last[0] == part[0]
+                    and last[1] + last[2] == part[1]
+                ):
+                    last[2] += part[2]
+                elif isinstance(part, tuple) and len(part) == 3:
+                    parts.append(list(part))
                 else:
-                    ranges.append([cls, off, numel])
-        views = tuple(self.payloads[cls].view(off, (numel,)) for cls, off, numel in ranges)
-        return views, sizes
+                    parts.append(part)
+        views: list[SendView] = []
+        for part in parts:
+            if isinstance(part, list):
+                cls, off, numel = part
+                views.append(self.payloads[cls].view(off, (numel,)))
+            else:
+                views.append(part)  # type: ignore[arg-type]
+        return tuple(views), sizes
 
     def _owner_batches(self, items: list[Item]) -> tuple[list[OwnerBatch], list[int]]:
         """The batches this rank computes and how the gather fills them."""
@@ -604,6 +681,34 @@ class ScheduleBuilder:
                     continue
             runs.append(([it], shape))
         return runs
+
+
+def _rects(rows: Runs, cols: Runs) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """The rectangles of a fragment made of index runs: fragment and local coordinates."""
+    out = []
+    fr = 0
+    for r0, r1 in rows:
+        fc = 0
+        for c0, c1 in cols:
+            out.append(((fr, fr + r1 - r0), (fc, fc + c1 - c0), (r0, r1), (c0, c1)))
+            fc += c1 - c0
+        fr += r1 - r0
+    return tuple(out)
+
+
+def _merge(last: Target, new: Target) -> Target | None:
+    """One target for two consecutive ones when they are adjacent in the local shard."""
+    if last.param != new.param or last.rects is not None or new.rects is not None:
+        return None
+    if last.rows is None and new.rows is None:  # consecutive matrices of a 3-D stack
+        if last.pos is not None and new.pos is not None and last.pos + last.count == new.pos:
+            return Target(last.param, last.pos, last.count + 1)
+        return None
+    if last.rows is not None and new.rows is not None and last.pos == new.pos:
+        height = (last.rows[1] - last.rows[0]) // last.count
+        if last.rows[1] == new.rows[0] and new.rows[1] - new.rows[0] == height:
+            return Target(last.param, last.pos, last.count + 1, (last.rows[0], new.rows[1]))
+    return None
 
 
 def _numel(shape: Sequence[int]) -> int:

@@ -27,12 +27,15 @@ class StateEntry:
         key: State name (e.g. ``"factor_left"``).
         shape: Shape of the state of one matrix (e.g. ``(m, m)``).
         dtype: Its dtype.
+        block: For a split parameter, the block this state belongs to (each block has its
+            own state and its own checkpoint tensor); None otherwise.
     """
 
     param: int
     key: str
     shape: tuple[int, ...]
     dtype: torch.dtype
+    block: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,8 +94,13 @@ def _fragment(
     )
 
 
-def _my_items(snap: Snapshot, param: int) -> list[Item]:
-    return [it for it in snap.items_of(param) if snap.rank in it.unit]
+def _items(snap: Snapshot, entry: StateEntry) -> list[Item]:
+    """The entry's matrices: every item of its parameter, of its block for a split one."""
+    return [it for it in snap.items_of(entry.param) if it.block == entry.block]
+
+
+def _my_items(snap: Snapshot, entry: StateEntry) -> list[Item]:
+    return [it for it in _items(snap, entry) if snap.rank in it.unit]
 
 
 def _coord(layout: ParamLayout, item: Item, rank: int) -> tuple[int, ...]:
@@ -114,7 +122,7 @@ def _walk(
     """(entry, layout, item) for items this rank takes part in, in a rank-independent order."""
     for entry in entries:
         layout = snap.topology.layouts[entry.param]
-        for item in snap.items_of(entry.param):
+        for item in _items(snap, entry):
             yield entry, layout, item
 
 
@@ -168,7 +176,7 @@ def export_state(
     locals_: dict[StateKey, torch.Tensor] = {}
     for entry in entries:
         layout = snap.topology.layouts[entry.param]
-        items = _my_items(snap, entry.param)
+        items = _my_items(snap, entry)
         coord = _coord(layout, items[0], snap.rank) if items else ()
         locals_[(entry.param, entry.key)] = torch.zeros(
             _fragment(layout, entry, coord, dedup).shape,
@@ -247,7 +255,7 @@ def import_state(
     for entry in entries:
         layout = snap.topology.layouts[entry.param]
         value = values[(entry.param, entry.key)]
-        items = _my_items(snap, entry.param)
+        items = _my_items(snap, entry)
         coord = _coord(layout, items[0], snap.rank) if items else ()
         frag = _fragment(layout, entry, coord, dedup)
         if isinstance(value, DTensor):

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from canzona.plan import Split
 from canzona.runtime.routing import Item
 
 
@@ -21,11 +22,13 @@ class ParamRow:
         direction_dtype: Dtype of the direction handed to ``apply``.
         batch_key: The parameter's param group: matrices are computed and applied together
             only when they share it (one set of hyper-parameters per call).
+        split: The parameter is several matrices (blocks) along one dimension.
     """
 
     payload_dtype: torch.dtype
     direction_dtype: torch.dtype
     batch_key: int
+    split: Split | None = None
 
     @property
     def itemsize(self) -> int:

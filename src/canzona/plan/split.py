@@ -1,0 +1,90 @@
+"""A parameter that is several matrices along one dimension: fused QKV, gate/up, heads."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["Split"]
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True, slots=True)
+class Split:
+    """Declares that a matrix is several matrices along one of its two dimensions.
+
+    Each block is its own matrix for the algorithm (own momentum direction, own
+    preconditioners, own learning-rate adjustment by its shape) and its own item for the
+    planner (own owner, cost and bytes). ``dim`` counts the matrix's dimensions: 0 splits
+    the rows (a fused ``qkv_proj`` or ``gate_up_proj``, the heads of ``q_proj``), 1 the
+    columns (the heads of ``o_proj``); for a 3-D stack ``(E, m, n)`` it applies to every
+    matrix of the stack.
+
+    Give either ``sizes`` (the blocks in order, e.g. ``(q, k, v)`` for grouped-query
+    attention) or ``size`` (equal blocks, e.g. the head dimension).
+
+    Attributes:
+        dim: 0 (rows) or 1 (columns).
+        sizes: The block sizes, in order.
+        size: The size of every block.
+    """
+
+    dim: int
+    sizes: tuple[int, ...] | None = None
+    size: int | None = None
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.dim) or self.dim not in (0, 1):
+            raise ValueError(f"Split.dim must be 0 (rows) or 1 (columns), got {self.dim!r}")
+        if (self.sizes is None) == (self.size is None):
+            raise ValueError(
+                f"Split takes exactly one of sizes= and size=, got sizes={self.sizes!r}, "
+                f"size={self.size!r}"
+            )
+        if self.sizes is not None:
+            sizes = self.sizes
+            if isinstance(sizes, str | bytes) or not isinstance(sizes, Sequence) or not sizes:
+                raise ValueError(f"Split.sizes must be a non-empty tuple, got {sizes!r}")
+            if not all(_is_int(s) and s > 0 for s in sizes):
+                raise ValueError(f"Split.sizes must be positive integers, got {sizes!r}")
+            object.__setattr__(self, "sizes", tuple(sizes))
+        elif not _is_int(self.size) or self.size is None or self.size <= 0:
+            raise ValueError(f"Split.size must be a positive integer, got {self.size!r}")
+
+    def spans(self, extent: int, *, name: str = "the parameter") -> tuple[tuple[int, int], ...]:
+        """The blocks' ``(start, stop)`` along a dimension of ``extent`` elements.
+
+        Raises:
+            ValueError: naming ``name`` when the blocks do not tile the dimension.
+        """
+        if self.sizes is not None:
+            sizes = self.sizes
+            if sum(sizes) != extent:
+                raise ValueError(
+                    f"{name}: Split sizes {sizes} sum to {sum(sizes)}, but dimension "
+                    f"{self.dim} of the matrix has {extent}"
+                )
+        else:
+            assert self.size is not None
+            if extent % self.size:
+                raise ValueError(
+                    f"{name}: dimension {self.dim} of the matrix has {extent} elements, not a "
+                    f"multiple of Split size {self.size}"
+                )
+            sizes = (self.size,) * (extent // self.size)
+        bounds = (0, *itertools.accumulate(sizes))
+        return tuple(itertools.pairwise(bounds))
+
+    def shapes(self, m: int, n: int, *, name: str = "the parameter") -> tuple[tuple[int, int], ...]:
+        """The ``(rows, cols)`` of every block of an ``m x n`` matrix."""
+        if self.dim == 0:
+            return tuple((b - a, n) for a, b in self.spans(m, name=name))
+        return tuple((m, b - a) for a, b in self.spans(n, name=name))
+
+    def describe(self) -> tuple[object, ...]:
+        """A plain, process-independent value (compared across ranks)."""
+        return ("Split", self.dim, self.sizes, self.size)
