@@ -54,16 +54,53 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
     "quick": {"counts": (16, 256, 1024), "worlds": (1, 2), "shapes": ("8x8",), "steps": 6},
 }
-IMPLS = ("canzona", "replicated", "torchtitan", "torch_muon", "adamw_foreach")
+IMPLS = ("canzona", "replicated", "redistribute", "torchtitan", "torch_muon", "adamw_foreach")
 LABELS = {
     "canzona": "`canzona.Muon`, `canzona` plan",
     "replicated": "`canzona.Muon`, `replicated` plan",
+    "redistribute": "`DTensor.redistribute` Muon (every rank gathers every matrix)",
     "torchtitan": "torchtitan 0.3.0 DistMuon",
     "torch_muon": "one process: `torch.optim.Muon`",
     "adamw_foreach": "one process: `AdamW(foreach=True)`",
 }
 #: The issue's targets at world 2 on the 8x8 matrices.
 TARGETS = {"slope_us": 15.0, "fixed_ms": 1.0, "vs_adamw": 1.5, "vs_torchtitan": 0.25}
+
+
+class RedistributeMuon(torch.optim.Optimizer):
+    """Muon whose reconstruction is ``DTensor.redistribute``.
+
+    Each matrix is made ``Replicate`` (an all-gather to every rank), orthogonalised on every
+    rank (one fp32 Newton–Schulz iteration, like the others here) and redistributed back to its
+    placements (a local slice). The same work as canzona's ``replicated`` plan, with
+    DTensor's per-matrix collectives instead of one packed all-to-all per micro-group.
+    """
+
+    def __init__(self, params: list[torch.Tensor], **hp: Any) -> None:
+        super().__init__(params, dict(hp))
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        from torch.distributed.tensor import Replicate
+
+        from canzona.updates import muon_direction, muon_lr
+
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                if not state:
+                    state["momentum_buffer"] = torch.zeros_like(p)
+                buf = state["momentum_buffer"]
+                buf.lerp_(p.grad, 1 - group["momentum"])
+                blended = p.grad.lerp(buf, group["momentum"])
+                full = blended.redistribute(p.device_mesh, [Replicate()]).to_local()
+                update = muon_direction(full, steps=1, dtype=torch.float32)
+                ones = torch.distributed.tensor.DTensor.from_local(
+                    update, p.device_mesh, [Replicate()], run_check=False
+                )
+                local = ones.redistribute(p.device_mesh, p.placements)
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                p.add_(local, alpha=-muon_lr(group["lr"], None, p.shape))
 
 
 def _matrices(count: int, shape: tuple[int, int], seed: int) -> list[torch.Tensor]:
@@ -108,6 +145,7 @@ def _distributed_case(rank: int, world: int, count: int, shape: tuple[int, int],
             ps, **CANZONA_KW, plan=canzona.PlanConfig(strategy="replicated")
         ),
         "torchtitan": lambda ps: _peers.torchtitan_dist_muon(ps, mesh, {**HP, "ns_steps": 1}),
+        "redistribute": lambda ps: RedistributeMuon([p for _, p in ps], **HP),
     }
     for impl, make in makers.items():
         named = [

@@ -15,7 +15,7 @@ from canzona.optim.checkpoint import CheckpointMixin
 from canzona.optim.owner_state import OwnerState
 from canzona.optim.prepare import GroupWork, StepWork, build_work
 from canzona.optim.transaction import Backup, StepTransaction
-from canzona.plan import GroupedCost, PlanConfig, cost_model
+from canzona.plan import GroupedCost, PlanConfig, Split, cost_model
 from canzona.runtime import (
     ApplyBatch,
     ComputeBatch,
@@ -65,6 +65,8 @@ def _plain(value: Any) -> Any:
         return tuple(_plain(v) for v in value)
     if isinstance(value, dict):
         return tuple(sorted((str(k), _plain(v)) for k, v in value.items()))
+    if isinstance(value, Split):
+        return value.describe()
     return type(value).__qualname__
 
 
@@ -120,6 +122,62 @@ class MatrixOptimizer(CheckpointMixin, Optimizer):
             cost=self.cost_model,
         )
 
+    def __getstate__(self) -> dict[str, Any]:
+        """What ``copy.deepcopy`` and pickling keep.
+
+        torch.optim's ``defaults``, ``state`` and ``param_groups``, plus the configurations,
+        ``skipped_steps`` and the owner-held states. The runtime (process group, plan,
+        schedules, buffers) is rebuilt by the copy at its next step, collectively on a mesh.
+
+        Raises:
+            TypeError: when ``PipelineConfig(process_group=...)`` holds a process group,
+                which cannot be copied or pickled.
+        """
+        if self.pipeline_config.process_group is not None:
+            raise TypeError(
+                f"cannot copy or pickle a {type(self).__name__} whose PipelineConfig holds a "
+                "process group (a process group cannot be copied); build a new optimizer and "
+                "load this one's state_dict() into it"
+            )
+        state: dict[str, Any] = super().__getstate__()
+        state["plan_config"] = self.plan_config
+        state["pipeline_config"] = self.pipeline_config
+        state["skipped_steps"] = self.skipped_steps
+        state["owner_states"] = self._owner.states
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Rebuild a copied or unpickled optimizer around the kept state (see ``__getstate__``).
+
+        The copy gets a fresh runtime (it plans at its next step), its own
+        :class:`OwnerState` holding the kept owner-held states, and empty step caches.
+        ``torch.optim.Optimizer.load_state_dict`` calls this too, with ``state`` and
+        ``param_groups`` only: that update keeps the runtime and the owner-held states.
+        """
+        if "defaults" not in state:
+            super().__setstate__(state)
+            return
+        state = dict(state)
+        owner_states = state.pop("owner_states", {})
+        torch_default = "differentiable" not in state["defaults"]
+        super().__setstate__(state)
+        if torch_default:  # torch.optim adds it; a later param group would then carry it
+            self.defaults.pop("differentiable", None)
+        self.__dict__.setdefault("plan_config", PlanConfig())
+        self.__dict__.setdefault("pipeline_config", PipelineConfig())
+        self.__dict__.setdefault("skipped_steps", 0)
+        self._runtime = self._new_runtime()
+        self._owner = OwnerState(self._fresh_item_state)
+        self._owner.states = owner_states
+        self._table = None
+        self._table_key = ()
+        self._table_version = 0
+        self._step_params = []
+        self._work = None
+        self._state_generation = 0
+        self._steps_without_grads = 0
+        self.last_step_stats = None
+
     # ------------------------------------------------------------------ groups
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group; matrix groups accept only 2-D parameters and 3-D stacks."""
@@ -150,6 +208,13 @@ class MatrixOptimizer(CheckpointMixin, Optimizer):
             runtime.invalidate()
 
     def _check_names_and_shapes(self, group: dict[str, Any]) -> None:
+        split = group.get("split")
+        if split is not None and not isinstance(split, Split):
+            raise ValueError(f"a param group's split must be a canzona.Split, got {split!r}")
+        if split is not None and group.get("algorithm") == ADAMW:
+            raise ValueError(
+                f'a split applies to matrix groups, not algorithm="{ADAMW}": {split!r}'
+            )
         names = group.get("param_names")
         offset = sum(len(g["params"]) for g in self.param_groups[:-1])
         labels = [names[i] if names else f"param{offset + i}" for i in range(len(group["params"]))]
@@ -173,6 +238,8 @@ class MatrixOptimizer(CheckpointMixin, Optimizer):
                 )
             if torch.is_complex(p):
                 raise ValueError(f"parameter {label!r}: complex dtype {p.dtype} is not supported")
+            if split is not None:
+                split.shapes(p.shape[-2], p.shape[-1], name=f"parameter {label!r}")
 
     def _flat(self) -> tuple[list[Tensor], list[str], list[int]]:
         """Every parameter, its name and the index of its param group, in optimizer order."""
@@ -235,6 +302,10 @@ class MatrixOptimizer(CheckpointMixin, Optimizer):
         """The parameters of this group's cost model (its own hyper-parameters)."""
         return {}
 
+    def _calibration_phases(self, group: dict[str, Any]) -> tuple[tuple[str, float], ...]:
+        """The phases of the owner math a calibration times, and their weights per step."""
+        return (("step", 1.0),)
+
     def _cost(self) -> GroupedCost | None:
         """One cost model per matrix param group, from the group's hyper-parameters."""
         models = {
@@ -264,6 +335,7 @@ class MatrixOptimizer(CheckpointMixin, Optimizer):
                 (
                     len(g["params"]),
                     g["algorithm"],
+                    g.get("split"),
                     self._row_signature(g),
                     tuple(sorted(self._cost_params(g).items())) if g["algorithm"] != ADAMW else (),
                 )
@@ -283,6 +355,7 @@ class MatrixOptimizer(CheckpointMixin, Optimizer):
                     self._payload_dtype(params[i], groups[gids[i]]),
                     self._direction_dtype(params[i], groups[gids[i]]),
                     gids[i],
+                    groups[gids[i]].get("split"),
                 )
                 for i in matrix
             ]
@@ -293,9 +366,10 @@ class MatrixOptimizer(CheckpointMixin, Optimizer):
                 rows=tuple(rows),
                 hparams=(),
                 fingerprint="",
-                config=repr((self._config_repr(), cost)),
+                config=repr((self._config_repr(), cost, [g.get("split") for g in groups])),
                 version=self._table_version,
                 cost=cost,
+                calibration=tuple(self._calibration_phases(g) for g in groups),
             )
             self._table_key = key
         return self._table.with_hparams(groups, self._hyper_fingerprint())
@@ -328,7 +402,13 @@ class MatrixOptimizer(CheckpointMixin, Optimizer):
             except Exception as exc:
                 failure = Failure("checking the gradients for NaN/Inf", exc)
         start = self._runtime.begin_step(
-            names, params, table, has_grad=has_grad, nonfinite=nonfinite, failure=failure
+            names,
+            params,
+            table,
+            has_grad=has_grad,
+            nonfinite=nonfinite,
+            failure=failure,
+            compute=self._directions,
         )
         try:
             if start.previous is not None:
@@ -354,6 +434,7 @@ class MatrixOptimizer(CheckpointMixin, Optimizer):
         gids: list[int],
         failure: Failure | None,
     ) -> StepStats:
+        self.__dict__.pop("_calibrating", None)  # owner-side states of a calibration
         txn = StepTransaction(atomic=self.pipeline_config.atomic)
         self._owner.begin(atomic=self.pipeline_config.atomic)
         txn.on_rollback(self._owner.rollback)

@@ -60,6 +60,9 @@ class CheckpointMixin:
     def _step_table(self, params: list[Tensor], gids: list[int]) -> Any:
         raise NotImplementedError
 
+    def _directions(self, batch: Any, full: Tensor) -> Tensor:
+        raise NotImplementedError
+
     def _owner_specs(
         self, p: Tensor, group: dict[str, Any]
     ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -115,7 +118,9 @@ class CheckpointMixin:
     def _sync_plan(self) -> None:
         """Agree on the plan with every rank (collective); re-plans and moves state if needed."""
         params, names, gids = self._flat()
-        previous = self._runtime.sync_plan(names, params, self._step_table(params, gids))
+        previous = self._runtime.sync_plan(
+            names, params, self._step_table(params, gids), compute=self._directions
+        )
         if previous is not None:
             self._migrate_owner_state(previous, params, gids)
 

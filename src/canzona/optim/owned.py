@@ -67,11 +67,26 @@ class OwnerStateOptimizer(MatrixOptimizer):
         )
         return {k: (tuple(v.shape), v.dtype) for k, v in meta.items()}
 
+    def _calibration_step(self, phase: str, hp: Any) -> int:
+        """A step of ``phase`` (``"refresh"`` or ``"plain"``) for a calibration call."""
+        raise NotImplementedError
+
     def _directions(self, batch: ComputeBatch, full: Tensor) -> Tensor:
         hp = self.hparams(dict(batch.hparams))  # a group's values (they may change per step)
         direction = type(self).direction_fn
         out = torch.empty_like(full, dtype=torch.promote_types(full.dtype, torch.float32))
         for k, item in enumerate(batch.items):
-            state = self._owner.get(item)
-            out[k] = direction(full[k].to(out.dtype), state, self._item_step(item), hp)
+            if batch.calibrate is not None:  # state kept apart: it belongs to no parameter
+                kept: dict[str, dict[str, Tensor]] = self.__dict__.setdefault("_calibrating", {})
+                state = kept.get(item.name)
+                if state is None:
+                    shape = (item.m, item.n)
+                    state = type(self).init_fn(shape, hp, dtype=out.dtype, device=full.device)
+                    kept[item.name] = state
+                step = self._calibration_step(batch.calibrate, hp)
+            else:
+                state, step = self._owner.get(item), self._item_step(item)
+            # a copy: a view's memory alignment (batch, gather buffer) can change the
+            # rounding of vectorised kernels; one device hands the math a fresh tensor
+            out[k] = direction(full[k].to(out.dtype, copy=True), state, step, hp)
         return out

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import Tensor
 
 ADAMW = "adamw"
@@ -38,9 +39,13 @@ class GroupWork:
 
 @dataclass(slots=True)
 class StepWork:
-    """Every active parameter's step counter, and the work of each param group, in order."""
+    """Every active parameter's step counter, and the work of each param group, in order.
 
-    steps: list[Tensor]
+    The counters live in one tensor, ``steps``: each parameter's ``state["step"]`` is a
+    0-dim view of it (see :func:`link_steps`), so a step advances them all with one op.
+    """
+
+    steps: Tensor
     groups: list[GroupWork]
 
 
@@ -65,11 +70,11 @@ def build_work(
         payload: Per matrix parameter with local data, its payload view.
         state: The optimizer's state mapping.
     """
-    steps: list[Tensor] = []
+    steps: list[Any] = []
     works: dict[int, GroupWork] = {}
     for i in active:
         p, gid = params[i], gids[i]
-        steps.append(state[p]["step"])
+        steps.append(state[p])
         is_adamw = groups[gid]["algorithm"] == ADAMW
         if not is_adamw and i not in matrix:
             continue  # an empty matrix: only its step counter moves
@@ -81,4 +86,18 @@ def build_work(
             work.payloads.append(payload[i])
         work.idxs.append(i)
         work.params.append(p)
-    return StepWork(steps, [works[g] for g in sorted(works)])
+    return StepWork(link_steps(steps), [works[g] for g in sorted(works)])
+
+
+def link_steps(states: list[Any]) -> Tensor:
+    """One float32 tensor of the states' step counters.
+
+    Each ``state["step"]`` becomes a 0-dim view of it: the same value, still a tensor (as
+    torch.optim keeps it), and one ``add_`` advances every counter.
+    """
+    if not states:
+        return torch.zeros(0)
+    flat = torch.stack([s["step"].detach().to(torch.float32).reshape(()) for s in states])
+    for k, s in enumerate(states):
+        s["step"] = flat[k]
+    return flat

@@ -125,6 +125,14 @@ class Shampoo(OwnerStateOptimizer):
         """The hyper-parameters of a param group."""
         return _hparams(group)
 
+    def _calibration_phases(self, group: dict[str, Any]) -> tuple[tuple[str, float], ...]:
+        f = group["precondition_frequency"]  # the roots are refreshed every f steps
+        return (("refresh", 1.0),) if f == 1 else (("refresh", 1 / f), ("plain", 1 - 1 / f))
+
+    def _calibration_step(self, phase: str, hp: Any) -> int:
+        start: int = hp.start_preconditioning_step
+        return start if phase == "refresh" else start + 1
+
     def _cost_params(self, group: dict[str, Any]) -> dict[str, Any]:
         return {
             "precondition_frequency": group["precondition_frequency"],

@@ -103,6 +103,14 @@ class SOAP(OwnerStateOptimizer):
         """The hyper-parameters of a param group."""
         return _hparams(group)
 
+    def _calibration_phases(self, group: dict[str, Any]) -> tuple[tuple[str, float], ...]:
+        f = group["precondition_frequency"]  # the bases are refreshed every f steps
+        return (("refresh", 1.0),) if f == 1 else (("refresh", 1 / f), ("plain", 1 - 1 / f))
+
+    def _calibration_step(self, phase: str, hp: Any) -> int:
+        frequency: int = hp.precondition_frequency
+        return frequency + 1 if phase == "refresh" else 2
+
     def _cost_params(self, group: dict[str, Any]) -> dict[str, Any]:
         return {
             "precondition_frequency": group["precondition_frequency"],

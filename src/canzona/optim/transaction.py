@@ -78,11 +78,11 @@ class StepTransaction:
         """``container[key]`` was created in this step (removed on rollback)."""
         self._created.append((container, key))
 
-    def bump(self, steps: Sequence[Tensor]) -> None:
-        """Add one to every step counter (subtracted again on rollback)."""
-        if steps:
-            torch._foreach_add_(list(steps), 1)
-            self._steps += steps
+    def bump(self, steps: Tensor) -> None:
+        """Add one to every step counter of ``steps`` (subtracted again on rollback)."""
+        if steps.numel():
+            steps.add_(1)
+            self._steps.append(steps)
 
     def save(self, backup: Backup) -> None:
         """Tensors about to change in place: copy them (when ``atomic``) to restore them."""
@@ -100,8 +100,8 @@ class StepTransaction:
             undo()
         for backup in reversed(self._saved):
             backup.restore()
-        if self._steps:
-            torch._foreach_sub_(self._steps, 1)
+        for steps in self._steps:
+            steps.sub_(1)
         for container, key in reversed(self._created):
             container.pop(key, None)
         self.commit()

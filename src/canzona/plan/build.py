@@ -20,6 +20,8 @@ __all__ = ["DIGEST_FORMAT", "MIB", "Plan", "PlanConfig", "build_plan"]
 DIGEST_FORMAT = 1
 #: Bytes in one mebibyte (``capacity_mb`` is in mebibytes).
 MIB = 1 << 20
+#: What a plan balances: measured seconds, or closed-form FLOPs.
+COSTS = ("measured", "flops")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -33,6 +35,9 @@ class PlanConfig:
         refine: Run the local-search refinement after the greedy assignment.
         replica_dedup: Read by the runtime: over ``Replicate`` mesh dimensions, compute each
             matrix once and broadcast (True) or once per replica group (False).
+        cost: Read by the runtime: ``"measured"`` times the owner math on the device at the
+            first step and balances seconds (the ``canzona`` strategy of a distributed job);
+            ``"flops"`` balances the closed-form FLOP counts.
     """
 
     strategy: str = "canzona"
@@ -40,6 +45,7 @@ class PlanConfig:
     capacity_mb: float = 512.0
     refine: bool = True
     replica_dedup: bool = True
+    cost: str = "measured"
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -54,6 +60,8 @@ class PlanConfig:
             raise ValueError(f"refine must be a bool, got {self.refine!r}")
         if not isinstance(self.replica_dedup, bool):
             raise ValueError(f"replica_dedup must be a bool, got {self.replica_dedup!r}")
+        if self.cost not in COSTS:
+            raise ValueError(f"cost must be one of {COSTS}, got {self.cost!r}")
         object.__setattr__(self, "alpha", float(alpha))
         object.__setattr__(self, "capacity_mb", float(cap))
 
@@ -141,6 +149,7 @@ class Plan:
                 "capacity_mb": cfg.capacity_mb,
                 "refine": cfg.refine,
                 "replica_dedup": cfg.replica_dedup,
+                "cost": cfg.cost,
             },
             "optimizer": {
                 "name": self.optimizer.name,

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from canzona.plan import CostModel, Plan, PlanConfig, build_plan
+from canzona.plan import CostModel, GroupedCost, Plan, PlanConfig, build_plan
+from canzona.runtime.calibrate import calibrate, shapes_of
 from canzona.runtime.checks import check_header, check_plan_digest, failing_ranks, vote
 from canzona.runtime.config import PipelineConfig, UpdateFailedError
 from canzona.runtime.pipeline import Failure, Pipeline, StepStats
@@ -98,6 +100,7 @@ class MatrixRuntime:
             self.watchdog,
         )
         self.device = torch.device("cpu")
+        self.calibration_s = 0.0  # time the last calibration took
         # ranks build their optimizers in the same order: the n-th one shares a namespace
         MatrixRuntime._instances += 1
         self._instance = MatrixRuntime._instances
@@ -154,6 +157,7 @@ class MatrixRuntime:
         has_grad: Sequence[bool],
         nonfinite: bool = False,
         failure: Failure | None = None,
+        compute: ComputeFn | None = None,
     ) -> StepStart:
         """Check the step across ranks, (re)plan if needed, and allocate the step's buffers.
 
@@ -167,6 +171,7 @@ class MatrixRuntime:
             has_grad: Whether each parameter has a gradient on this rank.
             nonfinite: This rank saw a non-finite gradient (with ``skip_nonfinite``).
             failure: Something already failed on this rank (every rank then raises).
+            compute: The owner math, timed when a plan with measured costs is built.
 
         Raises:
             UpdateFailedError: on every rank, when ``failure`` was given on some rank.
@@ -179,6 +184,7 @@ class MatrixRuntime:
             has_grad=has_grad,
             nonfinite=nonfinite,
             failed=failure is not None,
+            compute=compute,
         )
         if failed or (failure is not None and self.group is None):
             self._raise_failures(failure, names)
@@ -228,14 +234,18 @@ class MatrixRuntime:
         ) from (failure.error if failure is not None else None)
 
     def sync_plan(
-        self, names: Sequence[str], tensors: Sequence[torch.Tensor], table: StepTable
+        self,
+        names: Sequence[str],
+        tensors: Sequence[torch.Tensor],
+        table: StepTable,
+        compute: ComputeFn | None = None,
     ) -> Snapshot | None:
         """Agree on the plan with every rank (collective); re-plan when needed.
 
         Returns:
             The old plan's snapshot after a re-plan (owner-held state moves from it).
         """
-        previous, _, _ = self._sync(names, tensors, table)
+        previous, _, _ = self._sync(names, tensors, table, compute=compute)
         return previous
 
     def _sync(
@@ -247,6 +257,7 @@ class MatrixRuntime:
         has_grad: Sequence[bool] = (),
         nonfinite: bool = False,
         failed: bool = False,
+        compute: ComputeFn | None = None,
     ) -> tuple[Snapshot | None, bool, bool]:
         layouts = self.layouts(names, tensors)
         config = repr(
@@ -278,11 +289,16 @@ class MatrixRuntime:
         if needs_setup:
             if self.topology is not None:
                 previous = snapshot(self)
-            self._setup(layouts, structure, config, table)
+            self._setup(layouts, structure, config, table, compute)
         return previous, flagged, failed
 
     def _setup(
-        self, layouts: Sequence[ParamLayout], structure: str, config: str, table: StepTable
+        self,
+        layouts: Sequence[ParamLayout],
+        structure: str,
+        config: str,
+        table: StepTable,
+        compute: ComputeFn | None,
     ) -> None:
         self.topology = agree(
             layouts, group=self.group, rank=self.rank, world=self.world, extra=config
@@ -304,6 +320,18 @@ class MatrixRuntime:
             item_holders(self.items, self.topology),
         )
         cost = table.cost if table.cost is not None else self.cost
+        if specs and self._measures(table, compute):
+            assert compute is not None and isinstance(table.cost, GroupedCost)
+            start = time.perf_counter()
+            cost = calibrate(
+                shapes_of(self.items, table, self.world),
+                table,
+                compute,
+                {int(k): m for k, m in table.cost.models.items()},
+                watchdog=self.watchdog,
+                device=self.device,
+            )
+            self.calibration_s = time.perf_counter() - start
         self.plan = (
             build_plan(specs, self.world, self.plan_config, optimizer=cost) if specs else None
         )
@@ -316,6 +344,17 @@ class MatrixRuntime:
         self._pipelines.clear()
         if self.group is not None:
             check_plan_digest(self.digest, watchdog=self.watchdog)
+
+    def _measures(self, table: StepTable, compute: ComputeFn | None) -> bool:
+        """Whether this plan balances measured seconds (see ``PlanConfig.cost``)."""
+        return (
+            self.plan_config.cost == "measured"
+            and self.plan_config.strategy == "canzona"
+            and self.group is not None
+            and compute is not None
+            and isinstance(table.cost, GroupedCost)
+            and bool(table.calibration)
+        )
 
     def _pipeline(
         self, table: StepTable, active: frozenset[int], tensors: Sequence[torch.Tensor]

@@ -425,8 +425,14 @@ def _apply(
     tensors: Sequence[torch.Tensor],
     apply: ApplyFn,
 ) -> None:
-    """Group the delivered runs by (param group, shape) and hand each batch to ``apply``."""
+    """Group the delivered runs by (param group, shape) and hand each batch to ``apply``.
+
+    A 3-D stack whose matrices arrive in several runs is applied whole, from one assembled
+    direction: element-wise kernels round half-precision values by their position in the
+    tensor, so the update must not depend on which owners sent which matrices.
+    """
     batches: dict[tuple[int, int, int], ApplyBatch] = {}
+    stacks: dict[int, tuple[ApplyBatch, list[tuple[Target, torch.Tensor, int]]]] = {}
     for data, d in runs:
         key = (d.key, *d.full)
         batch = batches.get(key)
@@ -444,8 +450,23 @@ def _apply(
             continue
         i = 0
         for t in d.targets:
-            _add_target(batch, t, local_tensor(tensors[t.param]), data, i)
+            if t.pos is not None and t.rows is None and t.rects is None:
+                stacks.setdefault(t.param, (batch, []))[1].append((t, data, i))
+            else:
+                _add_target(batch, t, local_tensor(tensors[t.param]), data, i)
             i += t.count
+    for p, (batch, parts) in stacks.items():
+        local = local_tensor(tensors[p])
+        if len(parts) == 1 or sum(t.count for t, _, _ in parts) != local.shape[0]:
+            for t, data, i in parts:
+                _add_target(batch, t, local, data, i)
+            continue
+        whole = torch.empty(local.shape, dtype=parts[0][1].dtype, device=local.device)
+        for t, data, i in parts:
+            whole.narrow(0, t.pos or 0, t.count).copy_(data.narrow(0, i, t.count))
+        batch.targets.append(local)
+        batch.directions.append(whole)
+        batch.params.append(p)
     for batch in batches.values():
         apply(batch)
 

@@ -54,6 +54,9 @@ class StepTable:
         cost: The planner's cost model: one per param group (a
             :class:`~canzona.plan.GroupedCost` keyed by ``str(batch_key)``, built from each
             group's own hyper-parameters), or None for the runtime's default.
+        calibration: Per param group, the phases of its owner math to time and their
+            weights in a step's average (e.g. Shampoo's root refresh every ``f`` steps:
+            ``(("refresh", 1 / f), ("plain", 1 - 1 / f))``).
     """
 
     matrix: tuple[int, ...]
@@ -63,6 +66,7 @@ class StepTable:
     config: str
     version: int
     cost: Any = None
+    calibration: tuple[tuple[tuple[str, float], ...], ...] = ()
     by_param: Mapping[int, ParamRow] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -85,6 +89,7 @@ class StepTable:
             config=self.config,
             version=self.version,
             cost=self.cost,
+            calibration=self.calibration,
             by_param=self.by_param,
         )
 
@@ -97,11 +102,14 @@ class ComputeBatch:
         items: The matrices, in the order of the stacked payload.
         key: Their param group.
         hparams: The group's hyper-parameters.
+        calibrate: For a calibration call, the phase to run (random payloads, items that
+            belong to no parameter: no optimizer state may change); None in a step.
     """
 
     items: tuple[Item, ...]
     key: int
     hparams: Mapping[str, Any]
+    calibrate: str | None = None
 
 
 @dataclass(slots=True)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+import time
+from collections import deque
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -12,6 +15,12 @@ import torch.distributed as dist
 from canzona.runtime.config import CollectiveTimeoutError
 
 _PREFIX = "canzona/progress"
+
+#: Work handles of the most recent collectives a watchdog keeps after waiting on them.
+RETAINED_WORKS = 2
+
+#: What gloo raises when a peer's connection drops (the peer exited or crashed).
+_CLOSED = re.compile(r"connection (?:closed|reset)|broken pipe|ECONNRESET|EPIPE", re.IGNORECASE)
 
 
 def default_store() -> Any:
@@ -44,6 +53,9 @@ class Watchdog:
         grace_s: How long a wait runs before this rank publishes its position.
         step: Steps begun so far (markers and messages name it).
         device: Device of the small check tensors (the parameters' device; None: CPU).
+
+    The default store is looked up only when a marker is published or read, never kept,
+    so an optimizer does not keep it alive past ``destroy_process_group()``.
     """
 
     group: dist.ProcessGroup | None
@@ -56,12 +68,11 @@ class Watchdog:
     device: Any = None
     grace_s: float = 1.0
     _label: str = ""
-    _store: Any = field(default=None, repr=False)
     _position: tuple[int, int] = (0, 0)
+    _recent: deque[Any] = field(default_factory=lambda: deque(maxlen=RETAINED_WORKS), repr=False)
 
     def __post_init__(self) -> None:
-        if self.markers and self.group is not None:
-            self._store = default_store()
+        self.markers = self.markers and self.group is not None and default_store() is not None
 
     def _key(self, rank: int) -> str:
         return f"{_PREFIX}/{self.tag}/{rank}"
@@ -72,26 +83,28 @@ class Watchdog:
         self._label = label
 
     def _publish(self) -> None:
-        if self._store is None:
+        store = default_store() if self.markers else None
+        if store is None:
             return
         step, phase = self._position
         try:
-            self._store.set(self._key(self.rank), f"{step}|{phase}|{self._label}")
+            store.set(self._key(self.rank), f"{step}|{phase}|{self._label}")
         except RuntimeError:
-            self._store = None  # the store went away: keep running without markers
+            self.markers = False  # the store went away: keep running without markers
 
     def behind(self) -> list[tuple[int, str]]:
         """Ranks whose last marker is before this rank's, with what they last entered."""
-        if self._store is None:
+        store = default_store() if self.markers else None
+        if store is None:
             return []
         out: list[tuple[int, str]] = []
         for r in range(self.world):
             key = self._key(r)
             try:
-                if not self._store.check([key]):
+                if not store.check([key]):
                     out.append((r, "not waiting in any collective"))
                     continue
-                step, phase, label = self._store.get(key).decode().split("|", 2)
+                step, phase, label = store.get(key).decode().split("|", 2)
             except (RuntimeError, ValueError):
                 continue
             if (int(step), int(phase)) < self._position:
@@ -99,11 +112,22 @@ class Watchdog:
         return out
 
     def wait(self, work: Any, what: str) -> None:
-        """Wait for ``work``; on timeout raise :class:`CollectiveTimeoutError`.
+        """Wait for ``work``; on a timeout or a dropped peer raise :class:`CollectiveTimeoutError`.
+
+        On CPU process groups ``work`` stays referenced until :data:`RETAINED_WORKS` later
+        waits. gloo's worker thread drops its own reference to a finished collective a
+        moment after this thread wakes up; had this thread already dropped the last Python
+        reference, the worker would destroy the work and its tensors, which takes the GIL.
+        When that falls after the interpreter began shutting down (a job that exits right
+        after its last ``step()``), the worker thread is ended inside a C++ destructor and
+        the process aborts with ``terminate called without an active exception``. Keeping
+        the latest handles leaves their release to this thread, later.
 
         Raises:
-            CollectiveTimeoutError: naming the collective and, where the default store
-                is reachable, the ranks that have not reached it.
+            CollectiveTimeoutError: naming the collective and either the peer that closed
+                its connection (gloo fails the wait at once when a peer exits or crashes)
+                or, once the deadline passed, the ranks that have not reached it (where
+                the default store is reachable).
         """
         if self.device is not None and torch.device(self.device).type != "cpu":
             # accelerator process groups (NCCL) enqueue the wait on the stream; a timed
@@ -111,27 +135,40 @@ class Watchdog:
             # (the process group's timeout) bounds the collective instead
             work.wait()
             return
-        grace = min(self.grace_s, self.timeout_s / 2) if self._store is not None else 0.0
+        self._recent.append(work)
+        start = time.monotonic()
+        grace = min(self.grace_s, self.timeout_s / 2) if self.markers else 0.0
         if grace > 0:
             try:
                 work.wait(timeout=timedelta(seconds=grace))
                 return
-            except RuntimeError:
+            except RuntimeError as exc:
+                if _CLOSED.search(str(exc)):
+                    raise self._error(what, exc, time.monotonic() - start) from exc
                 self._publish()  # slow: let peers see where this rank waits
         try:
             work.wait(timeout=timedelta(seconds=self.timeout_s - grace))
         except RuntimeError as exc:
-            late = self.behind()
-            who = (
-                "ranks that have not reached it: "
-                + ", ".join(f"{r} (last: {label})" for r, label in late)
-                if late
-                else "a peer rank is stuck, crashed or did not call the same method"
+            raise self._error(what, exc, time.monotonic() - start) from exc
+
+    def _error(self, what: str, exc: RuntimeError, elapsed: float) -> CollectiveTimeoutError:
+        """The error of a failed wait: a peer that closed its connection, or a late peer."""
+        where = f"rank {self.rank}: {what} (step {self.step})"
+        if elapsed < self.timeout_s and _CLOSED.search(str(exc)):
+            return CollectiveTimeoutError(
+                f"{where} failed after {elapsed:.1f}s of the {self.timeout_s:g}s deadline: a "
+                f"peer rank closed its connection (it exited or crashed; see its log) ({exc})"
             )
-            raise CollectiveTimeoutError(
-                f"rank {self.rank}: {what} (step {self.step}) did not complete within "
-                f"{self.timeout_s:g}s; {who} ({exc})"
-            ) from exc
+        late = self.behind()
+        who = (
+            "ranks that have not reached it: "
+            + ", ".join(f"{r} (last: {label})" for r, label in late)
+            if late
+            else "a peer rank is stuck, crashed or did not call the same method"
+        )
+        return CollectiveTimeoutError(
+            f"{where} did not complete within {self.timeout_s:g}s; {who} ({exc})"
+        )
 
 
 def gather_ints(values: list[int], *, watchdog: Watchdog, phase: int, what: str) -> list[list[int]]:

@@ -1,0 +1,141 @@
+"""A cost model of measured seconds: kernel time per shape, a fit elsewhere, transfer time."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from canzona.plan.cost import CostModel, GroupedCost, cost_model, cost_model_params
+from canzona.plan.spec import MatrixSpec
+
+__all__ = ["TABLE_FORMAT", "MeasuredCost", "fit_loglog", "load_cost_table", "save_cost_table"]
+
+#: Version of the JSON written by :func:`save_cost_table` (``canzona calibrate``).
+TABLE_FORMAT = 1
+
+
+def fit_loglog(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """Least-squares ``log t = a + b log x`` over positive points; ``(a, b)``.
+
+    One point (or points with a single ``x``) gives ``b = 1``: time proportional to work.
+    """
+    pts = [(math.log(x), math.log(t)) for x, t in points if x > 0 and t > 0]
+    if not pts:
+        return (0.0, 1.0)
+    mx = math.fsum(x for x, _ in pts) / len(pts)
+    my = math.fsum(y for _, y in pts) / len(pts)
+    var = math.fsum((x - mx) ** 2 for x, _ in pts)
+    if var == 0:
+        return (my - mx, 1.0)
+    slope = math.fsum((x - mx) * (y - my) for x, y in pts) / var
+    return (my - slope * mx, slope)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MeasuredCost:
+    """Seconds on the owner per matrix, measured on the device the job runs on.
+
+    ``flops(spec)`` returns time, not FLOPs: the measured seconds of the owner's math for
+    the matrix's shape (``table``), or, for a shape that was not timed, the prediction of
+    a log-log fit of time against the closed-form FLOPs of ``base`` over the timed shapes;
+    plus the payload's transfer time at the measured ``bytes_per_s``. Balancing it balances
+    time: FLOP counts do not predict kernel time across shapes.
+
+    Attributes:
+        base: The closed-form model (its FLOPs drive the fit; its bytes are the payload).
+        table: ``((m, n), seconds per matrix)`` for every timed shape.
+        fit: ``(a, b)`` of ``log seconds = a + b log FLOPs``.
+        bytes_per_s: Measured transfer rate (0: transfers not counted).
+        name: The optimizer's name.
+    """
+
+    base: CostModel
+    table: tuple[tuple[tuple[int, int], float], ...]
+    fit: tuple[float, float] = (0.0, 1.0)
+    bytes_per_s: float = 0.0
+    name: str = field(default="")
+    _index: dict[tuple[int, int], float] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.base, CostModel):
+            raise ValueError(f"MeasuredCost.base must be a cost model, got {self.base!r}")
+        index: dict[tuple[int, int], float] = {}
+        for (m, n), seconds in self.table:
+            if not (isinstance(seconds, int | float) and seconds >= 0 and math.isfinite(seconds)):
+                raise ValueError(f"measured seconds must be finite and >= 0, got {seconds!r}")
+            index[(int(m), int(n))] = float(seconds)
+        if not (self.bytes_per_s >= 0 and math.isfinite(self.bytes_per_s)):
+            raise ValueError(f"bytes_per_s must be finite and >= 0, got {self.bytes_per_s!r}")
+        object.__setattr__(self, "_index", index)
+        if not self.name:
+            object.__setattr__(self, "name", self.base.name)
+
+    def seconds(self, m: int, n: int) -> float:
+        """The owner's time for one ``m x n`` matrix (measured, else predicted by the fit)."""
+        measured = self._index.get((m, n))
+        if measured is not None:
+            return measured
+        work = self.base.flops(MatrixSpec("fit", (m, n)))
+        a, b = self.fit
+        return math.exp(a + b * math.log(work)) if work > 0 else 0.0
+
+    def flops(self, spec: MatrixSpec) -> float:
+        """Seconds: the math of every matrix of the spec plus the payload's transfer time."""
+        transfer = spec.nbytes / self.bytes_per_s if self.bytes_per_s else 0.0
+        return spec.batch * self.seconds(spec.m, spec.n) + transfer
+
+    def comm_bytes(self, spec: MatrixSpec) -> int:
+        """The base model's payload bytes."""
+        return self.base.comm_bytes(spec)
+
+    def memory_bytes(self, spec: MatrixSpec) -> int:
+        """The base model's bytes in flight."""
+        return self.base.memory_bytes(spec)
+
+    def params(self) -> dict[str, Any]:
+        """Everything that prices a matrix (what the plan digest covers)."""
+        return {
+            "base": {"name": self.base.name, "params": cost_model_params(self.base)},
+            "table": [[m, n, s] for (m, n), s in sorted(self._index.items())],
+            "fit": list(self.fit),
+            "bytes_per_s": self.bytes_per_s,
+        }
+
+
+def save_cost_table(path: Path, cost: MeasuredCost | GroupedCost, meta: Mapping[str, Any]) -> None:
+    """Write a measured cost model as JSON (``canzona calibrate``)."""
+    models = cost.models if isinstance(cost, GroupedCost) else {"0": cost}
+    body = {
+        "format": TABLE_FORMAT,
+        "meta": dict(meta),
+        "models": {
+            key: model.params() for key, model in models.items() if isinstance(model, MeasuredCost)
+        },
+    }
+    path.write_text(json.dumps(body, indent=2, sort_keys=True) + "\n")
+
+
+def load_cost_table(path: Path, *, key: str = "0") -> MeasuredCost:
+    """Read one measured cost model written by :func:`save_cost_table`.
+
+    Raises:
+        ValueError: naming the file, for anything that is not such a table.
+    """
+    try:
+        body = json.loads(path.read_text())
+        if body.get("format") != TABLE_FORMAT:
+            raise ValueError(f"format {body.get('format')!r}, expected {TABLE_FORMAT}")
+        entry = body["models"][key]
+        base = cost_model(entry["base"]["name"], **entry["base"]["params"])
+        return MeasuredCost(
+            base=base,
+            table=tuple(((int(m), int(n)), float(s)) for m, n, s in entry["table"]),
+            fit=(float(entry["fit"][0]), float(entry["fit"][1])),
+            bytes_per_s=float(entry["bytes_per_s"]),
+        )
+    except (OSError, KeyError, TypeError, ValueError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{str(path)!r} is not a canzona cost table: {exc}") from None

@@ -1,0 +1,210 @@
+"""Calibration: time the owner math on this device once, agree on one cost table across ranks."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from canzona.plan import CostModel, GroupedCost, MatrixSpec
+from canzona.plan.measured import MeasuredCost, fit_loglog
+from canzona.runtime.routing import Item
+from canzona.runtime.table import ComputeBatch, ComputeFn, StepTable
+from canzona.runtime.watchdog import Watchdog
+
+#: Seconds of timing a calibration may spend in all (shapes beyond it are predicted).
+BUDGET_S = 1.5
+#: A shape whose closed-form work predicts more than this many seconds is predicted, not timed.
+SHAPE_CAP_S = 0.25
+#: Most matrices stacked in one timed call (the pipeline's batches per owner and shape).
+MAX_BATCH = 8
+#: Bytes per rank of the all-to-all that measures the transfer rate.
+PROBE_BYTES = 1 << 22
+
+_CACHE: dict[tuple[object, ...], float] = {}
+_RATES: dict[tuple[object, ...], float] = {}
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    """One distinct owner computation: a param group's ``m x n`` matrices, ``k`` at a time."""
+
+    key: int
+    m: int
+    n: int
+    k: int
+    dtype: torch.dtype
+
+
+def shapes_of(items: Sequence[Item], table: StepTable, world: int) -> list[Shape]:
+    """The distinct (group, shape) computations of the planned items.
+
+    Each with the batch an owner is expected to stack: ``count / world``, at least 1, at
+    most :data:`MAX_BATCH`.
+    """
+    counts: dict[tuple[int, int, int, torch.dtype], int] = {}
+    for it in items:
+        if it.is_local:
+            continue
+        row = table.row(it.param)
+        key = (row.batch_key, it.m, it.n, row.payload_dtype)
+        counts[key] = counts.get(key, 0) + 1
+    out = []
+    for (gid, m, n, dtype), count in sorted(counts.items(), key=lambda kv: repr(kv[0])):
+        out.append(Shape(gid, m, n, max(1, min(MAX_BATCH, math.ceil(count / world))), dtype))
+    return out
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{device.type}:{torch.get_num_threads()} threads"
+
+
+def _time_call(run: ComputeFn, batch: ComputeBatch, full: torch.Tensor) -> float:
+    """Seconds of one call (CUDA events on a GPU; the best of a few on a CPU)."""
+    if full.device.type == "cuda":
+        start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        stop = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        run(batch, full)  # warm-up (and primes owner-side state)
+        start.record()
+        run(batch, full)
+        stop.record()
+        stop.synchronize()
+        return float(start.elapsed_time(stop)) / 1e3
+    run(batch, full)  # warm-up (and primes owner-side state)
+    best = math.inf
+    spent = 0.0
+    for _ in range(3):
+        t0 = time.perf_counter()
+        run(batch, full)
+        elapsed = time.perf_counter() - t0
+        best, spent = min(best, elapsed), spent + elapsed
+        if spent > SHAPE_CAP_S:
+            break
+    return best
+
+
+def time_shape(
+    shape: Shape, table: StepTable, compute: ComputeFn, device: torch.device, rank: int
+) -> float:
+    """Seconds per matrix of the owner math for ``shape`` (every calibration phase)."""
+    total = 0.0
+    for phase, weight in table.calibration[shape.key]:
+        cache_key = (
+            _device_name(device),
+            torch.__version__,
+            table.config,
+            phase,
+            shape.key,
+            shape.m,
+            shape.n,
+            shape.k,
+            str(shape.dtype),
+        )
+        seconds = _CACHE.get(cache_key)
+        if seconds is None:
+            gen = torch.Generator(device=device).manual_seed(shape.m * 131 + shape.n)
+            full = torch.randn((shape.k, shape.m, shape.n), generator=gen, device=device).to(
+                shape.dtype
+            )
+            name = f"calibration/{shape.key}/{shape.m}x{shape.n}/{shape.dtype}/{phase}"
+            items = tuple(
+                Item(f"{name}/{j}", -1, None, shape.m, shape.n, (rank,), (rank,))
+                for j in range(shape.k)
+            )
+            batch = ComputeBatch(items, shape.key, table.hparams[shape.key], phase)
+            seconds = _time_call(compute, batch, full) / shape.k
+            _CACHE[cache_key] = seconds
+        total += weight * seconds
+    return total
+
+
+def measure_transfer(watchdog: Watchdog, device: torch.device) -> float:
+    """Bytes per second of an all-to-all between the ranks (the slowest rank's view)."""
+    key = (id(watchdog.group), watchdog.world, str(device))
+    cached = _RATES.get(key)
+    if cached is not None:
+        return cached
+    world = watchdog.world
+    numel = PROBE_BYTES // 4
+    inp = torch.zeros(numel, dtype=torch.float32, device=device)
+    out = torch.empty_like(inp)
+    splits = [numel // world] * world
+    splits[-1] += numel - sum(splits)
+    dist.all_to_all_single(out, inp, splits, splits, group=watchdog.group)  # warm-up
+    t0 = time.perf_counter()
+    dist.all_to_all_single(out, inp, splits, splits, group=watchdog.group)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=watchdog.group)
+    moved = PROBE_BYTES * (world - 1) / world  # the same number on every rank
+    rate = moved / max(float(elapsed.item()), 1e-9)
+    _RATES[key] = rate
+    return rate
+
+
+def calibrate(
+    shapes: Sequence[Shape],
+    table: StepTable,
+    compute: ComputeFn,
+    bases: Mapping[int, CostModel],
+    *,
+    watchdog: Watchdog,
+    device: torch.device,
+) -> GroupedCost:
+    """Time the owner math of every shape (within a budget), agree on one table, fit the rest.
+
+    Every rank times the shapes it can within :data:`BUDGET_S` (cheapest first; a shape
+    whose predicted time exceeds :data:`SHAPE_CAP_S`, or whose math raises, is not timed
+    there); one all-reduce takes
+    each shape's slowest time over the ranks, so every rank plans with identical numbers.
+    Shapes no rank timed are predicted per param group from a log-log fit of time against
+    the closed-form FLOPs of the timed ones. A small all-to-all measures the transfer rate.
+
+    Returns:
+        One :class:`~canzona.plan.measured.MeasuredCost` per param group (keyed by
+        ``str(batch_key)``), collective-identical on every rank.
+    """
+    order = sorted(
+        range(len(shapes)),
+        key=lambda i: bases[shapes[i].key].flops(MatrixSpec("s", (shapes[i].m, shapes[i].n))),
+    )
+    timed = [-1.0] * len(shapes)
+    spent = 0.0
+    rate = 0.0  # seconds per FLOP seen so far
+    for i in order:
+        s = shapes[i]
+        work = bases[s.key].flops(MatrixSpec("s", (s.m, s.n))) * s.k
+        if spent > BUDGET_S or (rate and work * rate > SHAPE_CAP_S):
+            continue
+        t0 = time.perf_counter()
+        try:
+            timed[i] = time_shape(s, table, compute, device, watchdog.rank)
+        except Exception:  # an untimeable shape is predicted; ranks must stay in step
+            timed[i] = -1.0
+        spent += time.perf_counter() - t0
+        if work > 0 and timed[i] > 0:
+            rate = max(rate, timed[i] * s.k / work)
+    agreed = timed
+    if watchdog.group is not None:
+        vec = torch.tensor(timed, dtype=torch.float64, device=device)
+        dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=watchdog.group)
+        agreed = [float(x) for x in vec.tolist()]
+    bytes_per_s = measure_transfer(watchdog, device) if watchdog.group is not None else 0.0
+    models: dict[str, CostModel] = {}
+    for key, base in bases.items():
+        mine = [(s, t) for s, t in zip(shapes, agreed, strict=True) if s.key == key and t >= 0]
+        points = [(base.flops(MatrixSpec("s", (s.m, s.n))), t) for s, t in mine]
+        models[str(key)] = MeasuredCost(
+            base=base,
+            table=tuple(((s.m, s.n), t) for s, t in mine),
+            fit=fit_loglog(points),
+            bytes_per_s=bytes_per_s,
+        )
+    return GroupedCost(models, name=next(iter(bases.values())).name)

@@ -1,0 +1,209 @@
+"""Split parameters (fused QKV, heads, stacks) equal their blocks as separate parameters."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.tensor.placement_types import Placement, Replicate, Shard, _StridedShard
+
+import canzona
+from canzona import Split
+
+from _cases import compare, full_tensors, grad_steps, plan, set_grads, sharded_params, strategies
+from _dist import mesh
+
+KW: dict[str, Any] = {"lr": 0.02, "weight_decay": 0.1, "momentum": 0.9}
+SHAPES: dict[str, tuple[int, ...]] = {
+    "qkv": (16, 12),  # q 8, k 4, v 4 rows: uneven blocks that straddle row shards
+    "o": (12, 16),  # four heads of 4 columns each
+    "experts": (3, 8, 6),  # a stack whose matrices split into two row blocks
+    "plain": (10, 12),  # an unsplit matrix in the same optimizer
+}
+SPLITS = {
+    "qkv": Split(dim=0, sizes=(8, 4, 4)),
+    "o": Split(dim=1, size=4),
+    "experts": Split(dim=0, size=4),
+}
+
+
+def _blocks(t: torch.Tensor, split: Split) -> list[torch.Tensor]:
+    """The blocks of a matrix (or of every matrix of a stack), as separate tensors."""
+    mats = [t] if t.ndim == 2 else list(t)
+    out = []
+    for mat in mats:
+        extent = mat.shape[split.dim]
+        for a, b in split.spans(extent):
+            out.append(mat[a:b] if split.dim == 0 else mat[:, a:b])
+    return out
+
+
+def _join(blocks: list[torch.Tensor], like: torch.Tensor, split: Split) -> torch.Tensor:
+    per = len(blocks) // (1 if like.ndim == 2 else like.shape[0])
+    mats = [torch.cat(blocks[i : i + per], dim=split.dim) for i in range(0, len(blocks), per)]
+    return mats[0] if like.ndim == 2 else torch.stack(mats)
+
+
+def reference_blocks(
+    fulls: dict[str, torch.Tensor], grads: list[dict[str, torch.Tensor]], make: Any
+) -> dict[str, torch.Tensor]:
+    """Each block of each split parameter as its own parameter of one optimizer ``make``."""
+    out: dict[str, torch.Tensor] = {}
+    for name, full in fulls.items():
+        split = SPLITS.get(name)
+        mats = _blocks(full, split) if split else ([full] if full.ndim == 2 else list(full))
+        ps = [nn.Parameter(m.clone()) for m in mats]
+        opt = make(ps)
+        for g in grads:
+            gs = (
+                _blocks(g[name], split)
+                if split
+                else ([g[name]] if full.ndim == 2 else list(g[name]))
+            )
+            for p, gg in zip(ps, gs, strict=True):
+                p.grad = gg.clone()
+            opt.step()
+        got = [p.detach() for p in ps]
+        out[name] = (
+            _join(got, full, split) if split else (got[0] if full.ndim == 2 else torch.stack(got))
+        )
+    return out
+
+
+def _groups(params: list[tuple[str, nn.Parameter]]) -> list[dict[str, Any]]:
+    groups: list[dict[str, Any]] = [
+        {"params": [(n, p)], "split": SPLITS[n]} for n, p in params if n in SPLITS
+    ]
+    plain = [(n, p) for n, p in params if n not in SPLITS]
+    return [*groups, {"params": plain}] if plain else groups
+
+
+def _case(
+    mesh_shape: tuple[int, ...], placements: dict[str, tuple[Placement, ...]]
+) -> dict[str, Any]:
+    fulls = full_tensors(SHAPES)
+    grads = grad_steps(SHAPES, 3)
+    want = reference_blocks(fulls, grads, lambda ps: torch.optim.Muon(ps, **KW))
+    dm = mesh(mesh_shape)
+    out: dict[str, Any] = {}
+    for strategy in strategies():
+        params = sharded_params(fulls, dm, placements)
+        opt = canzona.Muon(_groups(params), **KW, plan=plan(strategy))
+        for g in grads:
+            set_grads(params, g)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        got = {n: p.full_tensor() for n, p in params}
+        out[strategy] = compare(got, want)
+    return out
+
+
+def _assert_bitwise(per_rank: list[dict[str, Any]]) -> None:
+    for rank, results in enumerate(per_rank):
+        for case, comp in results.items():
+            bad = {n: rel for n, (eq, rel) in comp.items() if not eq}
+            assert not bad, f"rank {rank}, {case}: blocks not bitwise torch.optim.Muon: {bad}"
+
+
+def test_single_device_blocks_match_torch_muon() -> None:
+    fulls = full_tensors(SHAPES)
+    grads = grad_steps(SHAPES, 3)
+    want = reference_blocks(fulls, grads, lambda ps: torch.optim.Muon(ps, **KW))
+    params = [(n, nn.Parameter(t.clone())) for n, t in fulls.items()]
+    opt = canzona.Muon(_groups(params), **KW)
+    for g in grads:
+        set_grads(params, g)
+        opt.step()
+    got = {n: p.detach() for n, p in params}
+    for name, (eq, rel) in compare(got, want).items():
+        assert eq, f"{name}: {rel}"
+
+
+ROWS = {n: (Shard(0),) if len(s) == 2 else (Shard(1),) for n, s in SHAPES.items()}
+
+
+@pytest.mark.parametrize(
+    ("mesh_shape", "placements"),
+    [
+        ((4,), ROWS),
+        ((4,), {n: (Shard(len(s) - 1),) for n, s in SHAPES.items()}),
+        ((2, 2), {n: (Shard(len(s) - 2), Shard(len(s) - 1)) for n, s in SHAPES.items()}),
+        ((2, 2), {n: (Replicate(), Shard(len(s) - 2)) for n, s in SHAPES.items()}),
+    ],
+    ids=["rows", "columns", "2d", "hsdp"],
+)
+def test_blocks_on_meshes_match_torch_muon(dist: Any, mesh_shape: Any, placements: Any) -> None:
+    _assert_bitwise(dist(4).run(_case, mesh_shape, placements))
+
+
+def _fsdp_tp_case() -> dict[str, bool]:
+    """parallelize_module + fully_shard: q/k/v blocks cut through ``_StridedShard`` runs."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(12, 16, bias=False), nn.Linear(16, 12, bias=False))
+    fulls = {"qkv": ref[0].weight.detach().clone(), "o": ref[1].weight.detach().clone()}
+    model = nn.Sequential(nn.Linear(12, 16, bias=False), nn.Linear(16, 12, bias=False))
+    model.load_state_dict(ref.state_dict())
+    dm = mesh((2, 2), ("dp", "tp"))
+    parallelize_module(model, dm["tp"], {"0": ColwiseParallel(), "1": RowwiseParallel()})
+    fully_shard(model, mesh=dm["dp"])
+    names = {"0.weight": "qkv", "1.weight": "o"}
+    params = [(names[n], p) for n, p in model.named_parameters()]
+    assert "_StridedShard" in repr(params[0][1].placements)
+    gen = torch.Generator().manual_seed(5)
+    grads = [{n: torch.randn(t.shape, generator=gen) for n, t in fulls.items()} for _ in range(3)]
+    want = reference_blocks(fulls, grads, lambda ps: torch.optim.Muon(ps, **KW))
+    opt = canzona.Muon(_groups(params), **KW)
+    for g in grads:
+        set_grads(params, g)
+        opt.step()
+    return {n: bool(torch.equal(p.full_tensor(), want[n])) for n, p in params}
+
+
+def test_blocks_across_strided_shards_match_torch_muon(dist: Any) -> None:
+    for out in dist(4).run(_fsdp_tp_case):
+        assert out == {"qkv": True, "o": True}
+
+
+OWNER_KW: dict[str, dict[str, Any]] = {
+    "Shampoo": {"lr": 0.01, "precondition_frequency": 2, "start_preconditioning_step": 2},
+    "SOAP": {"lr": 0.01, "precondition_frequency": 2},
+}
+
+
+def _owner_case(name: str) -> dict[str, Any]:
+    """Shampoo/SOAP on blocks equal themselves on the separate blocks; a checkpoint taken
+    mid-run (per-block owner state) resumes on another plan and continues exactly."""
+    cls = getattr(canzona, name)
+    fulls = full_tensors(SHAPES)
+    grads = grad_steps(SHAPES, 4)
+    want = reference_blocks(fulls, grads, lambda ps: cls(ps, **OWNER_KW[name]))
+    params = sharded_params(fulls, mesh((4,)), ROWS)
+    opt = cls(_groups(params), **OWNER_KW[name])
+    for g in grads[:2]:
+        set_grads(params, g)
+        opt.step()
+    sd = opt.state_dict()
+    keys = sorted(k for k in sd["state"][0] if "#" in k)
+    opt = cls(_groups(params), **OWNER_KW[name], plan=plan("round_robin"))
+    opt.load_state_dict(sd)
+    for g in grads[2:]:
+        set_grads(params, g)
+        opt.step()
+    got = {n: p.full_tensor() for n, p in params}
+    return {"same": {n: eq for n, (eq, _) in compare(got, want).items()}, "keys": keys}
+
+
+@pytest.mark.parametrize("name", ["Shampoo", "SOAP"])
+def test_owner_state_per_block_matches_separate_blocks(dist: Any, name: str) -> None:
+    for out in dist(4).run(_owner_case, name):
+        assert all(out["same"].values()), out["same"]
+        assert out["keys"] and all(k.rsplit("#", 1)[1] in {"0", "1", "2"} for k in out["keys"])

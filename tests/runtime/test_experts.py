@@ -1,0 +1,83 @@
+"""Experts under expert parallelism: owners where the data already is, exact per expert."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed.tensor.placement_types import Placement, Shard
+
+import canzona
+
+from _cases import compare, full_tensors, grad_steps, reference_muon, set_grads, sharded_params
+from _dist import mesh
+
+KW: dict[str, Any] = {"lr": 0.02, "weight_decay": 0.1, "momentum": 0.9, "ns_dtype": torch.float32}
+REF_KW = {k: v for k, v in KW.items() if k != "ns_dtype"}
+
+
+def _experts_case(
+    mesh_shape: tuple[int, ...],
+    placements: dict[str, tuple[Placement, ...]],
+    shapes: dict[str, tuple[int, ...]],
+) -> dict[str, Any]:
+    fulls = full_tensors(shapes)
+    grads = grad_steps(shapes, 2)
+    params = sharded_params(fulls, mesh(mesh_shape), placements)
+    opt = canzona.Muon(params, **KW)
+    sent = []
+    for g in grads:
+        set_grads(params, g)
+        opt.step()
+        assert opt.last_step_stats is not None
+        sent.append(opt.last_step_stats.bytes_sent)
+    got = {n: p.full_tensor() for n, p in params}
+    # fp32 Newton–Schulz on both sides: torch.optim.Muon's op sequence in float32
+    want = _reference(fulls, grads)
+    return {"sent": sent, "same": {n: eq for n, (eq, _) in compare(got, want).items()}}
+
+
+def _reference(fulls: dict[str, torch.Tensor], grads: list[dict[str, torch.Tensor]]) -> Any:
+    params = [(n, torch.nn.Parameter(t.clone())) for n, t in fulls.items()]
+    opt = canzona.Muon(params, **KW)  # one device: canzona.Muon is torch.optim.Muon's update
+    for g in grads:
+        set_grads(params, g)
+        opt.step()
+    return {n: p.detach() for n, p in params}
+
+
+def test_expert_stack_sharded_over_experts_moves_no_bytes(dist: Any) -> None:
+    """Equal experts per rank: each expert is owned where it lies (0 bytes sent)."""
+    shapes = {"experts": (8, 64, 32)}
+    for out in dist(2).run(_experts_case, (2,), {"experts": (Shard(0),)}, shapes):
+        assert out["sent"] == [0, 0]
+        assert out["same"] == {"experts": True}
+
+
+@pytest.mark.parametrize(
+    "placements",
+    [(Shard(0), Shard(0)), (Shard(0), Shard(1))],
+    ids=["ep_then_fsdp_experts", "ep_then_fsdp_rows"],
+)
+def test_expert_parallel_on_a_2d_mesh(dist: Any, placements: tuple[Placement, ...]) -> None:
+    """(ep, dp) mesh: experts over ep; FSDP over dp shards experts (whole experts per rank,
+    no bytes for them) or rows (no rank holds an expert: balanced as usual)."""
+    shapes = {"experts": (8, 16, 12), "shared": (16, 12)}
+    pl = {"experts": placements, "shared": (Shard(0), Shard(1))}
+    for out in dist(4).run(_experts_case, (2, 2), pl, shapes):
+        assert out["same"] == {"experts": True, "shared": True}
+
+
+def test_single_device_reference_is_torch_muon_per_expert() -> None:
+    """The reference of this module: canzona.Muon on one device is torch.optim.Muon per expert."""
+    shapes = {"experts": (4, 6, 5)}
+    fulls, grads = full_tensors(shapes), grad_steps(shapes, 2)
+    want = reference_muon(fulls, grads, **REF_KW)
+    kw = {**KW, "ns_dtype": torch.bfloat16}
+    params = [(n, torch.nn.Parameter(t.clone())) for n, t in fulls.items()]
+    opt = canzona.Muon(params, **kw)
+    for g in grads:
+        set_grads(params, g)
+        opt.step()
+    assert torch.equal(params[0][1].detach(), want["experts"])
