@@ -22,6 +22,7 @@ _EXPORTS: dict[str, str] = {
     "micro_groups": "canzona.plan",
     "build_plan": "canzona.plan",
     "cost_model": "canzona.plan",
+    "Split": "canzona.plan",
     # runtime layer
     "PipelineConfig": "canzona.runtime",
     "PlanMismatchError": "canzona.runtime",
@@ -48,6 +49,7 @@ __all__ = [
     "PlanConfig",
     "PlanMismatchError",
     "Shampoo",
+    "Split",
     "UpdateFailedError",
     "__version__",
     "assign_owners",
@@ -65,6 +67,7 @@ if TYPE_CHECKING:  # pragma: no cover - import-time only for type checkers
         MicroGroup,
         Plan,
         PlanConfig,
+        Split,
         assign_owners,
         build_plan,
         cost_model,
