@@ -37,3 +37,30 @@ def test_shampoo_state_stays_on_cuda() -> None:
     opt.step()
     state = opt.state_dict()["state"][0]
     assert all(v.device.type == "cuda" for k, v in state.items() if k != "step")
+
+
+def test_a_healthy_step_does_not_synchronise_with_the_device() -> None:
+    """After the first step (kernel probes, plan), a step makes no device-to-host sync.
+
+    The syncs a distributed step makes are listed in docs/design.md (the header, the vote);
+    on one device there is neither, so ``set_sync_debug_mode("error")`` must stay quiet.
+    """
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    shapes = ((64, 32), (64, 32), (32, 96), (48, 48))
+    params = [nn.Parameter(torch.randn(s, device="cuda", generator=gen)) for s in shapes]
+    extra = nn.Parameter(torch.randn(7, device="cuda", generator=gen))
+    opt = canzona.Muon([{"params": params}, {"params": [extra], "algorithm": "adamw"}], lr=0.02)
+
+    def step() -> None:
+        for p in (*params, extra):
+            p.grad = torch.randn(p.shape, device="cuda", generator=gen)
+        opt.step()
+
+    step()  # first step: batched-kernel probes and planning read the device
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

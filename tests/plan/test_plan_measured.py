@@ -1,0 +1,77 @@
+"""MeasuredCost: seconds from a table, a fit for the rest, transfer time; a JSON round trip."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from canzona.plan import GroupedCost, MatrixSpec, MuonCost, assign_owners, build_plan
+from canzona.plan.measured import MeasuredCost, fit_loglog, load_cost_table, save_cost_table
+
+
+def test_fit_recovers_a_power_law() -> None:
+    points = [(x, 3e-9 * x**0.8) for x in (1e6, 1e7, 1e8)]
+    a, b = fit_loglog(points)
+    assert b == pytest.approx(0.8, rel=1e-12)
+    assert math.exp(a) == pytest.approx(3e-9, rel=1e-9)
+
+
+def test_one_point_fits_time_proportional_to_work() -> None:
+    assert fit_loglog([(1e6, 2e-3)])[1] == 1.0
+
+
+def test_table_then_fit_then_transfer() -> None:
+    base = MuonCost()
+    cost = MeasuredCost(base=base, table=(((64, 64), 2e-3),), fit=(math.log(1e-9), 1.0))
+    spec = MatrixSpec("w", (64, 64))
+    assert cost.flops(spec) == 2e-3  # measured
+    other = MatrixSpec("v", (32, 64))
+    assert cost.flops(other) == pytest.approx(1e-9 * base.flops(other), rel=1e-12)  # fitted
+    moving = MeasuredCost(base=base, table=cost.table, bytes_per_s=1e6)
+    assert moving.flops(spec) == pytest.approx(2e-3 + spec.nbytes / 1e6, rel=1e-12)
+
+
+def test_measured_seconds_not_flops_drive_the_owners() -> None:
+    """Two shapes whose FLOPs say "equal" but whose measured times differ 3x."""
+    specs = [MatrixSpec(f"a{i}", (64, 64)) for i in range(3)] + [
+        MatrixSpec(f"b{i}", (64, 64 + 1)) for i in range(3)
+    ]
+    flops = assign_owners(specs, 2, optimizer=MuonCost())
+    slow = MeasuredCost(base=MuonCost(), table=(((64, 64), 3.0), ((64, 65), 1.0)))
+    timed = assign_owners(specs, 2, optimizer=slow)
+    assert sorted(timed.loads) == [6.0, 6.0]  # two slow | one slow and three fast
+
+    def counts(a: object) -> list[int]:
+        owners = list(a.owner.values())  # type: ignore[attr-defined]
+        return sorted(owners.count(r) for r in (0, 1))
+
+    assert counts(flops) == [3, 3]  # FLOPs see six nearly equal matrices
+    assert counts(timed) == [2, 4]
+
+
+def test_the_digest_covers_the_table() -> None:
+    specs = [MatrixSpec("w", (64, 64))]
+    one = MeasuredCost(base=MuonCost(), table=(((64, 64), 1e-3),))
+    two = MeasuredCost(base=MuonCost(), table=(((64, 64), 2e-3),))
+    digest = [build_plan(specs, 2, optimizer=c).digest() for c in (one, two)]
+    assert digest[0] != digest[1]
+
+
+def test_save_and_load(tmp_path: Path) -> None:
+    cost = MeasuredCost(
+        base=MuonCost(ns_steps=3), table=(((8, 16), 1.5e-4),), fit=(-20.0, 0.9), bytes_per_s=5e8
+    )
+    path = tmp_path / "table.json"
+    save_cost_table(path, GroupedCost({"0": cost}), {"device": "cpu"})
+    loaded = load_cost_table(path)
+    assert loaded.params() == cost.params()
+    path.write_text("{}")
+    with pytest.raises(ValueError, match="not a canzona cost table"):
+        load_cost_table(path)
+
+
+def test_bad_seconds_are_refused() -> None:
+    with pytest.raises(ValueError, match="finite and >= 0"):
+        MeasuredCost(base=MuonCost(), table=(((8, 8), float("nan")),))

@@ -1,0 +1,88 @@
+"""Calibration on real ranks: one agreed table, per-group costs, a cache, flops on request."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.tensor.placement_types import Shard
+
+import canzona
+from canzona.plan.measured import MeasuredCost
+from canzona.runtime import calibrate as calibrate_module
+
+from _cases import full_tensors, grad_steps, plan, set_grads, sharded_params
+from _dist import mesh
+
+SHAPES = {"a": (16, 16), "b": (16, 16), "c": (24, 8), "d": (8, 24)}
+
+
+def _calibrated(cost: str) -> dict[str, Any]:
+    params = sharded_params(full_tensors(SHAPES), mesh((2,)), {n: (Shard(0),) for n in SHAPES})
+    calls: list[str | None] = []
+    original = canzona.Muon._directions
+
+    def spy(self: Any, batch: Any, full: torch.Tensor) -> torch.Tensor:
+        calls.append(batch.calibrate)
+        return original(self, batch, full)
+
+    canzona.Muon._directions = spy  # type: ignore[method-assign]
+    try:
+        opt = canzona.Muon(params, lr=0.02, ns_dtype=torch.float32, plan=plan(cost=cost))
+        set_grads(params, grad_steps(SHAPES, 1)[0])
+        opt.step()
+        first = sum(c is not None for c in calls)
+        again = canzona.Muon(params, lr=0.02, ns_dtype=torch.float32, plan=plan(cost=cost))
+        again.step()
+        second = sum(c is not None for c in calls) - first
+    finally:
+        canzona.Muon._directions = original  # type: ignore[method-assign]
+    model = opt._runtime.plan.optimizer
+    measured = [m for m in model.models.values() if isinstance(m, MeasuredCost)]
+    return {
+        "kind": type(next(iter(model.models.values()))).__name__,
+        "params": model.params(),
+        "timed_calls": first,
+        "calls_after_cache": second,
+        "shapes": sorted(tuple(k) for m in measured for k, _ in m.table),
+    }
+
+
+def test_measured_costs_are_agreed_and_cached(dist: Any) -> None:
+    out = dist(2).run(_calibrated, "measured")
+    assert out[0]["params"] == out[1]["params"]  # one table on every rank
+    for o in out:
+        assert o["kind"] == "MeasuredCost"
+        assert o["shapes"] == [(8, 24), (16, 16), (24, 8)]  # every distinct shape timed
+        assert o["timed_calls"] > 0
+        assert o["calls_after_cache"] == 0  # the same settings and shapes: no timing again
+
+
+def test_flops_on_request(dist: Any) -> None:
+    for o in dist(2).run(_calibrated, "flops"):
+        assert o["kind"] == "MuonCost"
+        assert o["timed_calls"] == 0
+
+
+def _group_costs() -> dict[str, Any]:
+    params = sharded_params(full_tensors(SHAPES), mesh((2,)), {n: (Shard(0),) for n in SHAPES})
+    groups = [
+        {"params": params[:2], "precondition_frequency": 1},
+        {"params": params[2:], "precondition_frequency": 7, "max_precond_dim": 16},
+    ]
+    opt = canzona.Shampoo(groups, lr=0.01, plan=plan(cost="flops"))
+    set_grads(params, grad_steps(SHAPES, 1)[0])
+    opt.step()
+    return opt._runtime.plan.canonical()["optimizer"]
+
+
+def test_the_plan_costs_each_groups_own_hyper_parameters(dist: Any) -> None:
+    """A user's precondition_frequency=1 is planned as 1 (not the class default 20)."""
+    for o in dist(2).run(_group_costs):
+        models = o["params"]
+        assert models["0"]["params"]["precondition_frequency"] == 1
+        assert models["1"]["params"] == {"precondition_frequency": 7, "max_precond_dim": 16}
+
+
+def test_calibration_cache_key_names_the_device() -> None:
+    assert calibrate_module._device_name(torch.device("cpu")).startswith("cpu:")
