@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
-from torch.distributed.tensor.placement_types import Placement, Replicate, Shard, _StridedShard
+from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
 import canzona
 from canzona import Split
