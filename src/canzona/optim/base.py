@@ -458,6 +458,7 @@ class MatrixOptimizer(CheckpointMixin, Optimizer):
             txn.rollback()
             self._state_generation += 1  # states created in the step are gone
             raise
+        stats.backup_bytes = txn.backup_bytes + self._owner.backup_bytes
         txn.commit()
         self._owner.commit()
         assert work is not None  # a failed prepare fails the vote

@@ -31,12 +31,14 @@ class OwnerState:
         self.states: dict[Key, State] = {}
         self._atomic = False
         self._touched: dict[Key, State | None] = {}
+        self.backup_bytes = 0  # what the copies of this step hold
 
     # ------------------------------------------------------------------ step
     def begin(self, *, atomic: bool) -> None:
         """Start protecting state changes (copies are taken only when ``atomic``)."""
         self._atomic = atomic
         self._touched = {}
+        self.backup_bytes = 0
 
     def get(self, item: Item) -> State:
         """The state of ``item`` for this step's computation (created when missing)."""
@@ -46,7 +48,9 @@ class OwnerState:
             if state is None:
                 self._touched[key] = None
             elif self._atomic:
-                self._touched[key] = {k: v.clone() for k, v in state.items()}
+                copy = {k: v.clone() for k, v in state.items()}
+                self._touched[key] = copy
+                self.backup_bytes += sum(v.numel() * v.element_size() for v in copy.values())
         if state is None:
             state = self.fresh(item)
             self.states[key] = state

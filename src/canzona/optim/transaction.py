@@ -37,6 +37,11 @@ class Backup:
             buf.release()
             self._parts.append((buf, ts, views))
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes the copies hold."""
+        return sum(buf.tensor.numel() * buf.tensor.element_size() for buf, _, _ in self._parts)
+
     def take(self) -> None:
         """Copy the tensors."""
         for buf, ts, views in self._parts:
@@ -73,6 +78,7 @@ class StepTransaction:
         self._steps: list[Tensor] = []
         self._saved: list[Backup] = []
         self._undo: list[Callable[[], None]] = []
+        self.backup_bytes = 0
 
     def created(self, container: dict[Any, Any], key: Any) -> None:
         """``container[key]`` was created in this step (removed on rollback)."""
@@ -89,6 +95,7 @@ class StepTransaction:
         if self.atomic:
             backup.take()
             self._saved.append(backup)
+            self.backup_bytes += backup.nbytes
 
     def on_rollback(self, undo: Callable[[], None]) -> None:
         """Run ``undo`` on rollback (e.g. the owner-held state's own restore)."""

@@ -34,6 +34,8 @@ class StepStats:
     time on this thread (they differ when processes share cores); ``wait_s`` is time
     blocked on collectives; ``apply_s`` the time writing directions into the parameters
     after the step's success vote; ``total_s`` is the whole matrix phase of the step.
+    ``backup_bytes`` is what the optimizer copied to undo a failed step
+    (``PipelineConfig(atomic=True)``): the extra memory a step holds for atomicity.
     """
 
     rank: int = 0
@@ -48,6 +50,7 @@ class StepStats:
     wait_s: float = 0.0
     apply_s: float = 0.0
     total_s: float = 0.0
+    backup_bytes: int = 0
     skipped: bool = False
     group_compute_s: list[float] = field(default_factory=list)
 
@@ -66,6 +69,7 @@ class StepStats:
             "wait_s": self.wait_s,
             "apply_s": self.apply_s,
             "total_s": self.total_s,
+            "backup_bytes": self.backup_bytes,
             "skipped": self.skipped,
         }
 
