@@ -18,7 +18,7 @@ from canzona.plan.cost import (
     SoapCost,
     cost_model,
 )
-from canzona.plan.groups import MicroGroup, micro_groups
+from canzona.plan.micro_groups import MicroGroup, micro_groups
 from canzona.plan.spec import MatrixSpec
 from canzona.plan.split import Split
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from canzona.plan.assign import STRATEGIES, Assignment, assign_owners
 from canzona.plan.cost import CostModel, cost_model_params, resolve_cost_model
-from canzona.plan.groups import MicroGroup, micro_groups
+from canzona.plan.micro_groups import MicroGroup, micro_groups
 from canzona.plan.spec import MatrixSpec, check_specs
 
 __all__ = ["DIGEST_FORMAT", "MIB", "Plan", "PlanConfig", "build_plan"]
