@@ -209,6 +209,9 @@ class MatrixOptimizer(CheckpointMixin, Optimizer):
 
     def _check_names_and_shapes(self, group: dict[str, Any]) -> None:
         split = group.get("split")
+        flatten = group.get("flatten", False)
+        if not isinstance(flatten, bool):
+            raise ValueError(f"a param group's flatten must be a bool, got {flatten!r}")
         if split is not None and not isinstance(split, Split):
             raise ValueError(f"a param group's split must be a canzona.Split, got {split!r}")
         if split is not None and group.get("algorithm") == ADAMW:
@@ -229,7 +232,9 @@ class MatrixOptimizer(CheckpointMixin, Optimizer):
             validate_param(label, p)
             if group.get("algorithm") == ADAMW:
                 continue
-            if p.ndim not in (2, 3):
+            if flatten and p.ndim >= 2:
+                pass  # updated as its (shape[0], rest) matricisation
+            elif p.ndim not in (2, 3):
                 raise ValueError(
                     f"parameter {label!r} ({tuple(p.shape)}) is {p.ndim}-D; "
                     f"{type(self).__name__} updates 2-D matrices and 3-D stacks of matrices "
@@ -239,7 +244,8 @@ class MatrixOptimizer(CheckpointMixin, Optimizer):
             if torch.is_complex(p):
                 raise ValueError(f"parameter {label!r}: complex dtype {p.dtype} is not supported")
             if split is not None:
-                split.shapes(p.shape[-2], p.shape[-1], name=f"parameter {label!r}")
+                m, n = (p.shape[0], p[0].numel()) if flatten and p.ndim > 2 else p.shape[-2:]
+                split.shapes(m, n, name=f"parameter {label!r}")
 
     def _flat(self) -> tuple[list[Tensor], list[str], list[int]]:
         """Every parameter, its name and the index of its param group, in optimizer order."""
@@ -336,6 +342,7 @@ class MatrixOptimizer(CheckpointMixin, Optimizer):
                     len(g["params"]),
                     g["algorithm"],
                     g.get("split"),
+                    bool(g.get("flatten")),
                     self._row_signature(g),
                     tuple(sorted(self._cost_params(g).items())) if g["algorithm"] != ADAMW else (),
                 )
@@ -356,6 +363,7 @@ class MatrixOptimizer(CheckpointMixin, Optimizer):
                     self._direction_dtype(params[i], groups[gids[i]]),
                     gids[i],
                     groups[gids[i]].get("split"),
+                    bool(groups[gids[i]].get("flatten")) and params[i].ndim > 2,
                 )
                 for i in matrix
             ]
@@ -366,7 +374,13 @@ class MatrixOptimizer(CheckpointMixin, Optimizer):
                 rows=tuple(rows),
                 hparams=(),
                 fingerprint="",
-                config=repr((self._config_repr(), cost, [g.get("split") for g in groups])),
+                config=repr(
+                    (
+                        self._config_repr(),
+                        cost,
+                        [(g.get("split"), bool(g.get("flatten"))) for g in groups],
+                    )
+                ),
                 version=self._table_version,
                 cost=cost,
                 calibration=tuple(self._calibration_phases(g) for g in groups),

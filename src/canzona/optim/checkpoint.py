@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -24,6 +25,18 @@ ADAMW_KEYS = ("step", "exp_avg", "exp_avg_sq")
 
 def _shape(value: Any) -> tuple[int, ...] | None:
     return tuple(value.shape) if isinstance(value, Tensor) else None
+
+
+def _is_stack(p: Tensor, group: dict[str, Any]) -> bool:
+    """A 3-D parameter of a matrix group is a stack of matrices unless matricised."""
+    return p.ndim == 3 and not group.get("flatten")
+
+
+def _matrix_shape(p: Tensor, group: dict[str, Any]) -> tuple[int, int]:
+    """Rows and columns of one matrix of ``p`` (a matricised weight: first dim by the rest)."""
+    if group.get("flatten") and p.ndim > 2:
+        return p.shape[0], math.prod(p.shape[1:])
+    return p.shape[-2], p.shape[-1]
 
 
 def _is_number(value: Any) -> bool:
@@ -74,13 +87,18 @@ class CheckpointMixin:
     ) -> dict[str, tuple[tuple[int, ...], torch.dtype, int | None]]:
         """Owner-held state of ``p``'s matrices: key -> (shape, dtype, block).
 
-        A split parameter has one state per block, under ``"<key>#<block>"``.
+        A split parameter has one state per block, under ``"<key>#<block>"``; a
+        matricised N-D weight (``flatten``) the state of its ``(shape[0], rest)`` matrix.
         """
+        m, n = _matrix_shape(p, group)
         split = group.get("split")
-        if split is None or p.ndim not in (2, 3):
-            return {k: (shape, dt, None) for k, (shape, dt) in self._owner_specs(p, group).items()}
+        if split is None:
+            mat = torch.empty((m, n), dtype=p.dtype, device="meta")
+            return {
+                k: (shape, dt, None) for k, (shape, dt) in self._owner_specs(mat, group).items()
+            }
         out: dict[str, tuple[tuple[int, ...], torch.dtype, int | None]] = {}
-        for j, shape in enumerate(split.shapes(p.shape[-2], p.shape[-1])):
+        for j, shape in enumerate(split.shapes(m, n)):
             block = torch.empty(shape, dtype=p.dtype, device="meta")
             for k, (s, dt) in self._owner_specs(block, group).items():
                 out[f"{k}#{j}"] = (s, dt, j)
@@ -107,8 +125,9 @@ class CheckpointMixin:
             p, group = params[i], groups[i]
             if group["algorithm"] == ADAMW or p.numel() == 0:
                 continue
+            stack = p.shape[0] if _is_stack(p, group) else 0
             for key, (shape, dtype, block) in self._state_specs(p, group).items():
-                entries.append(StateEntry(i, key, shape, dtype, block))
+                entries.append(StateEntry(i, key, shape, dtype, block, stack))
         return entries
 
     def _stepped_entries(self, params: list[Tensor], gids: list[int]) -> list[StateEntry]:
@@ -167,7 +186,7 @@ class CheckpointMixin:
             return keys
         for key in self.storage_keys:
             keys[key] = tuple(p.shape)
-        lead = (p.shape[0],) if p.ndim == 3 else ()
+        lead = (p.shape[0],) if _is_stack(p, group) else ()
         for key, (shape, _, _) in self._state_specs(p, group).items():
             keys[key] = (*lead, *shape)
         return keys

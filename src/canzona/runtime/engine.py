@@ -311,6 +311,9 @@ class MatrixRuntime:
             table.matrix,
             replica_dedup=self.plan_config.replica_dedup,
             splits=splits,
+            flatten=frozenset(
+                p for p, row in zip(table.matrix, table.rows, strict=True) if row.flatten
+            ),
         )
         grouped = table.cost is not None and not isinstance(table.cost, str)
         specs = plan_specs(

@@ -450,14 +450,14 @@ def _apply(
         ):
             batch.directions += data.unbind(0)  # 2-D parameters: one matrix each
             batch.params += [t.param for t in d.targets]
-            batch.targets += [local_tensor(tensors[t.param]) for t in d.targets]
+            batch.targets += [_local(tensors, t) for t in d.targets]
             continue
         i = 0
         for t in d.targets:
             if t.pos is not None and t.rows is None and t.rects is None:
                 stacks.setdefault(t.param, (batch, []))[1].append((t, data, i))
             else:
-                _add_target(batch, t, local_tensor(tensors[t.param]), data, i)
+                _add_target(batch, t, _local(tensors, t), data, i)
             i += t.count
     for p, (batch, parts) in stacks.items():
         local = local_tensor(tensors[p])
@@ -473,6 +473,12 @@ def _apply(
         batch.params.append(p)
     for batch in batches.values():
         apply(batch)
+
+
+def _local(tensors: Sequence[torch.Tensor], t: Target) -> torch.Tensor:
+    """A target parameter's local shard (a matricised N-D weight as its ``(rows, rest)``)."""
+    local = local_tensor(tensors[t.param])
+    return local.view(local.shape[0], -1) if t.flat else local
 
 
 def _add_target(

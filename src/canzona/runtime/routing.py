@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -33,6 +34,8 @@ class Item:
         block: Index of the block when the parameter is split (None otherwise).
         span: ``(start, stop)`` of the block along the split dimension.
         dim: The split dimension of the matrix (0 rows, 1 columns).
+        flat: The parameter is an N-D weight updated as its ``(shape[0], rest)``
+            matricisation (e.g. a convolution's ``(out, in·kh·kw)``).
     """
 
     name: str
@@ -45,6 +48,7 @@ class Item:
     block: int | None = None
     span: tuple[int, int] | None = None
     dim: int = 0
+    flat: bool = False
 
     @property
     def key(self) -> tuple[int, int | None, int | None, int]:
@@ -82,22 +86,26 @@ def build_items(
     *,
     replica_dedup: bool,
     splits: Mapping[int, Split] | None = None,
+    flatten: frozenset[int] = frozenset(),
 ) -> list[Item]:
     """List every matrix of the given parameters, for every copy, replica unit and block.
 
     The list is identical on every rank (it depends only on agreed information).
+    Parameters in ``flatten`` are matrices ``(shape[0], rest)`` whatever their rank.
     """
     items: list[Item] = []
     splits = splits or {}
     for index in matrix_params:
         layout = topology.layouts[index]
+        flat = index in flatten
         units = [
             (copy, unit)
             for copy in topology.param_copies(index)
             for unit in _units(layout, copy, replica_dedup)
         ]
-        leads: list[int | None] = list(range(layout.shape[0])) if len(layout.shape) == 3 else [None]
-        m, n = layout.shape[-2], layout.shape[-1]
+        stack = len(layout.shape) == 3 and not flat
+        leads: list[int | None] = list(range(layout.shape[0])) if stack else [None]
+        m, n = (layout.shape[0], math.prod(layout.shape[1:])) if flat else layout.shape[-2:]
         split = splits.get(index)
         blocks: list[tuple[int | None, tuple[int, int] | None, int, int]] = [(None, None, m, n)]
         if split is not None:
@@ -116,7 +124,9 @@ def build_items(
                     if len(units) > 1:
                         name += f"@{u}"
                     dim = split.dim if split is not None else 0
-                    items.append(Item(name, index, lead, bm, bn, copy, unit, block, span, dim))
+                    items.append(
+                        Item(name, index, lead, bm, bn, copy, unit, block, span, dim, flat)
+                    )
     return items
 
 
@@ -164,7 +174,8 @@ def item_holders(items: Sequence[Item], topology: Topology) -> dict[str, tuple[i
             key = (item.param, pos_of[r])
             frag = frags.get(key)
             if frag is None:
-                frag = fragment_for(layout.shape, layout.mesh_shape, layout.placements, coord)
+                whole = fragment_for(layout.shape, layout.mesh_shape, layout.placements, coord)
+                frag = matrix_fragment(whole, layout, item)
                 frags[key] = frag
             if _holds(frag, item):
                 found.append(r)
@@ -241,6 +252,26 @@ def _restrict(frag: Fragment, dim: int, span: tuple[int, int]) -> tuple[Fragment
     return Fragment(tuple(runs)), (parts[0], parts[1])
 
 
+def matrix_fragment(frag: Fragment, layout: ParamLayout, item: Item) -> Fragment:
+    """A fragment of a matricised N-D weight as a fragment of its ``(shape[0], rest)`` matrix.
+
+    Raises:
+        LayoutError: when a dimension past the first is sharded (the rows of the matrix
+            would not be whole runs of columns).
+    """
+    if not item.flat or len(frag.runs) == 2:
+        return frag
+    rest = math.prod(layout.shape[1:])
+    for size, runs in zip(layout.shape[1:], frag.runs[1:], strict=True):
+        if runs != ((0, size),):
+            raise LayoutError(
+                f"parameter {layout.name!r} ({layout.shape}, placements {layout.placements}) is "
+                "updated as a matrix of its first dimension by the rest; that needs every "
+                "dimension but the first unsharded"
+            )
+    return Fragment((frag.runs[0], ((0, rest),) if frag.runs[0] else ()))
+
+
 def _item_part(
     layout: ParamLayout, coord: tuple[int, ...], item: Item
 ) -> tuple[Fragment | None, int | None, LocalPart | None]:
@@ -249,7 +280,9 @@ def _item_part(
     For a block the fragment is in block coordinates and the local part says where it sits
     in the rank's local matrix; for a 3-D stack the position is the lead's local index.
     """
-    frag = fragment_for(layout.shape, layout.mesh_shape, layout.placements, coord)
+    frag = matrix_fragment(
+        fragment_for(layout.shape, layout.mesh_shape, layout.placements, coord), layout, item
+    )
     pos = None
     if item.lead is not None:
         pos = frag.position(item.lead)

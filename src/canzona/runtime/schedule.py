@@ -116,6 +116,7 @@ class Target:
             (the target is that row range viewed as ``(count, rows // count, cols)``).
         rects: One block in several pieces: per piece ``(fragment rows, fragment columns,
             local rows, local columns)`` as ``(start, stop)`` pairs.
+        flat: The parameter is an N-D weight updated as its ``(rows, rest)`` matrix.
     """
 
     param: int
@@ -123,6 +124,7 @@ class Target:
     count: int = 1
     rows: tuple[int, int] | None = None
     rects: tuple[tuple[tuple[int, int], ...], ...] | None = None
+    flat: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -381,11 +383,20 @@ class ScheduleBuilder:
         return schedule
 
     # ------------------------------------------------------------------ pieces
+    def _local_matrix(self, item: Item) -> tuple[int, int]:
+        """Rows and columns of one local matrix of ``item``'s parameter."""
+        shape = self.local_shapes[item.param]
+        if item.flat:
+            return shape[0], _numel(shape[1:])
+        return shape[-2], shape[-1]
+
     def _matrix_view(self, item: Item, route: Route) -> torch.Tensor:
         """This rank's local payload matrix of ``item``'s parameter (the lead for a stack)."""
         cls, off = self.layout.views[item.param]
         shape = self.local_shapes[item.param]
         view = self.payloads[cls].view(off, shape)
+        if item.flat:
+            return view.view(self._local_matrix(item))
         return view if route.pos is None else view[route.pos]
 
     def _item_range(self, item: Item, route: Route) -> tuple[int, int, int] | None:
@@ -396,7 +407,7 @@ class ScheduleBuilder:
         """
         assert route.frag is not None
         cls, off = self.layout.views[item.param]
-        lm, ln = self.local_shapes[item.param][-2:]
+        lm, ln = self._local_matrix(item)
         if route.pos is not None:
             off += route.pos * lm * ln
         if route.local is None:
@@ -450,12 +461,12 @@ class ScheduleBuilder:
 
     def _target(self, item: Item, route: Route) -> Target:
         if route.local is None:
-            return Target(item.param, route.pos)
+            return Target(item.param, route.pos, flat=item.flat)
         rows, cols = route.local
-        ln = self.local_shapes[item.param][-1]
+        ln = self._local_matrix(item)[1]
         if item.dim == 0 and len(rows) == 1 and cols == ((0, ln),):
-            return Target(item.param, route.pos, 1, rows[0])
-        return Target(item.param, route.pos, 1, None, _rects(rows, cols))
+            return Target(item.param, route.pos, 1, rows[0], flat=item.flat)
+        return Target(item.param, route.pos, 1, None, _rects(rows, cols), flat=item.flat)
 
     def _local(self) -> tuple[list[OwnerBatch], list[tuple[Piece, Delivery]]]:
         batches: list[OwnerBatch] = []
@@ -707,7 +718,8 @@ def _merge(last: Target, new: Target) -> Target | None:
     if last.rows is not None and new.rows is not None and last.pos == new.pos:
         height = (last.rows[1] - last.rows[0]) // last.count
         if last.rows[1] == new.rows[0] and new.rows[1] - new.rows[0] == height:
-            return Target(last.param, last.pos, last.count + 1, (last.rows[0], new.rows[1]))
+            rows = (last.rows[0], new.rows[1])
+            return Target(last.param, last.pos, last.count + 1, rows, flat=last.flat)
     return None
 
 

@@ -29,6 +29,8 @@ class StateEntry:
         dtype: Its dtype.
         block: For a split parameter, the block this state belongs to (each block has its
             own state and its own checkpoint tensor); None otherwise.
+        stack: For a 3-D stack of matrices, how many (the checkpoint tensor gets that leading
+            dimension); 0 for a matrix.
     """
 
     param: int
@@ -36,6 +38,7 @@ class StateEntry:
     shape: tuple[int, ...]
     dtype: torch.dtype
     block: int | None = None
+    stack: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +81,7 @@ def checkpoint_placements(layout: ParamLayout, dedup: bool) -> tuple[Placement, 
 
 
 def _global_shape(layout: ParamLayout, entry: StateEntry) -> tuple[int, ...]:
-    return (layout.shape[0], *entry.shape) if len(layout.shape) == 3 else entry.shape
+    return (entry.stack, *entry.shape) if entry.stack else entry.shape
 
 
 def _fragment(

@@ -23,12 +23,14 @@ class ParamRow:
         batch_key: The parameter's param group: matrices are computed and applied together
             only when they share it (one set of hyper-parameters per call).
         split: The parameter is several matrices (blocks) along one dimension.
+        flatten: The parameter (N-D) is updated as its ``(shape[0], rest)`` matricisation.
     """
 
     payload_dtype: torch.dtype
     direction_dtype: torch.dtype
     batch_key: int
     split: Split | None = None
+    flatten: bool = False
 
     @property
     def itemsize(self) -> int:
