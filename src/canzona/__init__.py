@@ -31,6 +31,7 @@ _EXPORTS: dict[str, str] = {
     "UpdateFailedError": "canzona.runtime",
     # optimizer front classes
     "Muon": "canzona.optim",
+    "NorMuon": "canzona.optim",
     "Shampoo": "canzona.optim",
     "SOAP": "canzona.optim",
     "param_groups": "canzona.optim",
@@ -44,6 +45,7 @@ __all__ = [
     "MatrixSpec",
     "MicroGroup",
     "Muon",
+    "NorMuon",
     "PipelineConfig",
     "Plan",
     "PlanConfig",
@@ -60,7 +62,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # pragma: no cover - import-time only for type checkers
-    from canzona.optim import SOAP, Muon, Shampoo, param_groups
+    from canzona.optim import SOAP, Muon, NorMuon, Shampoo, param_groups
     from canzona.plan import (
         Assignment,
         MatrixSpec,

@@ -16,7 +16,9 @@ if TYPE_CHECKING:
 __all__ = ["main"]
 
 PROG = "canzona demo"
-OPTIMIZERS = ("muon", "shampoo", "soap")  # canzona.demo.train.OPTIMIZERS, without importing torch
+OPTIMIZERS = ("muon", "normuon", "shampoo", "soap")  # canzona.demo.train.OPTIMIZERS, no torch
+# canzona.updates.NS_SCHEDULES, without importing torch
+NS_COEFFICIENTS = ("quintic", "polar_express", "tuned_quintic", "qwen_express")
 MESHES = {1: "one process", 2: "FSDP on a (2,) mesh", 4: "FSDP×TP on a (dp=2, tp=2) mesh"}
 
 
@@ -65,6 +67,11 @@ def _parser() -> argparse.ArgumentParser:
         help="ranks: 4 = FSDP×TP on (2, 2), 2 = FSDP on (2,), 1 = one process",
     )
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="muon")
+    parser.add_argument(
+        "--ns-coefficients",
+        choices=NS_COEFFICIENTS,
+        help="Newton–Schulz coefficient set of muon and normuon (default: torch's quintic)",
+    )
     parser.add_argument("--seed", type=_seed, default=0, help="model init and batch order")
     parser.add_argument("--plot", type=Path, metavar="FILE.png", help="write the loss curves")
     return parser
@@ -147,8 +154,10 @@ def summary_lines(result: dict[str, Any], settings: DemoSettings) -> list[str]:
 
     runs = result["runs"]
     lr, adamw_lr = LEARNING_RATES[settings.optimizer]
+    schedule = f" ({settings.ns_coefficients})" if settings.ns_coefficients else ""
     described = {
-        "canzona": f"lr {lr:g} on matrices, AdamW lr {adamw_lr:g} on embedding/head/norms",
+        "canzona": f"lr {lr:g} on matrices{schedule}, AdamW lr {adamw_lr:g} on "
+        "embedding/head/norms",
         "adamw": f"torch.optim.AdamW on every parameter, lr {BASELINE_LR:g}",
     }
     lines = [
@@ -210,6 +219,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else 2
     try:
         _check_plot(args.plot)
+        if args.ns_coefficients is not None and args.optimizer not in ("muon", "normuon"):
+            raise _UsageError(
+                f"--ns-coefficients applies to muon and normuon, not {args.optimizer}"
+            )
     except _UsageError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
@@ -219,7 +232,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     from canzona.demo.train import DemoSettings, describe, run_demo
 
     settings = DemoSettings(
-        steps=args.steps, world=args.world, optimizer=args.optimizer, seed=args.seed
+        steps=args.steps,
+        world=args.world,
+        optimizer=args.optimizer,
+        ns_coefficients=args.ns_coefficients,
+        seed=args.seed,
     )
     began = time.perf_counter()
     print(describe(settings, MESHES[settings.world]), flush=True)

@@ -18,6 +18,7 @@ from torch.optim.lr_scheduler import LambdaLR
 import canzona
 from canzona.demo.data import Corpus, shard_rows
 from canzona.demo.model import DecoderConfig, QwenDecoder, parallelize
+from canzona.updates import NS_SCHEDULES
 
 __all__ = [
     "OPTIMIZERS",
@@ -30,15 +31,20 @@ __all__ = [
 ]
 
 #: Matrix optimizers the demo trains with, and their canzona classes.
-CLASS_NAMES = {"muon": "Muon", "shampoo": "Shampoo", "soap": "SOAP"}
+CLASS_NAMES = {"muon": "Muon", "normuon": "NorMuon", "shampoo": "Shampoo", "soap": "SOAP"}
 OPTIMIZERS = tuple(CLASS_NAMES)
+#: Optimizers that take ``ns_coefficients`` (``--ns-coefficients``).
+NEWTON_SCHULZ = ("muon", "normuon")
 
 #: (matrix lr, AdamW lr of embedding/head/norms) per optimizer, from sweeps on this model and
 #: corpus (80 and 100 steps, batch 16x64, seeds 0 and 1; one process, whose trajectory the
 #: sharded layouts reproduce): Muon lr in {0.01, 0.02, 0.04, 0.06, 0.08}, Shampoo and SOAP lr
-#: in {3e-3, 6e-3, 1e-2}. Weight decay is off in every run (short runs; same for all).
+#: in {3e-3, 6e-3, 1e-2}. Weight decay is off in every run (short runs; same for all). NorMuon
+#: runs in its authors' convention (``rescale="preserve_norm"``, ``adjust_lr_fn="original"``:
+#: steps of Muon's size), so it takes Muon's learning rates.
 LEARNING_RATES: dict[str, tuple[float, float]] = {
     "muon": (0.04, 6e-3),
+    "normuon": (0.04, 6e-3),
     "shampoo": (6e-3, 6e-3),
     "soap": (1e-2, 6e-3),
 }
@@ -57,7 +63,9 @@ class DemoSettings:
     Attributes:
         steps: Training steps of each run.
         world: Ranks: 1 (one process), 2 (FSDP) or 4 (FSDP×TP on a 2×2 mesh).
-        optimizer: ``"muon"``, ``"shampoo"`` or ``"soap"``.
+        optimizer: ``"muon"``, ``"normuon"``, ``"shampoo"`` or ``"soap"``.
+        ns_coefficients: A registered Newton–Schulz coefficient set for ``"muon"`` and
+            ``"normuon"`` (e.g. ``"polar_express"``); None keeps the optimizer's default.
         seed: Model initialisation and batch order.
         batch_size: Global batch (sequences), split over the data-parallel ranks.
         seq_len: Bytes per sequence.
@@ -70,6 +78,7 @@ class DemoSettings:
     steps: int = 80
     world: int = 4
     optimizer: str = "muon"
+    ns_coefficients: str | None = None
     seed: int = 0
     batch_size: int = 16
     seq_len: int = 64
@@ -85,6 +94,17 @@ class DemoSettings:
             raise ValueError(f"world must be 1, 2 or 4, got {self.world!r}")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+        if self.ns_coefficients is not None:
+            if self.optimizer not in NEWTON_SCHULZ:
+                raise ValueError(
+                    f"ns_coefficients applies to {' and '.join(NEWTON_SCHULZ)}, not "
+                    f"{self.optimizer!r}"
+                )
+            if self.ns_coefficients not in NS_SCHEDULES:
+                raise ValueError(
+                    f"ns_coefficients must be one of {sorted(NS_SCHEDULES)}, "
+                    f"got {self.ns_coefficients!r}"
+                )
         if self.batch_size % self.data_parallel:
             raise ValueError(
                 f"batch_size {self.batch_size} must split over {self.data_parallel} ranks"
@@ -130,14 +150,25 @@ def _build_model(settings: DemoSettings, mesh: Any) -> QwenDecoder:
 
 
 def make_optimizer(
-    model: nn.Module, name: str, *, strategy: str = "canzona"
+    model: nn.Module,
+    name: str,
+    *,
+    strategy: str = "canzona",
+    ns_coefficients: str | None = None,
 ) -> canzona.optim.MatrixOptimizer:
     """The demo's canzona optimizer: matrices with ``name``, embedding/head/norms with AdamW."""
     lr, adamw_lr = LEARNING_RATES[name]
     groups = canzona.param_groups(model, lr=lr, adamw={"lr": adamw_lr, "weight_decay": 0.0})
     plan = canzona.PlanConfig(strategy=strategy)
-    if name == "muon":
-        return canzona.Muon(groups, lr=lr, weight_decay=0.0, ns_dtype=torch.float32, plan=plan)
+    if name in NEWTON_SCHULZ:
+        kw: dict[str, Any] = {"weight_decay": 0.0, "ns_dtype": torch.float32, "plan": plan}
+        if ns_coefficients is not None:
+            kw["ns_coefficients"] = ns_coefficients
+        if name == "normuon":
+            return canzona.NorMuon(
+                groups, lr=lr, rescale="preserve_norm", adjust_lr_fn="original", **kw
+            )
+        return canzona.Muon(groups, lr=lr, **kw)
     if name == "shampoo":
         return canzona.Shampoo(
             groups, lr=lr, precondition_frequency=10, start_preconditioning_step=10, plan=plan
@@ -235,7 +266,7 @@ def time_strategies(trainer: _Trainer, model: nn.Module, name: str) -> dict[str,
     model(x, y).backward()
     out: dict[str, Any] = {}
     for strategy in ("canzona", "replicated"):
-        opt = make_optimizer(model, name, strategy=strategy)
+        opt = make_optimizer(model, name, strategy=strategy, ns_coefficients=s.ns_coefficients)
         for group in opt.param_groups:
             group["lr"] = 0.0
         opt.step()
@@ -282,7 +313,7 @@ def demo_rank(
         corpus = Corpus(settings.corpus_bytes)
     trainer = _Trainer(settings, corpus, report)
     model = _build_model(settings, mesh)
-    opt = make_optimizer(model, settings.optimizer)
+    opt = make_optimizer(model, settings.optimizer, ns_coefficients=settings.ns_coefficients)
     runs = {"canzona": trainer.train(f"canzona.{CLASS_NAMES[settings.optimizer]}", model, opt)}
     plan = opt._runtime.plan
     summary = plan.summary() if plan is not None else {}
@@ -303,11 +334,13 @@ def describe(settings: DemoSettings, layout: str) -> str:
     cfg = settings.model
     with torch.device("meta"):
         params = sum(p.numel() for p in QwenDecoder(cfg).parameters())
+    ours = f"canzona.{CLASS_NAMES[settings.optimizer]}"
+    if settings.ns_coefficients:
+        ours += f" ({settings.ns_coefficients})"
     return (
         f"canzona demo: Qwen3-style decoder ({cfg.n_layers} layers, dim {cfg.dim}, "
         f"{cfg.n_heads} q / {cfg.n_kv_heads} kv heads, byte vocab, {params / 1e6:.2f}M params) "
-        f"on {settings.world} CPU rank(s), {layout}; canzona.{CLASS_NAMES[settings.optimizer]} "
-        f"vs AdamW, "
+        f"on {settings.world} CPU rank(s), {layout}; {ours} vs AdamW, "
         f"{settings.steps} steps of {settings.batch_size}x{settings.seq_len} bytes"
     )
 

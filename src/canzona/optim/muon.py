@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
+from functools import lru_cache
+from numbers import Real
 from typing import Any
 
 import torch
@@ -13,10 +16,66 @@ from canzona.optim.prepare import GroupWork
 from canzona.optim.transaction import Backup, StepTransaction
 from canzona.plan import PlanConfig
 from canzona.runtime import ApplyBatch, ComputeBatch, PipelineConfig, local_tensor
-from canzona.updates import muon_direction, muon_lr
+from canzona.updates import (
+    ADJUST_LR_FNS,
+    DEFAULT_NS_COEFFICIENTS,
+    NSCoefficients,
+    muon_direction,
+    muon_lr,
+    resolve_ns_coefficients,
+)
 from canzona.updates.batched import decay_and_step_, muon_prepare_batch_
 
-_ADJUST = (None, "original", "match_rms_adamw")
+
+def as_tuples(value: Any) -> Any:
+    """``ns_coefficients`` with every list made a tuple (a name and other values unchanged).
+
+    Param groups keep what the user gave; tuples print, compare and hash alike everywhere.
+    """
+    if isinstance(value, list | tuple):
+        return tuple(as_tuples(v) for v in value)
+    return value
+
+
+@lru_cache(maxsize=64)
+def _iterations_cached(value: Any, ns_steps: int | None) -> int:
+    return len(resolve_ns_coefficients(value, ns_steps))
+
+
+def ns_iterations(group: dict[str, Any]) -> int:
+    """How many Newton–Schulz iterations a validated param group's schedule runs.
+
+    Asked at every step (the plan's cost parameters), so the answer is cached by value; a
+    list given in a param group is not hashable and is resolved every time.
+    """
+    value, steps = group["ns_coefficients"], group["ns_steps"]
+    try:
+        return _iterations_cached(value, steps)
+    except TypeError:
+        return len(resolve_ns_coefficients(value, steps))
+
+
+def check_positive_finite(name: str, value: Any) -> None:
+    """Raise ``ValueError`` naming ``value`` unless it is a positive finite real number."""
+    is_number = isinstance(value, Real) and not isinstance(value, bool)
+    if not (is_number and math.isfinite(float(value)) and float(value) > 0):
+        raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+
+
+def check_muon_group(group: dict[str, Any]) -> None:
+    """Raise ``ValueError`` naming the value for an invalid Muon hyper-parameter of a group."""
+    momentum, dtype = group["momentum"], group["ns_dtype"]
+    if not momentum >= 0.0:
+        raise ValueError(f"momentum should be >= 0 but is: {momentum}")
+    adjust = group["adjust_lr_fn"]
+    if adjust is not None and adjust not in ADJUST_LR_FNS:
+        raise ValueError(f"adjust_lr_fn must be None or one of {ADJUST_LR_FNS}, got {adjust!r}")
+    check_positive_finite("scale", group["scale"])
+    resolve_ns_coefficients(group["ns_coefficients"], group["ns_steps"])
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"ns_dtype must be a floating torch.dtype, got {dtype!r}")
+    if not group["eps"] > 0:
+        raise ValueError(f"eps must be > 0, got {group['eps']!r}")
 
 
 class Muon(MatrixOptimizer):
@@ -31,10 +90,10 @@ class Muon(MatrixOptimizer):
             & B_t \leftarrow \mu B_{t-1} + (1-\mu) g_t \quad\text{(lerp, per shard)} \\
             & \widetilde B_t \leftarrow g_t + \mu (B_t - g_t)
               \ \text{(Nesterov)} \quad\text{or}\quad B_t \\
-            & O_t \leftarrow \mathrm{NS}^{(a,b,c)}_k(\widetilde B_t)
+            & O_t \leftarrow \mathrm{NS}^{(a_i,b_i,c_i)_{i=1}^{k}}(\widetilde B_t)
               \quad\text{(owner rank, full matrix)} \\
             & \theta_t \leftarrow (1 - \gamma\lambda)\,\theta_{t-1}
-              - \gamma\,\mathrm{AdjustLR}(m, n)\, O_t \quad\text{(per shard)}
+              - \gamma\,\sigma\,\mathrm{AdjustLR}(m, n)\, O_t \quad\text{(per shard)}
         \end{aligned}
 
     Args:
@@ -45,17 +104,34 @@ class Muon(MatrixOptimizer):
         weight_decay: Decoupled weight decay :math:`\lambda`.
         momentum: Momentum :math:`\mu`.
         nesterov: Use the Nesterov blend.
-        ns_coefficients: Quintic coefficients :math:`(a, b, c)`.
+        ns_coefficients: Newton–Schulz coefficients: one triple :math:`(a, b, c)` used at
+            every iteration (torch's form), a sequence of per-iteration triples, or a
+            registered name (``"quintic"``, ``"polar_express"``, ``"tuned_quintic"``,
+            ``"qwen_express"``; a name brings its own input-norm margin, 1.01 for Polar
+            Express). See ``docs/optimizers.md``.
         eps: Clamp of the Frobenius norm in Newton–Schulz.
-        ns_steps: Newton–Schulz iterations :math:`k`.
-        adjust_lr_fn: ``None``/``"original"`` (:math:`\sqrt{\max(1, m/n)}`) or
-            ``"match_rms_adamw"`` (:math:`0.2\sqrt{\max(m, n)}`).
+        ns_steps: Newton–Schulz iterations :math:`k`, in ``[0, 100)``. ``None`` (the default)
+            runs 5 for a triple (torch's default) and the schedule's own length for a
+            sequence or a name. With a name, the first ``ns_steps`` triples (the last one
+            repeated past the published length); with a sequence it must equal its length.
+        adjust_lr_fn: Shape factor of the learning rate, one of ``None``/``"original"``
+            (:math:`\sqrt{\max(1, m/n)}`), ``"match_rms_adamw"`` (:math:`0.2\sqrt{\max(m, n)}`),
+            ``"spectral"`` (:math:`\sqrt{m/n}`), ``"unit_rms"`` (:math:`\sqrt{\max(m, n)}`) or
+            ``"none"`` (1); see :data:`canzona.updates.ADJUST_LR_FNS`.
+        scale: Free factor :math:`\sigma > 0` of the adjusted learning rate (a group entry,
+            so schedulers and param groups may set it).
         adamw_betas: AdamW betas for ``algorithm="adamw"`` groups.
         adamw_eps: AdamW epsilon for ``algorithm="adamw"`` groups.
         ns_dtype: Dtype of the Newton–Schulz iteration (bf16 as ``torch.optim.Muon``;
             fp32 is much faster on CPUs without bf16 matmul units).
         plan: Owner assignment and micro-group configuration.
         pipeline: Gather/compute/scatter pipeline configuration.
+
+    Raises:
+        ValueError: Naming the value, for an empty schedule, a triple that is not three
+            finite real numbers, an unknown name, ``ns_steps`` outside ``[0, 100)`` or
+            contradicting an explicit schedule, an unknown ``adjust_lr_fn``, a ``scale``
+            that is not positive and finite, and the checks of ``torch.optim.Muon``.
     """
 
     algorithm = "muon"
@@ -69,52 +145,61 @@ class Muon(MatrixOptimizer):
         weight_decay: float = 0.1,
         momentum: float = 0.95,
         nesterov: bool = True,
-        ns_coefficients: tuple[float, float, float] = (3.4445, -4.775, 2.0315),
+        ns_coefficients: NSCoefficients = DEFAULT_NS_COEFFICIENTS,
         eps: float = 1e-7,
-        ns_steps: int = 5,
+        ns_steps: int | None = None,
         adjust_lr_fn: str | None = None,
         *,
+        scale: float = 1.0,
         adamw_betas: tuple[float, float] = (0.9, 0.95),
         adamw_eps: float = 1e-8,
         ns_dtype: torch.dtype = torch.bfloat16,
         plan: PlanConfig | None = None,
         pipeline: PipelineConfig | None = None,
     ) -> None:
-        self._check_common(lr, weight_decay, adamw_betas, adamw_eps)
         defaults = {
             "lr": lr,
             "weight_decay": weight_decay,
             "momentum": momentum,
             "nesterov": nesterov,
-            "ns_coefficients": tuple(ns_coefficients),
+            "ns_coefficients": as_tuples(ns_coefficients),
             "eps": eps,
             "ns_steps": ns_steps,
             "adjust_lr_fn": adjust_lr_fn,
+            "scale": scale,
             "ns_dtype": ns_dtype,
             "adamw_betas": tuple(adamw_betas),
             "adamw_eps": adamw_eps,
         }
+        self._start(params, defaults, plan=plan, pipeline=pipeline)
+
+    def _start(
+        self,
+        params: Iterable[Any],
+        defaults: dict[str, Any],
+        *,
+        plan: PlanConfig | None,
+        pipeline: PipelineConfig | None,
+    ) -> None:
+        """Validate the defaults, then set up the optimizer (shared with NorMuon)."""
+        self._check_common(
+            defaults["lr"], defaults["weight_decay"], defaults["adamw_betas"], defaults["adamw_eps"]
+        )
         self._validate_group(defaults)
         super().__init__(params, defaults, plan=plan, pipeline=pipeline)
 
     def _validate_group(self, group: dict[str, Any]) -> None:
-        momentum, steps, dtype = group["momentum"], group["ns_steps"], group["ns_dtype"]
-        if not momentum >= 0.0:
-            raise ValueError(f"momentum should be >= 0 but is: {momentum}")
-        if group["adjust_lr_fn"] not in _ADJUST:
-            raise ValueError(
-                f"Adjust learning rate function {group['adjust_lr_fn']} is not supported"
-            )
-        if len(tuple(group["ns_coefficients"])) != 3:
-            raise ValueError(
-                f"ns_coefficients must hold 3 values, got {group['ns_coefficients']!r}"
-            )
-        if not isinstance(steps, int) or not 0 <= steps < 100:
-            raise ValueError(f"ns_steps must be an int in [0, 100), got {steps!r}")
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise ValueError(f"ns_dtype must be a floating torch.dtype, got {dtype!r}")
-        if not group["eps"] > 0:
-            raise ValueError(f"eps must be > 0, got {group['eps']!r}")
+        check_muon_group(group)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict (see :class:`~canzona.optim.checkpoint.CheckpointMixin`).
+
+        A param group saved before ``scale`` existed gets the optimizer's default for it, as
+        ``add_param_group`` would give it.
+        """
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            group.setdefault("scale", self.defaults["scale"])
 
     def _init_storage_state(self, p: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
         state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
@@ -123,7 +208,8 @@ class Muon(MatrixOptimizer):
         return (group.get("ns_dtype"),)
 
     def _cost_params(self, group: dict[str, Any]) -> dict[str, Any]:
-        return {"ns_steps": group["ns_steps"]}
+        # a schedule's length is the number of iterations the plan costs
+        return {"ns_steps": ns_iterations(group)}
 
     def _prepare_group(
         self, group: dict[str, Any], work: GroupWork, grads: list[Tensor], txn: StepTransaction
@@ -178,5 +264,5 @@ class Muon(MatrixOptimizer):
             batch.targets,
             directions,
             decay=1 - lr * hp["weight_decay"],
-            alpha=-muon_lr(lr, hp["adjust_lr_fn"], batch.shape),
+            alpha=-muon_lr(lr, hp["adjust_lr_fn"], batch.shape, scale=hp["scale"]),
         )
