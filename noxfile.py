@@ -24,12 +24,15 @@ def _install(session: nox.Session, extras: str) -> None:
 
 # TorchTitan's optimizer container and models without its training stack, so that the
 # integration tests run for real (see docs/torchtitan.md); --no-deps keeps torch pinned.
+# TorchTitan's model modules import triton; 3.7.1 is the release torch 2.13.0 pins (its CUDA
+# wheels require it), and it installs and imports on a CPU-only machine.
 TORCHTITAN = [
     "torchtitan==0.3.0",
     "tyro==1.0.17",
     "spmd_types==0.2.3",
     "docstring_parser==0.18.0",
     "typeguard==4.6.1",
+    "triton==3.7.1",
 ]
 
 

@@ -16,6 +16,7 @@ import canzona
 # internal steps 2, 4, ... (calls 3, 5, ...). Non-zero weight decay everywhere.
 OPTIMIZERS: dict[str, tuple[type[Optimizer], dict[str, Any]]] = {
     "muon": (canzona.Muon, {"lr": 0.02, "weight_decay": 0.05}),
+    "normuon": (canzona.NorMuon, {"lr": 0.02, "weight_decay": 0.05}),
     "shampoo": (
         canzona.Shampoo,
         {

@@ -1,9 +1,10 @@
-"""The torch.optim contract that Muon, Shampoo and SOAP all honour, on one device."""
+"""The torch.optim contract that Muon, NorMuon, Shampoo and SOAP all honour, on one device."""
 
 from __future__ import annotations
 
 import copy
 import io
+import pickle
 from typing import Any
 
 import pytest
@@ -30,6 +31,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim.lr_scheduler import LambdaLR, StepLR
 
+import canzona
+
 pytestmark = pytest.mark.parametrize("name", NAMES)
 
 
@@ -45,7 +48,10 @@ def _transport(sd: dict[str, Any], how: str) -> dict[str, Any]:
 # ------------------------------------------------------------------ state_dict
 @pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
 def test_state_dict_round_trip_is_bitwise(name: str, how: str) -> None:
-    """Save after 3 steps, load into a fresh optimizer, continue 3 steps: nothing differs."""
+    """Save after 3 steps, load into a fresh optimizer, continue 3 steps: nothing differs.
+
+    Catches: any state left out of the state dict (owner-held state, step counters) or not
+    restored by ``load_state_dict``, and a load that changes a value (a dtype round trip)."""
     grads = gradients(steps=6)
     params, opt = make(name)
     train(params, opt, grads[:3])
@@ -123,11 +129,82 @@ def test_dcp_state_dict_api(name: str) -> None:
         assert torch.equal(p, q), n
 
 
+def test_number_steps_of_older_checkpoints_load_as_tensors(name: str) -> None:
+    """A state dict whose ``step`` entries are plain numbers (as older checkpoints and
+    torch.optim's older optimizers wrote them) loads, each ``step`` becoming a float32
+    scalar tensor, and training continues bit for bit. Catches: a refused number, a number
+    kept as a number (the in-place counter update would fail), a wrong value."""
+    grads = gradients(steps=5)
+    params, opt = make(name)
+    train(params, opt, grads[:3])
+    saved = copy.deepcopy(opt.state_dict())
+    numbers = {pid: {**entry, "step": int(entry["step"])} for pid, entry in saved["state"].items()}
+    numbers[0]["step"] = float(saved["state"][0]["step"])  # floats load too
+    params2, opt2 = make(name, snapshot(params))
+    opt2.load_state_dict({**saved, "state": numbers})
+    for p in params2.values():
+        step = opt2.state[p]["step"]
+        assert isinstance(step, torch.Tensor) and step.dtype == torch.float32 and step.ndim == 0
+        assert step.item() == 3.0
+    train(params, opt, grads[3:])
+    train(params2, opt2, grads[3:])
+    assert_params_equal(params2, params)
+    assert_state_dicts_equal(opt2.state_dict(), opt.state_dict())
+
+
+# ------------------------------------------------------------------ copies
+def _copied(params: dict[str, nn.Parameter], opt: Any, how: str) -> tuple[Any, Any]:
+    """``(params, opt)`` copied together, so that the copy's groups hold the copied params."""
+    if how == "deepcopy":
+        return copy.deepcopy((params, opt))
+    buffer = io.BytesIO()
+    if how == "pickle":
+        pickle.dump((params, opt), buffer)
+        buffer.seek(0)
+        return pickle.load(buffer)
+    torch.save((params, opt), buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "torch.save"])
+def test_a_copied_or_unpickled_optimizer_steps_like_the_original(name: str, how: str) -> None:
+    """Copy after 2 steps (one of them skipped for a NaN), then step both with the same
+    gradients: parameters and state stay bitwise equal, and the copy keeps the plan and
+    pipeline configurations and the skipped-step count. Catches: a copy that drops the
+    configurations, the runtime or the owner-held state (it would raise or restart
+    Shampoo's and SOAP's statistics), or shares them with the original."""
+    plan = canzona.PlanConfig(strategy="numel", capacity_mb=1.0)
+    pipeline = canzona.PipelineConfig(skip_nonfinite=True, depth=2)
+    grads = gradients(steps=5)
+    params, opt = make(name, plan=plan, pipeline=pipeline)
+    train(params, opt, grads[:2])
+    nan = {n: g.clone() for n, g in grads[2].items()}
+    nan["square"][0, 0] = float("nan")
+    train(params, opt, [nan])  # skipped
+    params2, opt2 = _copied(params, opt, how)
+    assert all(params2[n] is not params[n] for n in params)
+    assert opt2.plan_config == plan and opt2.pipeline_config == pipeline
+    assert opt2.skipped_steps == opt.skipped_steps == 1
+    assert opt2.defaults == opt.defaults
+    assert_state_dicts_equal(opt2.state_dict(), opt.state_dict())
+    train(params, opt, grads[3:])
+    train(params2, opt2, grads[3:])
+    assert_params_equal(params2, params)
+    assert_state_dicts_equal(opt2.state_dict(), opt.state_dict())
+    train(params2, opt2, grads[3:4])  # stepping the copy leaves the original alone
+    assert not torch.equal(params2["square"], params["square"])
+
+
 # ------------------------------------------------------------------ param groups
 GROUP_HPARAMS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "muon": (
         {"lr": 0.03, "ns_steps": 3, "momentum": 0.8},
         {"lr": 0.01, "nesterov": False, "adjust_lr_fn": "match_rms_adamw", "weight_decay": 0.0},
+    ),
+    "normuon": (
+        {"lr": 0.03, "ns_coefficients": "polar_express", "beta2": 0.8, "scale": 2.0},
+        {"lr": 0.01, "rescale": "preserve_norm", "adjust_lr_fn": "original", "ns_steps": 3},
     ),
     "shampoo": (
         {"lr": 0.02, "betas": (0.5, 0.99), "precondition_frequency": 3},
@@ -418,7 +495,9 @@ def test_add_param_group_after_the_first_step(name: str) -> None:
 
 # ------------------------------------------------------------------ edge cases
 def test_zero_size_parameter_is_a_no_op(name: str) -> None:
-    """A ``(0, n)`` matrix is accepted, left as it is, and does not disturb the others."""
+    """A ``(0, n)`` matrix is accepted, left as it is, its step counter advances, and it does
+    not disturb the others. Catches: an error for an empty matrix, an empty matrix sent
+    through the planner, and a step counter that stays behind."""
     shapes = {"empty": (0, 4), "empty_stack": (2, 0, 3), "square": (8, 8)}
     values, grads = initial(shapes), gradients(shapes, steps=3)
     params, opt = make(name, values)
@@ -428,6 +507,8 @@ def test_zero_size_parameter_is_a_no_op(name: str) -> None:
     assert params["empty"].shape == (0, 4)
     assert params["empty_stack"].shape == (2, 0, 3)
     assert torch.equal(params["square"].detach(), reference["square"].detach())
+    for n in ("empty", "empty_stack"):
+        assert opt.state[params[n]]["step"] == len(grads), n
 
 
 def test_zero_size_parameter_state_dict_round_trip(name: str) -> None:

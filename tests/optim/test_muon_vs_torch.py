@@ -78,6 +78,26 @@ def test_matches_torch_muon(shape: str, adjust_lr_fn: str | None) -> None:
         )
 
 
+@pytest.mark.parametrize(
+    "spelling",
+    [
+        {"ns_coefficients": "quintic"},
+        {"ns_coefficients": [[3.4445, -4.775, 2.0315]] * 5},
+        {"ns_coefficients": (3.4445, -4.775, 2.0315), "ns_steps": 5, "scale": 1.0},
+        {"ns_coefficients": "quintic", "ns_steps": 5, "adjust_lr_fn": "original"},
+    ],
+    ids=["name", "schedule", "explicit", "name_with_steps"],
+)
+def test_other_spellings_of_the_default_match_torch_muon(spelling: dict[str, Any]) -> None:
+    """The default iteration named, listed per iteration or spelled out (``scale=1``) is still
+    ``torch.optim.Muon``'s, bit for bit. Catches: a schedule path with other ops, a norm
+    margin on ``"quintic"``, a ``scale`` multiply that rounds."""
+    values, grads = _start([SHAPES["tall"], SHAPES["odd"]], seed=7)
+    ours, _ = _run(lambda ps: canzona.Muon(ps, lr=0.02, **spelling), values, grads)
+    theirs, _ = _run(lambda ps: torch.optim.Muon(ps, lr=0.02), values, grads)
+    _assert_same(ours, theirs, spelling)
+
+
 def test_many_parameters_and_groups() -> None:
     """Same-shape matrices (batched together) in two groups with different hyper-parameters."""
     shapes = [(16, 16), (16, 16), (24, 8), (24, 8), (8, 24), (7, 13), (16, 16)]

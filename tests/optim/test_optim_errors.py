@@ -30,6 +30,9 @@ import canzona
 def test_non_matrix_parameter_in_a_matrix_group(
     name: str, shape: tuple[int, ...], named: bool
 ) -> None:
+    """Catches: a 1-D, 4-D or 0-D tensor accepted in a matrix group (at construction or by
+    ``add_param_group``), a refused group left in ``param_groups``, an error without the
+    parameter's name or the way out (``algorithm="adamw"``)."""
     cls, kwargs = OPTIMIZERS[name]
     odd = nn.Parameter(torch.zeros(shape))
     params: list[Any] = [("blocks.0.odd", odd)] if named else [odd]
@@ -82,8 +85,31 @@ BAD_HPARAMS: list[tuple[str, dict[str, Any], str]] = [
     ("muon", {"momentum": -0.5}, "-0.5"),
     ("muon", {"ns_steps": 100}, "100"),
     ("muon", {"ns_steps": -1}, "-1"),
-    ("muon", {"adjust_lr_fn": "spectral"}, "spectral"),
+    ("muon", {"adjust_lr_fn": "spectrum"}, "'spectrum'"),
+    ("muon", {"adjust_lr_fn": "Original"}, "'Original'"),
+    ("muon", {"scale": 0.0}, "scale must be a positive finite number, got 0.0"),
+    ("muon", {"scale": float("inf")}, "got inf"),
+    ("muon", {"scale": float("nan")}, "got nan"),
+    ("muon", {"scale": True}, "got True"),
     ("muon", {"ns_coefficients": (3.4, -4.7)}, "ns_coefficients"),
+    ("muon", {"ns_coefficients": ()}, "must not be empty, got ()"),
+    ("muon", {"ns_coefficients": []}, "must not be empty, got ()"),
+    ("muon", {"ns_coefficients": (3.4, float("nan"), 2.0)}, "finite, got (3.4, nan, 2.0)"),
+    ("muon", {"ns_coefficients": ((3.4, -4.7, 2.0), (1.0, 2.0))}, "ns_coefficients[1]"),
+    ("muon", {"ns_coefficients": ((3.4, -4.7, 2.0), (1.0, 2.0, "c"))}, "'c'"),
+    ("muon", {"ns_coefficients": "polar"}, "'polar'"),
+    ("muon", {"ns_coefficients": 3.4}, "got 3.4"),
+    ("muon", {"ns_coefficients": ((1.0, 2.0, 3.0),) * 3, "ns_steps": 5}, "ns_steps=5"),
+    ("muon", {"ns_coefficients": ((1.0, 2.0, 3.0),) * 100}, "got 100"),
+    ("muon", {"ns_coefficients": "polar_express", "ns_steps": 100}, "got 100"),
+    ("normuon", {"beta2": 1.0}, "beta2"),
+    ("normuon", {"beta2": -0.1}, "-0.1"),
+    ("normuon", {"normuon_eps": 0.0}, "normuon_eps must be a positive finite number, got 0.0"),
+    ("normuon", {"rescale": "frobenius"}, "'frobenius'"),
+    ("normuon", {"rms": 0.0}, "rms"),
+    ("normuon", {"rms": float("inf")}, "inf"),
+    ("normuon", {"adjust_lr_fn": "spectrum"}, "'spectrum'"),
+    ("normuon", {"ns_coefficients": ()}, "must not be empty"),
     ("muon", {"ns_dtype": torch.int32}, "int32"),
     ("muon", {"adamw_betas": (0.9, 1.0)}, "adamw_betas"),
     ("muon", {"adamw_eps": -1e-8}, "adamw_eps"),
@@ -120,7 +146,12 @@ def test_bad_hyper_parameters(name: str, kwargs: dict[str, Any], match: str) -> 
 
 BAD_GROUPS: list[tuple[str, dict[str, Any], str]] = [
     ("muon", {"ns_steps": 200}, "200"),
-    ("muon", {"adjust_lr_fn": "spectral"}, "spectral"),
+    ("muon", {"adjust_lr_fn": "spectrum"}, "spectrum"),
+    ("muon", {"scale": -1.0}, "-1.0"),
+    ("muon", {"ns_coefficients": "polar"}, "polar"),
+    ("muon", {"ns_coefficients": [[3.4, -4.7, 2.0], [1.0, 2.0]]}, "[1.0, 2.0]"),
+    ("normuon", {"beta2": 1.5}, "1.5"),
+    ("normuon", {"rescale": "frobenius"}, "frobenius"),
     ("shampoo", {"betas": (1.5, 0.9)}, "1.5"),
     ("shampoo", {"grafting": "sgd"}, "sgd"),
     ("soap", {"betas": (0.9, 1.5)}, "1.5"),
@@ -274,6 +305,8 @@ def _assert_refused(name: str, opt: Any, params: Any, bad: Any, match: str) -> N
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("edit", list(EDITS))
 def test_load_state_dict_refuses_a_damaged_state_dict(name: str, edit: str) -> None:
+    """Catches: a damaged entry loaded (or half-loaded before the error), an error that
+    does not name the key or parameter, a check dropped for one kind of damage."""
     params, opt = _trained(name)
     bad = copy.deepcopy(opt.state_dict())
     match = EDITS[edit](bad)

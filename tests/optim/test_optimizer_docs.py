@@ -38,7 +38,13 @@ def test_routing_example_runs() -> None:
 
 
 @pytest.mark.parametrize(
-    ("title", "cls"), [("Muon", canzona.Muon), ("Shampoo", canzona.Shampoo), ("SOAP", canzona.SOAP)]
+    ("title", "cls"),
+    [
+        ("Muon", canzona.Muon),
+        ("NorMuon", canzona.NorMuon),
+        ("Shampoo", canzona.Shampoo),
+        ("SOAP", canzona.SOAP),
+    ],
 )
 def test_hyper_parameter_tables_match_the_classes(title: str, cls: type) -> None:
     rows = re.findall(r"^\| `(\w+)` \| `([^`|]+)` \|", _section(title), flags=re.MULTILINE)
@@ -60,7 +66,7 @@ def test_adamw_entries_match_the_classes() -> None:
         )
     )
     assert set(rows) == {"adamw_betas", "adamw_eps"}
-    for cls in (canzona.Muon, canzona.Shampoo, canzona.SOAP):
+    for cls in (canzona.Muon, canzona.NorMuon, canzona.Shampoo, canzona.SOAP):
         defaults = _defaults(cls)
         for name, value in rows.items():
             assert eval(value) == defaults[name], (cls.__name__, name)

@@ -9,8 +9,10 @@ SOAP) or orthogonalises (Muon) the update of each weight matrix.
 
 The target's variance is 0.377. Measured final losses on the reference CPU: SGD with momentum 0.9
 0.137, 0.077, 0.053, 0.065 and 0.104 at lr 0.1, 0.3, 0.5, 0.7 and 1.0 (Nesterov is no better);
-Muon 0.013, Shampoo 0.007 and SOAP 0.004 at lr 0.05. ``THRESHOLD = 0.025`` sits about a factor of
-two from both sides: every matrix optimizer must beat it and the best SGD run must not.
+Muon 0.013, Shampoo 0.007 and SOAP 0.004 at lr 0.05, and NorMuon 0.015 at the same lr in the
+authors' convention (``rescale="preserve_norm"``, ``adjust_lr_fn="original"``: steps of Muon's
+size). ``THRESHOLD = 0.025`` sits about a factor of two from both sides: every matrix optimizer
+must beat it and the best SGD run must not.
 """
 
 from __future__ import annotations
@@ -31,6 +33,13 @@ MakeOptimizer = Callable[[nn.Module], torch.optim.Optimizer]
 
 OPTIMIZERS: dict[str, MakeOptimizer] = {
     "muon": lambda m: canzona.Muon(canzona.param_groups(m), lr=0.05, weight_decay=0.0),
+    "normuon": lambda m: canzona.NorMuon(
+        canzona.param_groups(m),
+        lr=0.05,
+        weight_decay=0.0,
+        rescale="preserve_norm",
+        adjust_lr_fn="original",
+    ),
     "shampoo": lambda m: canzona.Shampoo(
         canzona.param_groups(m), lr=0.05, precondition_frequency=10, start_preconditioning_step=10
     ),

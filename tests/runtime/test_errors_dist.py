@@ -44,6 +44,8 @@ def _order_mismatch() -> tuple[str, str]:
 
 
 def test_parameter_order_mismatch_raises_everywhere(dist: Any) -> None:
+    """Catches: a header without the parameter-list digest (ranks would exchange fragments of
+    different matrices), and a mismatch raised on the odd rank only."""
     out = dist(4).run(_order_mismatch, timeout=TIMEOUT)
     assert {kind for kind, _ in out} == {"PlanMismatchError"}
     for _, msg in out:
@@ -61,6 +63,7 @@ def _set_mismatch() -> tuple[str, str]:
 
 
 def test_parameter_set_mismatch_raises_everywhere(dist: Any) -> None:
+    """Catches: a header without the parameter count, or a message without both counts."""
     out = dist(4).run(_set_mismatch, timeout=TIMEOUT)
     assert {kind for kind, _ in out} == {"PlanMismatchError"}
     assert all("number of parameters (3 vs 2)" in msg for _, msg in out)
@@ -75,6 +78,8 @@ def _hyper_mismatch() -> tuple[str, str]:
 
 
 def test_hyper_parameter_mismatch_raises_everywhere(dist: Any) -> None:
+    """Catches: a header without the hyper-parameter digest (the owner's learning rate would
+    silently apply to every rank's shard)."""
     out = dist(4).run(_hyper_mismatch, timeout=TIMEOUT)
     assert {kind for kind, _ in out} == {"PlanMismatchError"}
     assert all("hyper-parameters" in msg for _, msg in out)
@@ -90,6 +95,8 @@ def _partial_grads() -> tuple[str, str]:
 
 
 def test_gradient_on_some_ranks_only(dist: Any) -> None:
+    """Catches: a header without the gradient-presence digest (the ranks would build different
+    schedules and hang), and a report that names the wrong parameter or ranks."""
     out = dist(4).run(_partial_grads, timeout=TIMEOUT)
     assert {kind for kind, _ in out} == {"GradientMismatchError"}
     for _, msg in out:
@@ -114,6 +121,8 @@ def _no_grads_anywhere() -> dict[str, Any]:
 
 
 def test_missing_grads_everywhere_are_skipped(dist: Any) -> None:
+    """Catches: a missing gradient taken as zero (weight decay would still move the parameter,
+    and state would be created), or an error where nothing is wrong."""
     for out in dist(4).run(_no_grads_anywhere, timeout=TIMEOUT):
         assert out == {
             "first": "ok",
@@ -131,6 +140,7 @@ def _partial_placement() -> tuple[str, str]:
 
 
 def test_partial_placement_rejected_at_construction(dist: Any) -> None:
+    """Catches: a ``Partial`` parameter accepted (its pending sum would be read as a shard)."""
     for kind, msg in dist(4).run(_partial_placement, timeout=TIMEOUT):
         assert kind == "LayoutError"
         assert "'proj.weight'" in msg and "Partial" in msg
@@ -142,6 +152,8 @@ def _one_d_in_matrix_group() -> tuple[str, str]:
 
 
 def test_vector_in_matrix_group_rejected(dist: Any) -> None:
+    """Catches: a 1-D parameter accepted in a matrix group, or an error that does not say
+    where it belongs."""
     for kind, msg in dist(4).run(_one_d_in_matrix_group, timeout=TIMEOUT):
         assert kind == "ValueError"
         assert "'norm.weight'" in msg and 'algorithm="adamw"' in msg
@@ -182,7 +194,10 @@ def _nonfinite(cls_name: str, skip: bool, at: int = 1, strategy: str = "canzona"
 
 
 def test_nonfinite_gradients_propagate_as_on_one_device(dist: Any) -> None:
-    """Muon: NaN/Inf flow into the parameters exactly as on one device, on every rank."""
+    """Muon: NaN/Inf flow into the parameters exactly as on one device, on every rank.
+
+    Catches: a silent skip or zeroing of non-finite gradients, and a NaN that reaches some
+    ranks' shards but not others'."""
     for out in dist(4).run(_nonfinite, "Muon", False, timeout=TIMEOUT):
         assert out == {
             "same": {"square": True, "odd": True},
@@ -196,13 +211,19 @@ def test_nonfinite_gradients_propagate_as_on_one_device(dist: Any) -> None:
 def test_nonfinite_gradients_fail_the_eigendecomposition_on_every_rank(
     dist: Any, strategy: str
 ) -> None:
-    """SOAP: eigh rejects NaN on the owner; every rank raises UpdateFailedError, none hangs."""
+    """SOAP: eigh rejects NaN on the owner; every rank raises UpdateFailedError, none hangs.
+
+    Catches: a failure that stays on the owner (the others would hang in the next collective
+    or return normally), and parameters that differ from one device's afterwards (nothing
+    changed on either side). tests/runtime/test_atomic_step.py checks the state as well."""
     for out in dist(4).run(_nonfinite, "SOAP", False, 0, strategy, timeout=TIMEOUT):
         assert out["errors"] == ["UpdateFailedError", "UpdateFailedError"]
         assert out["same"] == {"square": True, "odd": True}
 
 
 def test_skip_nonfinite_skips_the_step_on_every_rank(dist: Any) -> None:
+    """Catches: a skip decided by each rank alone (the rank without NaN would update), a
+    skipped step that still advances state, and ``skipped_steps`` not counting it."""
     for name in ("Muon", "SOAP"):
         for out in dist(4).run(_nonfinite, name, True, timeout=TIMEOUT):
             assert out == {
@@ -227,6 +248,7 @@ def _skip_step_on_rank1() -> tuple[str, str]:
 
 
 def test_watchdog_names_the_rank_that_never_arrived(dist: Any) -> None:
+    """Catches: a wait without a deadline (a hang), and a timeout that does not name rank 1."""
     out = dist(4).run(_skip_step_on_rank1, timeout=TIMEOUT)
     assert out[1] == ("skipped", "")
     for rank in (0, 2, 3):
@@ -258,6 +280,42 @@ def _replan_after_add_param_group() -> dict[str, Any]:
 
 
 def test_add_param_group_after_the_plan_replans_everywhere(dist: Any) -> None:
-    """Owner-held Shampoo state moves to the new owners; the result equals one device."""
+    """Owner-held Shampoo state moves to the new owners; the result equals one device.
+
+    Catches: a plan kept after ``add_param_group`` (the new matrix would have no owner), and
+    owner-held state left on the old owners (recreated fresh: the result would differ)."""
     for out in dist(4).run(_replan_after_add_param_group, timeout=TIMEOUT):
         assert out == {"square": True, "tall": True, "wide": True}
+
+
+def _add_group_on_some_ranks() -> dict[str, Any]:
+    params = _params(("square", "tall", "wide"))
+    opt = canzona.Muon(params[:2], lr=0.02)
+    for _, p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()  # the plan exists
+    before = {n: full_of(p) for n, p in params}
+    if tdist.get_rank() in (1, 3):
+        opt.add_param_group({"params": params[2:]})
+    kind, msg = _outcome(opt.step)
+    return {
+        "kind": kind,
+        "msg": msg,
+        "unchanged": all(torch.equal(full_of(p), before[n]) for n, p in params),
+    }
+
+
+def test_add_param_group_on_some_ranks_only_raises_everywhere(dist: Any) -> None:
+    """Ranks 1 and 3 add a param group, ranks 0 and 2 do not: at the next step every rank
+    raises PlanMismatchError naming both rank sets and the parameter counts, and nothing
+    changes. Catches: a header that skips its comparison while a rank re-plans (the ranks
+    that re-plan would wait in the layout agreement the others never enter)."""
+    out = dist(4).run(_add_group_on_some_ranks, timeout=TIMEOUT)
+    assert out[0]["msg"] == out[1]["msg"] == out[2]["msg"] == out[3]["msg"]
+    for o in out:
+        assert o["kind"] == "PlanMismatchError", o
+        assert o["msg"].startswith(
+            "ranks [0, 2] and ranks [1, 3] disagree on the number of parameters (2 vs 3)"
+        ), o["msg"]
+        assert "every rank must call step() with the same parameters, param groups" in o["msg"]
+        assert o["unchanged"], o

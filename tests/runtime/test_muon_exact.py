@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import copy
+import importlib
 from typing import Any
 
 import pytest
 import torch
+from torch.distributed.tensor import distribute_tensor
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
 import canzona
@@ -73,7 +75,11 @@ ALL_ROWS = {n: (Shard(0),) if len(s) == 2 else (Shard(1),) for n, s in SHAPES.it
 
 
 def test_fsdp_rows_world4(dist: Any) -> None:
-    """Shard(0) on 4 ranks: uneven and empty shards (7x13, 5x3), a stack sharded by rows."""
+    """Shard(0) on 4 ranks: uneven and empty shards (7x13, 5x3), a stack sharded by rows.
+
+    Catches: an empty shard that sends or receives a fragment of the wrong size (the
+    all-to-all's split sizes would disagree), uneven shards cut by another rule than
+    ``torch.chunk``'s."""
     _assert_bitwise(dist(4).run(_muon_case, (4,), ALL_ROWS))
 
 
@@ -119,7 +125,10 @@ def _mixed_case() -> dict[str, Any]:
 
 
 def test_mixed_meshes_world4(dist: Any) -> None:
-    """One optimizer over params on a 2-D mesh and on two different 1-D sub-meshes."""
+    """One optimizer over params on a 2-D mesh and on two different 1-D sub-meshes.
+
+    Catches: a sub-mesh copy planned on ranks outside it, or copies merged into one matrix
+    (each 1-D sub-mesh holds its own copy, updated by one of its own ranks)."""
     _assert_bitwise(dist(4).run(_mixed_case))
 
 
@@ -137,7 +146,10 @@ def _owners_and_stats() -> dict[str, Any]:
 
 
 def test_more_ranks_than_matrices(dist: Any) -> None:
-    """Two matrices on four ranks: two ranks own nothing, every matrix is computed once."""
+    """Two matrices on four ranks: two ranks own nothing, every matrix is computed once.
+
+    Catches: a rank with nothing to compute that skips the step's collectives (the others
+    would wait for it), and a matrix computed twice."""
     out = dist(4).run(_owners_and_stats)
     assert sum(o["computed"] for o in out) == 2
     assert sorted(o["computed"] for o in out) == [0, 0, 1, 1]
@@ -219,3 +231,107 @@ def _tp_only_case() -> dict[str, bool]:
 def test_tensor_parallel_only_world4(dist: Any) -> None:
     for out in dist(4).run(_tp_only_case):
         assert out == {"0.weight": True, "2.weight": True}
+
+
+def _fsdp_tp_case() -> dict[str, Any]:
+    """parallelize_module on ``tp`` then fully_shard on ``dp`` of a (2, 2) mesh: FSDP's
+    ``_StridedShard`` on top of TP's ``Shard`` (Colwise) and ``Shard(0), Shard(1)`` (Rowwise)."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(
+        torch.nn.Linear(10, 22, bias=False), torch.nn.ReLU(), torch.nn.Linear(22, 9, bias=False)
+    )
+    model = copy.deepcopy(ref)
+    dm = mesh((2, 2), ("dp", "tp"))
+    parallelize_module(model, dm["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    fully_shard(model, mesh=dm["dp"])
+    placements = {
+        n: [type(pl).__name__ for pl in p.placements] for n, p in model.named_parameters()
+    }
+    opt = canzona.Muon(model.parameters(), **KW)
+    ref_opt = torch.optim.Muon(ref.parameters(), **KW)
+    x = torch.randn(6, 10)
+    for _ in range(3):
+        ref_opt.zero_grad()
+        ref(x).pow(2).sum().backward()
+        for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+            # distribute_tensor cannot cut a _StridedShard; redistribute from Replicate can
+            grad = distribute_tensor(q.grad.clone(), p.device_mesh, [Replicate(), Replicate()])
+            p.grad = grad.redistribute(p.device_mesh, p.placements)
+        opt.step()
+        ref_opt.step()
+    same = {
+        n: bool(torch.equal(p.full_tensor(), q.detach()))
+        for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True)
+    }
+    return {"placements": placements, "same": same}
+
+
+def test_fsdp_over_tp_strided_shards_world4(dist: Any) -> None:
+    """``parallelize_module`` + ``fully_shard`` (2-D FSDP×TP) equals torch.optim.Muon, bitwise.
+
+    Catches: a ``_StridedShard`` fragment read or written in plain ``Shard`` order (the rows
+    of the two TP halves would be interleaved wrongly), a mesh-dim order mix-up.
+    """
+    for out in dist(4).run(_fsdp_tp_case):
+        assert out["placements"] == {
+            "0.weight": ["_StridedShard", "Shard"],
+            "2.weight": ["Shard", "Shard"],
+        }, out
+        assert out["same"] == {"0.weight": True, "2.weight": True}, out
+
+
+BATCHED = {f"w{i}": (16, 24) for i in range(4)} | {f"t{i}": (32, 16) for i in range(2)}
+
+
+def _batched_newton_schulz_case() -> dict[str, Any]:
+    """Same-shape matrices with sides >= 16: the owner runs Newton–Schulz on stacks."""
+    ns = importlib.import_module("canzona.updates.newton_schulz")
+
+    fulls = full_tensors(BATCHED)
+    grads = grad_steps(BATCHED, 3)
+    want = reference_muon(fulls, grads, **KW)  # torch.optim.Muon, one matrix at a time
+    exact = {
+        shape: ns.batch_kernels_exact(2, *shape, dtype=torch.bfloat16)
+        for shape in set(BATCHED.values())
+    }
+    stacks: list[tuple[int, ...]] = []
+    original = ns._ns_stack
+
+    def spy(x: torch.Tensor, *args: Any) -> torch.Tensor:
+        stacks.append(tuple(x.shape))
+        return original(x, *args)
+
+    params = sharded_params(fulls, mesh((2,)), {n: (Shard(0),) for n in BATCHED})
+    ns._ns_stack = spy
+    try:
+        got = run_steps(lambda ps: canzona.Muon(ps, **KW, plan=plan("count")), params, grads)
+    finally:
+        ns._ns_stack = original
+    return {
+        "exact": exact,
+        "stacks": sorted(set(stacks)),
+        "calls": len(stacks),
+        "same": {n: eq for n, (eq, _) in compare(got, want).items()},
+    }
+
+
+def test_batched_newton_schulz_path_world2(dist: Any) -> None:
+    """The ``count`` strategy gives each of two ranks two of the four (16, 24) matrices (and
+    one (32, 16)): the owner runs Newton–Schulz on the (2, 16, 24) stack with batched
+    kernels, and the result is still torch.optim.Muon's, bit for bit.
+
+    Catches: batched kernels used where they round differently, a batch assembled in the
+    wrong order (directions of one matrix applied to another), stacks never formed.
+    """
+    for out in dist(2).run(_batched_newton_schulz_case):
+        assert out["exact"] == {(16, 24): True, (32, 16): True}, out
+        assert out["stacks"] == [(2, 16, 24)], out
+        assert out["calls"] == 3, out  # one stack per step on this rank
+        assert all(out["same"].values()), out

@@ -1,0 +1,101 @@
+"""The watchdog: which collective handles it keeps, and how a failed wait is reported."""
+
+from __future__ import annotations
+
+import gc
+import time
+import weakref
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as tdist
+
+import canzona
+from canzona.runtime.config import CollectiveTimeoutError
+from canzona.runtime.watchdog import RETAINED_WORKS, Watchdog
+
+GLOO_CLOSED = (
+    "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed "
+    "by peer [127.0.0.1]:43752. This is typically caused by a remote worker crashing."
+)
+
+
+class _Work:
+    """A work handle: completes at once, or raises ``error`` after sleeping ``delay`` s."""
+
+    def __init__(self, error: str | None = None, delay: float = 0.0) -> None:
+        self.error, self.delay = error, delay
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        if self.error is None:
+            return True
+        time.sleep(self.delay)
+        raise RuntimeError(self.error)
+
+
+def test_wait_keeps_the_latest_work_handles() -> None:
+    """Catches: a handle dropped as soon as it is waited. gloo's worker thread would then
+    free the collective's tensors itself, taking the GIL, and abort the process when that
+    happens during interpreter shutdown (``terminate called without an active exception``,
+    see tests/runtime/test_exit.py)."""
+    watchdog = Watchdog(None, 0, 1, 5.0)
+    works = [_Work() for _ in range(RETAINED_WORKS + 1)]
+    refs = [weakref.ref(w) for w in works]
+    for work in works:
+        watchdog.wait(work, "a collective")
+    del works, work
+    gc.collect()
+    alive = [ref() is not None for ref in refs]
+    assert alive == [False] + [True] * RETAINED_WORKS  # the oldest goes, the latest stay
+
+
+def test_a_closed_connection_is_reported_as_such() -> None:
+    """Catches: a peer that crashed reported as a timeout of the full deadline."""
+    watchdog = Watchdog(None, 3, 4, 5.0)
+    with pytest.raises(CollectiveTimeoutError) as info:
+        watchdog.wait(_Work(GLOO_CLOSED), "the gather of micro-group 2")
+    message = str(info.value)
+    assert message.startswith("rank 3: the gather of micro-group 2 (step 0) failed after 0.")
+    assert "of the 5s deadline: a peer rank closed its connection" in message
+    assert "did not complete" not in message
+    assert "Connection closed by peer" in message  # gloo's text names the peer's address
+
+
+def test_a_late_peer_is_reported_after_the_deadline() -> None:
+    """Catches: a timeout reported as a closed connection, or without its deadline."""
+    watchdog = Watchdog(None, 0, 2, 0.2)
+    with pytest.raises(CollectiveTimeoutError) as info:
+        watchdog.wait(_Work("Operation timed out!", delay=0.2), "the scatter of micro-group 0")
+    message = str(info.value)
+    assert "the scatter of micro-group 0 (step 0) did not complete within 0.2s" in message
+    assert "closed" not in message
+
+
+def _peer_leaves() -> tuple[str, str]:
+    group = tdist.new_group(backend="gloo", timeout=timedelta(seconds=20))
+    if tdist.get_rank() == 1:  # closes its connections of ``group``
+        tdist.destroy_process_group(group)
+        del group
+        gc.collect()
+        return "left", ""
+    weight = torch.nn.Parameter(torch.randn(4, 4))
+    weight.grad = torch.ones_like(weight)
+    pipeline = canzona.PipelineConfig(process_group=group, timeout_s=30.0)
+    opt = canzona.Muon([("w", weight)], lr=0.02, pipeline=pipeline)
+    try:
+        opt.step()
+    except Exception as exc:
+        return type(exc).__name__, str(exc)
+    return "ok", ""
+
+
+def test_a_peer_that_leaves_is_named_as_a_closed_connection(dist: Any) -> None:
+    """Catches: the rank left behind waiting for the full 30 s deadline, or reporting a
+    peer that is gone as a late one, on a real gloo process group."""
+    out = dist(2).run(_peer_leaves, timeout=60)
+    assert out[1] == ("left", "")
+    kind, message = out[0]
+    assert kind == "CollectiveTimeoutError", message
+    assert "of the 30s deadline: a peer rank closed its connection" in message
