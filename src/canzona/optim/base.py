@@ -12,9 +12,11 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from canzona.optim.checkpoint import CheckpointMixin
+from canzona.optim.copies import CopyMixin
 from canzona.optim.owner_state import OwnerState
 from canzona.optim.prepare import GroupWork, StepWork, build_work
 from canzona.optim.transaction import Backup, StepTransaction
+from canzona.optim.validation import check_group
 from canzona.plan import GroupedCost, PlanConfig, Split, cost_model
 from canzona.runtime import (
     ApplyBatch,
@@ -31,7 +33,6 @@ from canzona.runtime import (
     fingerprint,
     local_grad,
     local_tensor,
-    validate_param,
 )
 from canzona.updates.batched import adamw_moments_, adamw_params_
 
@@ -70,7 +71,7 @@ def _plain(value: Any) -> Any:
     return type(value).__qualname__
 
 
-class MatrixOptimizer(CheckpointMixin, Optimizer):
+class MatrixOptimizer(CopyMixin, CheckpointMixin, Optimizer):
     """Base of :class:`Muon`, :class:`Shampoo` and :class:`SOAP`.
 
     A step runs in three phases per matrix: *prepare* (element-wise, on each rank's
@@ -101,8 +102,15 @@ class MatrixOptimizer(CheckpointMixin, Optimizer):
             )
         self.plan_config = plan or PlanConfig()
         self.pipeline_config = pipeline or PipelineConfig()
+        self.skipped_steps = 0
+        self._reset(OwnerState(self._fresh_item_state))
+        defaults = {"algorithm": self.algorithm, **defaults}
+        super().__init__(params, defaults)
+
+    def _reset(self, owner: OwnerState) -> None:
+        """A fresh runtime and empty step caches around ``owner`` (construction, copies)."""
         self._runtime = self._new_runtime()
-        self._owner = OwnerState(self._fresh_item_state)
+        self._owner = owner
         self._table: StepTable | None = None
         self._table_key: tuple[object, ...] = ()
         self._table_version = 0
@@ -111,9 +119,6 @@ class MatrixOptimizer(CheckpointMixin, Optimizer):
         self._state_generation = 0
         self._steps_without_grads = 0
         self.last_step_stats: StepStats | None = None
-        self.skipped_steps = 0
-        defaults = {"algorithm": self.algorithm, **defaults}
-        super().__init__(params, defaults)
 
     def _new_runtime(self) -> MatrixRuntime:
         return MatrixRuntime(
@@ -121,62 +126,6 @@ class MatrixOptimizer(CheckpointMixin, Optimizer):
             pipeline_config=self.pipeline_config,
             cost=self.cost_model,
         )
-
-    def __getstate__(self) -> dict[str, Any]:
-        """What ``copy.deepcopy`` and pickling keep.
-
-        torch.optim's ``defaults``, ``state`` and ``param_groups``, plus the configurations,
-        ``skipped_steps`` and the owner-held states. The runtime (process group, plan,
-        schedules, buffers) is rebuilt by the copy at its next step, collectively on a mesh.
-
-        Raises:
-            TypeError: when ``PipelineConfig(process_group=...)`` holds a process group,
-                which cannot be copied or pickled.
-        """
-        if self.pipeline_config.process_group is not None:
-            raise TypeError(
-                f"cannot copy or pickle a {type(self).__name__} whose PipelineConfig holds a "
-                "process group (a process group cannot be copied); build a new optimizer and "
-                "load this one's state_dict() into it"
-            )
-        state: dict[str, Any] = super().__getstate__()
-        state["plan_config"] = self.plan_config
-        state["pipeline_config"] = self.pipeline_config
-        state["skipped_steps"] = self.skipped_steps
-        state["owner_states"] = self._owner.states
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        """Rebuild a copied or unpickled optimizer around the kept state (see ``__getstate__``).
-
-        The copy gets a fresh runtime (it plans at its next step), its own
-        :class:`OwnerState` holding the kept owner-held states, and empty step caches.
-        ``torch.optim.Optimizer.load_state_dict`` calls this too, with ``state`` and
-        ``param_groups`` only: that update keeps the runtime and the owner-held states.
-        """
-        if "defaults" not in state:
-            super().__setstate__(state)
-            return
-        state = dict(state)
-        owner_states = state.pop("owner_states", {})
-        torch_default = "differentiable" not in state["defaults"]
-        super().__setstate__(state)
-        if torch_default:  # torch.optim adds it; a later param group would then carry it
-            self.defaults.pop("differentiable", None)
-        self.__dict__.setdefault("plan_config", PlanConfig())
-        self.__dict__.setdefault("pipeline_config", PipelineConfig())
-        self.__dict__.setdefault("skipped_steps", 0)
-        self._runtime = self._new_runtime()
-        self._owner = OwnerState(self._fresh_item_state)
-        self._owner.states = owner_states
-        self._table = None
-        self._table_key = ()
-        self._table_version = 0
-        self._step_params = []
-        self._work = None
-        self._state_generation = 0
-        self._steps_without_grads = 0
-        self.last_step_stats = None
 
     # ------------------------------------------------------------------ groups
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -199,53 +148,14 @@ class MatrixOptimizer(CheckpointMixin, Optimizer):
             self.param_groups.pop()
             raise ValueError(f"param group {len(self.param_groups)}: {exc}") from exc
         try:
-            self._check_names_and_shapes(group)
+            offset = sum(len(g["params"]) for g in self.param_groups[:-1])
+            check_group(group, type(self).__name__, set(self._flat()[1][:offset]), offset)
         except ValueError:
             self.param_groups.pop()
             raise
         runtime = getattr(self, "_runtime", None)
         if runtime is not None:
             runtime.invalidate()
-
-    def _check_names_and_shapes(self, group: dict[str, Any]) -> None:
-        split = group.get("split")
-        flatten = group.get("flatten", False)
-        if not isinstance(flatten, bool):
-            raise ValueError(f"a param group's flatten must be a bool, got {flatten!r}")
-        if split is not None and not isinstance(split, Split):
-            raise ValueError(f"a param group's split must be a canzona.Split, got {split!r}")
-        if split is not None and group.get("algorithm") == ADAMW:
-            raise ValueError(
-                f'a split applies to matrix groups, not algorithm="{ADAMW}": {split!r}'
-            )
-        names = group.get("param_names")
-        offset = sum(len(g["params"]) for g in self.param_groups[:-1])
-        labels = [names[i] if names else f"param{offset + i}" for i in range(len(group["params"]))]
-        taken = set(self._flat()[1][:offset])
-        repeated = sorted({n for n in labels if n in taken or labels.count(n) > 1})
-        if repeated:
-            raise ValueError(
-                f"parameter names must be unique in one optimizer; repeated: {repeated[:5]} "
-                "(prefix the names of parameters gathered from different modules)"
-            )
-        for label, p in zip(labels, group["params"], strict=True):
-            validate_param(label, p)
-            if group.get("algorithm") == ADAMW:
-                continue
-            if flatten and p.ndim >= 2:
-                pass  # updated as its (shape[0], rest) matricisation
-            elif p.ndim not in (2, 3):
-                raise ValueError(
-                    f"parameter {label!r} ({tuple(p.shape)}) is {p.ndim}-D; "
-                    f"{type(self).__name__} updates 2-D matrices and 3-D stacks of matrices "
-                    f'only. Put it in a group with algorithm="{ADAMW}" '
-                    "(canzona.param_groups does this for you)."
-                )
-            if torch.is_complex(p):
-                raise ValueError(f"parameter {label!r}: complex dtype {p.dtype} is not supported")
-            if split is not None:
-                m, n = (p.shape[0], p[0].numel()) if flatten and p.ndim > 2 else p.shape[-2:]
-                split.shapes(m, n, name=f"parameter {label!r}")
 
     def _flat(self) -> tuple[list[Tensor], list[str], list[int]]:
         """Every parameter, its name and the index of its param group, in optimizer order."""
@@ -327,6 +237,20 @@ class MatrixOptimizer(CheckpointMixin, Optimizer):
     def _fresh_item_state(self, item: Item) -> dict[str, Tensor]:
         """A new owner-held state for one matrix (none for optimizers without any)."""
         return {}
+
+    def _group_of(self, param: int) -> dict[str, Any]:
+        """The param group of parameter ``param`` (optimizer order)."""
+        seen = 0
+        for group in self.param_groups:
+            seen += len(group["params"])
+            if param < seen:
+                return group
+        raise IndexError(f"no parameter {param} in this optimizer")
+
+    @staticmethod
+    def _state_dtype(p: Tensor) -> torch.dtype:
+        """Dtype of owner-held state: at least float32 (bf16 parameters keep fp32 state)."""
+        return torch.promote_types(p.dtype, torch.float32)
 
     def _item_step(self, item: Item) -> int:
         """The step count of ``item``'s parameter during a step (already incremented)."""

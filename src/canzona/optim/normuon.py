@@ -34,10 +34,6 @@ def _hparams(group: dict[str, Any]) -> NorMuonHParams:
     )
 
 
-def _state_dtype(p: Tensor) -> torch.dtype:
-    return torch.promote_types(p.dtype, torch.float32)
-
-
 class NorMuon(Muon):
     r"""NorMuon (arXiv 2510.05491): Muon, then a per-row second-moment normalisation.
 
@@ -158,7 +154,7 @@ class NorMuon(Muon):
         self, p: Tensor, group: dict[str, Any]
     ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         meta = normuon_init(
-            tuple(p.shape[-2:]), _hparams(group), dtype=_state_dtype(p), device="meta"
+            tuple(p.shape[-2:]), _hparams(group), dtype=self._state_dtype(p), device="meta"
         )
         return {k: (tuple(v.shape), v.dtype) for k, v in meta.items()}
 
@@ -167,24 +163,15 @@ class NorMuon(Muon):
         return normuon_init(
             (item.m, item.n),
             _hparams(self._group_of(item.param)),
-            dtype=_state_dtype(p),
+            dtype=self._state_dtype(p),
             device=local_tensor(p).device,
         )
 
-    def _group_of(self, param: int) -> dict[str, Any]:
-        seen = 0
-        for group in self.param_groups:
-            seen += len(group["params"])
-            if param < seen:
-                return group
-        raise IndexError(f"no parameter {param} in this optimizer")
-
-    # ------------------------------------------------------------------ phases
     def _directions(self, batch: ComputeBatch, full: Tensor) -> Tensor:
         orthogonalised = super()._directions(batch, full)
         hp = _hparams(dict(batch.hparams))
         if batch.calibrate is not None:  # timed on random payloads: no state may change
-            dtype = _state_dtype(full)
+            dtype = self._state_dtype(full)
             return normuon_direction(
                 orthogonalised, normuon_init(full.shape, hp, dtype=dtype, device=full.device), 1, hp
             )
@@ -208,7 +195,7 @@ class NorMuon(Muon):
         )
 
     def _direction_dtype(self, p: Tensor, group: dict[str, Any]) -> torch.dtype:
-        return _state_dtype(p)
+        return self._state_dtype(p)
 
     def _apply_batch(self, batch: ApplyBatch) -> None:
         hp = batch.hparams

@@ -40,23 +40,11 @@ class OwnerStateOptimizer(MatrixOptimizer):
     ) -> None:
         torch._foreach_copy_(work.payloads, grads)
 
-    @staticmethod
-    def _state_dtype(p: Tensor) -> torch.dtype:
-        return torch.promote_types(p.dtype, torch.float32)
-
     def _fresh_item_state(self, item: Item) -> dict[str, Tensor]:
         p = (self._step_params or self._flat()[0])[item.param]
         group = self._group_of(item.param)
         dtype, device = self._state_dtype(p), local_tensor(p).device
         return type(self).init_fn((item.m, item.n), self.hparams(group), dtype=dtype, device=device)
-
-    def _group_of(self, param: int) -> dict[str, Any]:
-        seen = 0
-        for group in self.param_groups:
-            seen += len(group["params"])
-            if param < seen:
-                return group
-        raise IndexError(f"no parameter {param} in this optimizer")
 
     def _owner_specs(
         self, p: Tensor, group: dict[str, Any]

@@ -1,0 +1,76 @@
+"""copy.deepcopy and pickling of canzona's optimizers: what a copy keeps and rebuilds."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from canzona.optim.owner_state import OwnerState
+from canzona.plan import PlanConfig
+from canzona.runtime import PipelineConfig
+
+
+class CopyMixin:
+    """``__getstate__``/``__setstate__`` for :class:`~canzona.optim.base.MatrixOptimizer`.
+
+    ``torch.optim.Optimizer.__getstate__`` keeps only ``defaults``, ``state`` and
+    ``param_groups``; a canzona optimizer also needs its configurations, ``skipped_steps``
+    and its owner-held states, and rebuilds its runtime (process group, plan, schedules,
+    buffers) at the copy's next step, collectively on a mesh.
+    """
+
+    # provided by MatrixOptimizer
+    plan_config: PlanConfig
+    pipeline_config: PipelineConfig
+    skipped_steps: int
+    defaults: dict[str, Any]
+    _owner: OwnerState
+
+    def _reset(self, owner: OwnerState) -> None:
+        raise NotImplementedError
+
+    def _fresh_item_state(self, item: Any) -> Any:
+        raise NotImplementedError
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What ``copy.deepcopy`` and pickling keep (see the class docstring).
+
+        Raises:
+            TypeError: when ``PipelineConfig(process_group=...)`` holds a process group,
+                which cannot be copied or pickled.
+        """
+        if self.pipeline_config.process_group is not None:
+            raise TypeError(
+                f"cannot copy or pickle a {type(self).__name__} whose PipelineConfig holds a "
+                "process group (a process group cannot be copied); build a new optimizer and "
+                "load this one's state_dict() into it"
+            )
+        state: dict[str, Any] = super().__getstate__()  # type: ignore[assignment]
+        state["plan_config"] = self.plan_config
+        state["pipeline_config"] = self.pipeline_config
+        state["skipped_steps"] = self.skipped_steps
+        state["owner_states"] = self._owner.states
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Rebuild a copied or unpickled optimizer around the kept state.
+
+        The copy gets a fresh runtime (it plans at its next step), its own
+        :class:`OwnerState` holding the kept owner-held states, and empty step caches.
+        ``torch.optim.Optimizer.load_state_dict`` calls this too, with ``state`` and
+        ``param_groups`` only: that update keeps the runtime and the owner-held states.
+        """
+        if "defaults" not in state:
+            super().__setstate__(state)  # type: ignore[misc]
+            return
+        state = dict(state)
+        owner_states = state.pop("owner_states", {})
+        torch_default = "differentiable" not in state["defaults"]
+        super().__setstate__(state)  # type: ignore[misc]
+        if torch_default:  # torch.optim adds it; a later param group would then carry it
+            self.defaults.pop("differentiable", None)
+        self.__dict__.setdefault("plan_config", PlanConfig())
+        self.__dict__.setdefault("pipeline_config", PipelineConfig())
+        self.__dict__.setdefault("skipped_steps", 0)
+        owner = OwnerState(self._fresh_item_state)
+        owner.states = owner_states
+        self._reset(owner)

@@ -1,0 +1,57 @@
+"""Checks of a param group's parameters, names, split and flatten flag (at add_param_group)."""
+
+from __future__ import annotations
+
+from collections.abc import Set
+from typing import Any
+
+import torch
+
+from canzona.plan import Split
+from canzona.runtime import validate_param
+
+ADAMW = "adamw"
+
+
+def check_group(group: dict[str, Any], owner: str, taken: Set[str], offset: int) -> None:
+    """Raise ``ValueError`` naming the parameter for anything the optimizer cannot update.
+
+    Args:
+        group: The new param group (``params``, optional ``param_names``, ``split``,
+            ``flatten``, ``algorithm``).
+        owner: The optimizer's class name (for messages).
+        taken: Names of the parameters of the earlier groups.
+        offset: Number of parameters in the earlier groups (default names ``param<i>``).
+    """
+    split = group.get("split")
+    flatten = group.get("flatten", False)
+    if not isinstance(flatten, bool):
+        raise ValueError(f"a param group's flatten must be a bool, got {flatten!r}")
+    if split is not None and not isinstance(split, Split):
+        raise ValueError(f"a param group's split must be a canzona.Split, got {split!r}")
+    if split is not None and group.get("algorithm") == ADAMW:
+        raise ValueError(f'a split applies to matrix groups, not algorithm="{ADAMW}": {split!r}')
+    names = group.get("param_names")
+    labels = [names[i] if names else f"param{offset + i}" for i in range(len(group["params"]))]
+    repeated = sorted({n for n in labels if n in taken or labels.count(n) > 1})
+    if repeated:
+        raise ValueError(
+            f"parameter names must be unique in one optimizer; repeated: {repeated[:5]} "
+            "(prefix the names of parameters gathered from different modules)"
+        )
+    for label, p in zip(labels, group["params"], strict=True):
+        validate_param(label, p)
+        if group.get("algorithm") == ADAMW:
+            continue
+        if not (flatten and p.ndim >= 2) and p.ndim not in (2, 3):
+            raise ValueError(
+                f"parameter {label!r} ({tuple(p.shape)}) is {p.ndim}-D; {owner} updates 2-D "
+                "matrices and 3-D stacks of matrices only (N-D weights as matrices with "
+                f'flatten=True). Put it in a group with algorithm="{ADAMW}" '
+                "(canzona.param_groups does this for you)."
+            )
+        if torch.is_complex(p):
+            raise ValueError(f"parameter {label!r}: complex dtype {p.dtype} is not supported")
+        if split is not None:
+            m, n = (p.shape[0], p[0].numel()) if flatten and p.ndim > 2 else p.shape[-2:]
+            split.shapes(m, n, name=f"parameter {label!r}")
