@@ -61,16 +61,18 @@ def _ns_matrix(
     The only difference is that the normalisation is out of place: torch divides in place, which
     overwrites its argument when that argument already has ``dtype``.
     """
-    out = x.to(dtype)
+    # the op sequence of torch's: only Python-level dispatch is trimmed (no ``to`` when
+    # the dtype already matches, ``torch.mm`` for ``@``, ``vector_norm`` for ``norm()``)
+    out = x if x.dtype == dtype else x.to(dtype)
     tall = x.size(0) > x.size(1)
     if tall:
         out = out.T
-    # torch's ``out.norm()`` is this call behind a Python wrapper: same kernel, fewer µs
     out = _normalise(out, torch.linalg.vector_norm(out), eps, norm_scale)
+    mm, addmm = torch.mm, torch.addmm
     for a, b, c in schedule:
-        gram = out @ out.T
-        update = torch.addmm(gram, gram, gram, beta=b, alpha=c)
-        out = torch.addmm(out, update, out, beta=a)
+        gram = mm(out, out.T)
+        update = addmm(gram, gram, gram, beta=b, alpha=c)
+        out = addmm(out, update, out, beta=a)
     return out.T if tall else out
 
 
