@@ -187,8 +187,10 @@ def assign_owners(
 
     Strategies:
 
-    A matrix that some ranks already hold whole (:attr:`MatrixSpec.holders`) is owned by
-    one of them under ``canzona`` and ``numel``: it moves no bytes there.
+    A matrix that some ranks already hold whole (:attr:`MatrixSpec.holders`) starts on the
+    least loaded of them under ``canzona`` and ``numel``, where it moves no bytes; only the
+    ``canzona`` refinement moves it elsewhere, and only when that strictly lowers the
+    makespan (ties keep it on its holder).
 
     * ``canzona``: longest-processing-time-first greedy on the blended cost
       ``(1 - alpha) * bytes / total_bytes + alpha * flops / total_flops``, in the order
@@ -225,8 +227,9 @@ def assign_owners(
     flops = [model.flops(s) for s in specs]
     nbytes = [model.comm_bytes(s) for s in specs]
     eligible = [s.ranks for s in specs]
-    if strategy in ("canzona", "numel"):  # data already in place stays there
-        eligible = [s.holders if s.holders is not None else s.ranks for s in specs]
+    # data already in place starts there: the greedy places a held matrix on its least
+    # loaded holder; the refinement may still move it when that strictly lowers the makespan
+    start_on = [s.holders if s.holders is not None else s.ranks for s in specs]
     total = math.fsum(flops)
     bound = lower_bound(flops, num_ranks)
     restricted = {s.name: s.ranks for s in specs if s.ranks is not None}
@@ -270,7 +273,8 @@ def assign_owners(
         order = sorted(range(len(specs)), key=lambda i: (-costs[i], -nbytes[i], specs[i].name))
         ordered_costs = [costs[i] for i in order]
         ordered_elig = [eligible[i] for i in order]
-        greedy = _lpt(range(len(order)), ordered_costs, ordered_elig, num_ranks)
+        ordered_start = [start_on[i] for i in order]
+        greedy = _lpt(range(len(order)), ordered_costs, ordered_start, num_ranks)
         chosen = greedy
         if strategy == "canzona" and refine:
             refined = refine_owners(ordered_costs, ordered_elig, greedy, num_ranks)

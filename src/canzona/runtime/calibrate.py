@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +24,8 @@ SHAPE_CAP_S = 0.25
 MAX_BATCH = 8
 #: Bytes per rank of the all-to-all that measures the transfer rate.
 PROBE_BYTES = 1 << 22
+#: Timed calls per shape and phase (the fastest counts).
+REPEATS = 5
 
 _CACHE: dict[tuple[object, ...], float] = {}
 _RATES: dict[tuple[object, ...], float] = {}
@@ -65,6 +67,15 @@ def _device_name(device: torch.device) -> str:
     return f"{device.type}:{torch.get_num_threads()} threads"
 
 
+def _clock() -> Callable[[], float]:
+    """The calibration's clock.
+
+    This thread's CPU time with one intra-op thread (robust to other processes sharing the
+    cores); wall time when torch's kernels run on several threads.
+    """
+    return time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+
+
 def _time_call(run: ComputeFn, batch: ComputeBatch, full: torch.Tensor) -> float:
     """Seconds of one call (CUDA events on a GPU; the best of a few on a CPU)."""
     if full.device.type == "cuda":
@@ -76,13 +87,14 @@ def _time_call(run: ComputeFn, batch: ComputeBatch, full: torch.Tensor) -> float
         stop.record()
         stop.synchronize()
         return float(start.elapsed_time(stop)) / 1e3
+    clock = _clock()
     run(batch, full)  # warm-up (and primes owner-side state)
     best = math.inf
     spent = 0.0
-    for _ in range(3):
-        t0 = time.perf_counter()
+    for _ in range(REPEATS):
+        t0 = clock()
         run(batch, full)
-        elapsed = time.perf_counter() - t0
+        elapsed = clock() - t0
         best, spent = min(best, elapsed), spent + elapsed
         if spent > SHAPE_CAP_S:
             break
@@ -124,6 +136,22 @@ def time_shape(
     return total
 
 
+def _median_over_ranks(timed: list[float], watchdog: Watchdog, device: torch.device) -> list[float]:
+    """Per shape, the median of the ranks that timed it (-1 when none did).
+
+    One all-gather; the same numbers on every rank.
+    """
+    mine = torch.tensor(timed, dtype=torch.float64, device=device)
+    rows = torch.empty(watchdog.world * len(timed), dtype=torch.float64, device=device)
+    dist.all_gather_single(rows, mine, group=watchdog.group)
+    table = rows.view(watchdog.world, len(timed)).tolist()
+    out = []
+    for i in range(len(timed)):
+        values = sorted(row[i] for row in table if row[i] >= 0)
+        out.append(values[len(values) // 2] if values else -1.0)
+    return out
+
+
 def measure_transfer(watchdog: Watchdog, device: torch.device) -> float:
     """Bytes per second of an all-to-all between the ranks (the slowest rank's view)."""
     key = (id(watchdog.group), watchdog.world, str(device))
@@ -162,8 +190,8 @@ def calibrate(
 
     Every rank times the shapes it can within :data:`BUDGET_S` (cheapest first; a shape
     whose predicted time exceeds :data:`SHAPE_CAP_S`, or whose math raises, is not timed
-    there); one all-reduce takes
-    each shape's slowest time over the ranks, so every rank plans with identical numbers.
+    there), in CPU time with one intra-op thread; one all-gather gives every rank each
+    shape's median over the ranks, so every rank plans with identical numbers.
     Shapes no rank timed are predicted per param group from a log-log fit of time against
     the closed-form FLOPs of the timed ones. A small all-to-all measures the transfer rate.
 
@@ -193,9 +221,7 @@ def calibrate(
             rate = max(rate, timed[i] * s.k / work)
     agreed = timed
     if watchdog.group is not None:
-        vec = torch.tensor(timed, dtype=torch.float64, device=device)
-        dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=watchdog.group)
-        agreed = [float(x) for x in vec.tolist()]
+        agreed = _median_over_ranks(timed, watchdog, device)
     bytes_per_s = measure_transfer(watchdog, device) if watchdog.group is not None else 0.0
     models: dict[str, CostModel] = {}
     for key, base in bases.items():
