@@ -7,19 +7,41 @@ section of ``docs/benchmarks.md`` can be re-rendered from a results file without
 from __future__ import annotations
 
 import os
-import statistics
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import _peers
+from _latency_checks import (
+    _mib,
+    _ms,
+    _ratio,
+    best_baseline,
+    format_bound,
+    format_measured,
+    note,
+    ratio_row,
+    render_atomic,
+    render_depth,
+    render_prediction,
+    render_structure,
+    structure_targets,
+    target_row,
+    time_targets,
+)
 from _qwen import layer_shapes
 
 from _report import markdown_table
 
 STRATEGIES = ("replicated", "round_robin", "count", "numel", "canzona", "canzona_no_overlap")
-#: Extra ``canzona`` runs that show where time goes (full mode): not part of the targets.
-DIAGNOSTICS = ("canzona_unchecked", "canzona_one_group")
+#: Extra ``canzona`` runs that show where time goes: not part of the step-time targets.
+DIAGNOSTICS = (
+    "canzona_unchecked",
+    "canzona_one_group",
+    "canzona_depth2",
+    "canzona_depth3",
+    "canzona_not_atomic",
+)
 LABELS = {
     "replicated": "`replicated` (synchronous baseline)",
     "round_robin": "`round_robin` (layer-wise)",
@@ -29,6 +51,9 @@ LABELS = {
     "canzona_no_overlap": "`canzona`, `overlap=False`",
     "canzona_unchecked": "`canzona`, no per-step checks or progress markers (diagnostic)",
     "canzona_one_group": "`canzona`, one micro-group (diagnostic)",
+    "canzona_depth2": "`canzona`, pipeline depth 2 (diagnostic)",
+    "canzona_depth3": "`canzona`, pipeline depth 3 (diagnostic)",
+    "canzona_not_atomic": "`canzona`, `atomic=False` (diagnostic)",
 }
 TARGETS = {
     "muon_w4_vs_replicated": 0.35,
@@ -61,11 +86,7 @@ def group_sync_factor(
     plan = build_plan(specs, world, config, optimizer=optimizer)
     loads = [g.rank_loads for g in plan.groups]
     totals = [sum(x) for x in zip(*loads, strict=True)]
-    return sum(max(g) for g in loads) / max(totals)
-
-
-def _median(values: Sequence[float]) -> float:
-    return statistics.median(values) if values else float("nan")
+    return float(sum(max(g) for g in loads) / max(totals))
 
 
 def _find(
@@ -77,78 +98,43 @@ def _find(
     return None
 
 
-def _step(case: dict[str, Any] | None, label: str) -> float | None:
-    if case is None:
-        return None
-    return case["runs"].get(label, {}).get("step_s")
-
-
 def evaluate_targets(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each target with its measured value (None when the case was not run)."""
     rows: list[dict[str, Any]] = []
-
-    def add(
-        name: str,
-        kind: str,
-        case: dict[str, Any],
-        target: float,
-        measured: float | None,
-        **extra: Any,
-    ) -> None:
-        met = None if measured is None else measured <= target
-        row = {
-            "name": name,
-            "kind": kind,
-            "case": case["case"],
-            "target": target,
-            "measured": measured,
-            "met": met,
-        }
-        rows.append({**row, **extra})
-
-    def add_ratio(name: str, kind: str, case: dict[str, Any], target: float, versus: str) -> None:
-        """A step-time ratio: of medians (the measure), paired by round, and of best steps."""
-        a, b = case["runs"]["canzona"], case["runs"][versus]
-        paired = [x / y for x, y in zip(a["steps_s"], b["steps_s"], strict=False)]
-        add(
-            name,
-            kind,
-            case,
-            target,
-            a["step_s"] / b["step_s"],
-            versus=versus,
-            best=a["step_min_s"] / b["step_min_s"],
-            paired=_median(paired),
-        )
-
     for world, key in ((4, "muon_w4_vs_replicated"), (2, "muon_w2_vs_replicated")):
         c = _find(cases, "muon", "qwen", "fsdp", world)
         if c is not None:
-            add_ratio(
-                f"Muon, world {world} (FSDP): `canzona` / `replicated`",
-                "vs_replicated",
-                c,
-                TARGETS[key],
-                "replicated",
+            rows.append(
+                ratio_row(
+                    f"Muon, world {world} (FSDP): `canzona` / `replicated`",
+                    "vs_replicated",
+                    c,
+                    TARGETS[key],
+                    "replicated",
+                )
             )
     c = _find(cases, "muon", "hetero", "fsdp", 2)
     if c is not None:
-        rr, count = _step(c, "round_robin"), _step(c, "count")
-        best = "round_robin" if (rr or float("inf")) <= (count or float("inf")) else "count"
-        add_ratio(
-            f"heterogeneous, world 2: `canzona` / best of `round_robin`, `count` ({best})",
-            "hetero",
-            c,
-            TARGETS["hetero_w2_vs_rr_count"],
-            best,
+        best = best_baseline(c)
+        rows.append(
+            ratio_row(
+                f"heterogeneous, world 2: `canzona` / best of `round_robin`, `count` ({best})",
+                "hetero",
+                c,
+                TARGETS["hetero_w2_vs_rr_count"],
+                best,
+            )
         )
-        add_ratio(
-            "heterogeneous, world 2: `canzona` / `numel`",
-            "hetero",
-            c,
-            TARGETS["hetero_w2_vs_numel"],
-            "numel",
+        rows.append(
+            ratio_row(
+                "heterogeneous, world 2: `canzona` / `numel`",
+                "hetero",
+                c,
+                TARGETS["hetero_w2_vs_numel"],
+                "numel",
+            )
         )
+    rows += structure_targets(cases)
     for world in (2, 4):
         c = _find(cases, "muon", "qwen", "fsdp", world)
         if c is None:
@@ -160,41 +146,49 @@ def evaluate_targets(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
         }
         if peers:
             fastest = min(peers, key=peers.__getitem__)
-            add_ratio(
-                f"Muon, world {world}: `canzona` / fastest peer ({fastest})",
-                "peer",
-                c,
-                TARGETS["vs_fastest_peer"],
-                fastest,
+            rows.append(
+                ratio_row(
+                    f"Muon, world {world}: `canzona` / fastest peer ({fastest})",
+                    "peer",
+                    c,
+                    TARGETS["vs_fastest_peer"],
+                    fastest,
+                )
             )
     for c in cases:
         run = c["runs"].get("canzona", {})
         if "redundancy" in run:
-            add(
-                f"{c['case']}: `canzona` redundancy factor (CPU seconds)",
-                "redundancy",
-                c,
-                TARGETS["redundancy"],
-                run["redundancy"],
+            rows.append(
+                target_row(
+                    f"{c['case']}: `canzona` redundancy factor (CPU seconds)",
+                    "redundancy",
+                    c,
+                    TARGETS["redundancy"],
+                    run["redundancy"],
+                )
             )
-            add(
-                f"{c['case']}: `canzona` per-rank compute balance (CPU seconds)",
-                "balance",
-                c,
-                TARGETS["balance"],
-                run["balance"],
+            rows.append(
+                target_row(
+                    f"{c['case']}: `canzona` per-rank compute balance (CPU seconds)",
+                    "balance",
+                    c,
+                    TARGETS["balance"],
+                    run["balance"],
+                )
             )
     for optimizer in ("shampoo", "soap"):
         c = _find(cases, optimizer, "small", "fsdp", 4)
         if c is not None:
-            add_ratio(
-                f"{optimizer.capitalize()}, world 4: `canzona` / `replicated`",
-                "vs_replicated",
-                c,
-                TARGETS["precond_w4_vs_replicated"],
-                "replicated",
+            rows.append(
+                ratio_row(
+                    f"{optimizer.capitalize()}, world 4: `canzona` / `replicated`",
+                    "vs_replicated",
+                    c,
+                    TARGETS["precond_w4_vs_replicated"],
+                    "replicated",
+                )
             )
-    return rows
+    return rows + time_targets(cases)
 
 
 def draw_chart(cases: list[dict[str, Any]], path: Path) -> Path | None:
@@ -248,18 +242,6 @@ def _spread(cases: list[dict[str, Any]]) -> float:
     return max((r["step_s"] / r["step_min_s"] for r in runs), default=1.0)
 
 
-def _ms(x: float | None) -> str:
-    return "–" if x is None else f"{x * 1e3:.1f}"
-
-
-def _ratio(x: float | None) -> str:
-    return "–" if x is None else f"{x:.3f}"
-
-
-def _mib(values: Sequence[int]) -> str:
-    return "/".join(f"{v / 2**20:.1f}" for v in values)
-
-
 def render_case(c: dict[str, Any]) -> str:
     rows = []
     planned = c.get("planned_makespan_ratio", {})
@@ -298,7 +280,7 @@ def render_case(c: dict[str, Any]) -> str:
     table = markdown_table(
         [
             "strategy",
-            "planned makespan / LB",
+            "planned makespan / LB (FLOPs)",
             "step ms, median (min–max)",
             "× replicated",
             "compute per rank, CPU ms",
@@ -368,6 +350,12 @@ def render_peers(cases: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _verdict(t: dict[str, Any]) -> str:
+    if t["met"] is None:
+        return "–" if "floor" not in t else f"– (lower bound allows {t['floor']:.3f})"
+    return "met" if t["met"] else "**missed**"
+
+
 def render(payload: dict[str, Any]) -> str:
     m = payload["machine"]
     cases = payload["cases"]
@@ -375,17 +363,18 @@ def render(payload: dict[str, Any]) -> str:
     target_rows = [
         [
             t["name"],
-            f"≤ {t['target']}",
-            _ratio(t["measured"]),
+            format_bound(t),
+            format_measured(t),
             _ratio(t.get("paired")),
             _ratio(t.get("best")),
-            "–" if t["met"] is None else ("met" if t["met"] else "**missed**"),
+            _verdict(t),
         ]
         for t in targets
     ]
     parts = [
         "## Optimizer step latency",
-        f"`{payload['command']}` ({payload['mode']} mode, {payload['date']}): {payload['cpu']}, "
+        f"`{payload['command']}` ({payload['mode']} mode, {payload['date']}, commit "
+        f"`{payload.get('commit') or 'not recorded'}`): {payload['cpu']}, "
         f"{m['cpu_count']} cores, torch {m['torch']}, gloo, one intra-op thread per rank "
         f"(`OMP_NUM_THREADS={m['omp_num_threads']}`), {payload['steps']} timed steps after "
         f"{payload['warmup']} warm-up steps; {payload['bench_seconds']:.0f} s in all.",
@@ -398,15 +387,23 @@ def render(payload: dict[str, Any]) -> str:
         "over ranks divided by the compute of one process running the same optimizer on the "
         "unsharded model (ideal 1.0; `replicated` ≈ W). The wall-clock variant is shown too: "
         "with 4 ranks on 2 cores two ranks share a core whenever more than two compute at once, "
-        "which inflates wall seconds but not CPU seconds. Muon: lr 0.02, momentum 0.95 "
+        "which inflates wall seconds but not CPU seconds. *Planned makespan / LB (FLOPs)* "
+        "prices each strategy's plan as it ran (for `canzona`, balanced in measured seconds) "
+        "in the optimizer's closed-form FLOPs; the same plans in measured seconds are in the "
+        "prediction section below. Muon: lr 0.02, momentum 0.95 "
         "(Nesterov), weight decay 0.1, bf16 Newton–Schulz (5 steps, torch's coefficients). "
         "Shampoo and SOAP refresh their preconditioners every step "
         "(`precondition_frequency=1`), the step whose work the owners split.",
         "Models (`benchmarks/_qwen.py`): Qwen3-0.6B's seven matrices per layer with its "
         "proportions at width h (q 2h×h, k/v h×h for 16 query over 8 key/value heads, "
         "o h×2h, gate/up 3h×h, down h×3h). "
-        + "; ".join(f"*{v['name']}*: {v['layers']}" for v in payload["models"].values())
-        + ".",
+        + "; ".join(
+            f"*{v['name']}*: {v['layers']}"
+            for k, v in payload["models"].items()
+            if k != "structure"
+        )
+        + ". The *structure* model (`benchmarks/_structure.py`) is described with its section "
+        "below.",
         "### Targets",
         markdown_table(
             [
@@ -419,7 +416,9 @@ def render(payload: dict[str, Any]) -> str:
             ],
             target_rows,
         ),
-        "A target is met or missed on the ratio of median step times. The strategies and peers "
+        "A target is met or missed on the ratio of median step times (other targets: on the "
+        "measured value shown; `–` where it does not apply, e.g. a balance the plan's lower "
+        "bound rules out). The strategies and peers "
         "of a case take turns step by step (a *round* is one step of each), so the median of "
         "the per-round ratios pairs steps taken seconds apart, and the ratio of best steps "
         "shows each side with the least interference. All three are given because this "
@@ -430,6 +429,15 @@ def render(payload: dict[str, Any]) -> str:
         parts.append("\n".join(f"- {n}" for n in payload["notes"]))
     parts.append("### Strategies")
     parts += [render_case(c) for c in cases]
+    structure = payload["models"].get("structure", {}).get("layers", "")
+    for extra in (
+        render_prediction(cases, LABELS),
+        render_structure(cases, LABELS, structure),
+        render_atomic(cases),
+        render_depth(cases),
+    ):
+        if extra:
+            parts.append(extra)
     peers = render_peers(cases)
     if peers:
         parts += [
@@ -447,13 +455,35 @@ def render(payload: dict[str, Any]) -> str:
             "error. torchtitan's DistMuon runs on CPU with two shims in `benchmarks/_peers.py`: "
             "it requires one CUDA device per process (the shim returns the CPU device) and "
             "builds its transfer stream with CUDA-only arguments "
-            "(`Stream(device=..., priority=0)`).",
+            "(`Stream(device=..., priority=0)`). On the structure case the peers get the "
+            "matrices as the model holds them (no per-head blocks, expert stacks as 3-D "
+            "tensors; the router, which canzona's AdamW group updates, is left out), so their "
+            "parameters differ from canzona's by design.",
             peers,
         ]
     if payload.get("chart"):
         rel = Path(os.path.relpath(payload["chart"], Path(payload["doc"]).parent)).as_posix()
         parts.append(f"![per-rank compute per strategy]({rel})")
     return "\n\n".join(parts)
+
+
+PINNED = (
+    " On the structure model, `canzona` and `numel` own every q/k/v head block and every "
+    "expert on the rank that already holds it (`Shard(0)` rows: whole heads and whole "
+    "experts per rank), so only the o-projection blocks and the three dense MLP matrices are "
+    "placed freely; with three MLP matrices on two ranks one rank holds two of them."
+)
+
+
+def _group_factor(payload: dict[str, Any], case: dict[str, Any], strategy: str) -> float:
+    """The planned per-group imbalance of a run: from its plan, else re-planned in FLOPs."""
+    planned = case["runs"].get(strategy, {}).get("plan", {}).get("group_factor")
+    if planned is not None:
+        return float(planned)
+    widths = payload["models"][case["model"]]["widths"]
+    return group_sync_factor(
+        widths, case["world"], strategy, case["capacity_mb"], case["optimizer"]
+    )
 
 
 def explain(payload: dict[str, Any]) -> list[str]:
@@ -464,9 +494,13 @@ def explain(payload: dict[str, Any]) -> list[str]:
         if t["met"] is not False:
             continue
         c = cases[t["case"]]
+        own = note(t, c, payload)
+        if own is not None:
+            notes.append(own)
+            continue
         runs, world = c["runs"], c["world"]
         canz = runs["canzona"]
-        head = f"**{t['name']}**: {_ratio(t['measured'])} against ≤ {t['target']}"
+        head = f"**{t['name']}**: {format_measured(t)} against {format_bound(t)}"
         if t.get("best") is not None:
             head += f" (per-round {_ratio(t['paired'])}, best steps {_ratio(t['best'])})"
         rest = canz["step_s"] - max(canz["compute_s"])
@@ -488,19 +522,17 @@ def explain(payload: dict[str, Any]) -> list[str]:
             )
         elif t["kind"] == "hetero":
             other = runs[t["versus"]]
-            plan = c.get("planned_makespan_ratio", {})
+            timed = "canzona" in c.get("planned_makespan_ratio_time", {})
+            plan = c.get("planned_makespan_ratio_time" if timed else "planned_makespan_ratio", {})
+            unit = "the calibration table's seconds" if timed else "FLOPs"
             bound = plan.get("canzona", 1.0) / plan.get(t["versus"], 1.0)
             lean = runs.get("canzona_unchecked", {}).get("step_s")
             rest_other = other["step_s"] - max(other["compute_s"])
-            widths = payload["models"][c["model"]]["widths"]
-            sync = {
-                s: group_sync_factor(widths, world, s, c["capacity_mb"], c["optimizer"])
-                for s in ("canzona", t["versus"])
-            }
+            sync = {s: _group_factor(payload, c, s) for s in ("canzona", t["versus"])}
             notes.append(
-                f"{head}. The planner's makespan / LB is {_ratio(plan.get('canzona'))} for "
-                f"`canzona` and {_ratio(plan.get(t['versus']))} for `{t['versus']}`, so even a "
-                f"purely compute-bound step cannot beat {bound:.3f}. Measured, the slowest "
+                f"{head}. The plans' makespan / LB in {unit} is {_ratio(plan.get('canzona'))} "
+                f"for `canzona` and {_ratio(plan.get(t['versus']))} for `{t['versus']}`, so even "
+                f"a purely compute-bound step cannot beat {bound:.3f}. Measured, the slowest "
                 f"rank's owner compute is {_ms(max(canz['compute_cpu_s']))} vs "
                 f"{_ms(max(other['compute_cpu_s']))} CPU ms "
                 f"({max(canz['compute_cpu_s']) / max(other['compute_cpu_s']):.3f}); outside "
@@ -523,6 +555,7 @@ def explain(payload: dict[str, Any]) -> list[str]:
                     else ""
                 )
                 + "."
+                + (PINNED if c["model"] == "structure" else "")
             )
         elif t["kind"] == "peer":
             peer = runs[t["versus"]]

@@ -7,6 +7,7 @@ import json
 import os
 import platform
 import re
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -36,12 +37,55 @@ def machine_info() -> dict[str, Any]:
     return info
 
 
+def git_commit() -> str:
+    """The commit the benchmark runs on: ``git rev-parse --short HEAD``.
+
+    With ``-dirty`` when ``src/`` differs from that commit (modified, staged or untracked
+    files), so that a number is never attributed to code it was not measured on;
+    ``"unknown"`` outside a git checkout. Read-only: no index refresh is written.
+    """
+    git = ["git", "--no-optional-locks"]
+    try:
+        sha = subprocess.run(
+            [*git, "rev-parse", "--short", "HEAD"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        changed = subprocess.run(
+            [*git, "diff", "--quiet", "HEAD", "--", "src"], cwd=ROOT
+        ).returncode
+        untracked = subprocess.run(
+            [*git, "ls-files", "--others", "--exclude-standard", "--", "src"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return sha + ("-dirty" if changed or untracked else "")
+
+
+def commit_of(payload: dict[str, Any]) -> str:
+    """The commit a results payload names (set by :func:`write_json`), or the current one."""
+    return str(payload.get("commit") or git_commit())
+
+
 def write_json(name: str, payload: dict[str, Any], *, out_dir: Path | None = None) -> Path:
-    """Write ``payload`` (plus machine info) to ``benchmarks/results/<name>.json``."""
+    """Write ``payload`` to ``benchmarks/results/<name>.json`` (or ``out_dir``).
+
+    The file also records the machine and the commit (:func:`git_commit`; the payload's own
+    ``"commit"`` when it has one), and ``payload["commit"]`` is set to it, so that the
+    Markdown rendered from the same payload names the same commit.
+    """
     directory = out_dir or RESULTS
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{name}.json"
-    body = {"machine": machine_info(), **payload}
+    payload["commit"] = commit_of(payload)
+    rest = {k: v for k, v in payload.items() if k != "commit"}
+    body = {"machine": machine_info(), "commit": payload["commit"], **rest}
     path.write_text(json.dumps(body, indent=2, sort_keys=False) + "\n")
     return path
 

@@ -108,17 +108,15 @@ def main(argv: list[str] | None = None) -> int:
     peak = matmul_peak()
     ns = ns_throughput(peak, args.batch)
     step = step_latency(args.layers)
-    write_json(
-        "gpu_check",
-        {"gpu": name, "bf16_peak_tflops": peak / 1e12, "ns": ns, "step": step},
-        out_dir=args.out,
-    )
+    payload = {"gpu": name, "bf16_peak_tflops": peak / 1e12, "ns": ns, "step": step}
+    write_json("gpu_check", payload, out_dir=args.out)
     rows = [
         [r["shape"], r["batch"], r["matrices_per_s"], r["tflops"], r["fraction_of_peak"]]
         for r in ns
     ]
     md = (
-        f"## GPU check ({name})\n\n`bash benchmarks/gpu_check.sh`; bf16 matmul peak measured "
+        f"## GPU check ({name})\n\n`bash benchmarks/gpu_check.sh` (commit "
+        f"`{payload['commit']}`); bf16 matmul peak measured "
         f"{peak / 1e12:.0f} TFLOP/s.\n\n"
         + markdown_table(["shape", "batch", "matrices/s", "TFLOP/s", "of peak"], rows)
         + f"\n\nOne step on {step['matrices']} matrices of Qwen3-1.7B shapes: canzona.Muon "

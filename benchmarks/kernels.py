@@ -218,7 +218,8 @@ def render(payload: dict[str, Any]) -> str:
     return "\n\n".join(
         [
             "## Newton–Schulz kernels: batched stack vs per-matrix loop",
-            f"`{payload['command']}` — {payload['cpu']}, "
+            f"`{payload['command']}` (commit `{payload.get('commit', 'unknown')}`) — "
+            f"{payload['cpu']}, "
             f"torch {machine['torch']}, {payload['threads']} intra-op thread, "
             f"{payload['steps']} quintic steps. Shapes are the distinct per-layer matrices of "
             f"each model divided by {payload['scale']}; each row times a stack of "
@@ -245,12 +246,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--batch", type=int, help="matrices per stack")
     parser.add_argument("--repeats", type=int, help="timed runs per measurement")
     parser.add_argument("--dtypes", default="bf16,fp32", help="comma-separated: bf16, fp32")
-    parser.add_argument("--out-dir", type=Path, default=RESULTS, help="directory of kernels.json")
-    parser.add_argument("--doc", type=Path, default=DOC, help="Markdown file to update")
+    parser.add_argument(
+        "--out-dir", type=Path, help="directory of kernels.json (quick: benchmarks/results/quick)"
+    )
+    parser.add_argument("--doc", type=Path, help="Markdown file (full: docs/benchmarks.md)")
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
 
     preset_name = "full" if args.full else "quick"
+    full = preset_name == "full"  # only full mode writes the published files
+    args.out_dir = args.out_dir or (RESULTS if full else RESULTS / "quick")
+    args.doc = args.doc or (DOC if full else RESULTS / "quick" / "benchmarks_quick.md")
     preset = dict(PRESETS[preset_name])
     for key in ("scale", "batch", "repeats"):
         if getattr(args, key) is not None:

@@ -9,11 +9,16 @@ Implementations: ``canzona.Muon`` with the ``canzona`` and the ``replicated`` pl
 ``torch.optim.Muon`` (``ns_steps=1``) and ``torch.optim.AdamW(foreach=True)``. A step's time
 is the slowest rank's (barrier before each step), the median over the timed steps. Per
 implementation the script fits ``time = fixed + slope * N`` (least squares over the N values)
-and writes ``benchmarks/results/overhead.json``, the ``overhead`` section of
-``docs/benchmarks.md`` and a plot of step time against N.
+and writes ``benchmarks/results/overhead.json`` (with the commit it ran on), the ``overhead``
+section of ``docs/benchmarks.md`` and a plot of step time against N. After the timed steps,
+rank 0's shards of the distributed runs that do the same fp32 math (``SAME_MATH``) are
+compared bit for bit with the same rows of the one-process ``canzona.Muon`` (same matrices,
+gradients and number of steps).
 
-    python benchmarks/overhead.py --quick      # a reduced grid, about a minute
+    python benchmarks/overhead.py --quick      # a reduced grid, about a minute; under
+                                               # benchmarks/results/quick/
     python benchmarks/overhead.py --full       # the published grid, a few minutes
+    python benchmarks/overhead.py --tiny --out /tmp/o --doc /tmp/o/b.md   # smoke test
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import argparse
+import hashlib
 import statistics
 import sys
 import time
@@ -39,22 +45,44 @@ import _peers
 import canzona
 from _ranks import launch
 
-from _report import DOC, RESULTS, ROOT, markdown_table, update_section, write_json
+from _report import (
+    DOC,
+    RESULTS,
+    ROOT,
+    machine_info,
+    markdown_table,
+    update_section,
+    write_json,
+)
 
-HP = {"lr": 0.02, "weight_decay": 0.1, "momentum": 0.95, "nesterov": True}
-MUON_KW = {**HP, "ns_steps": 1}
-CANZONA_KW = {**MUON_KW, "ns_dtype": torch.float32}
+HP: dict[str, Any] = {"lr": 0.02, "weight_decay": 0.1, "momentum": 0.95, "nesterov": True}
+MUON_KW: dict[str, Any] = {**HP, "ns_steps": 1}
+CANZONA_KW: dict[str, Any] = {**MUON_KW, "ns_dtype": torch.float32}
 SHAPES = {"8x8": (8, 8), "64x32": (64, 32)}
+IMPLS = ("canzona", "replicated", "redistribute", "torchtitan", "torch_muon", "adamw_foreach")
 PRESETS: dict[str, dict[str, Any]] = {
     "full": {
         "counts": (16, 64, 256, 1024, 4096),
         "worlds": (1, 2, 4),
         "shapes": ("8x8", "64x32"),
         "steps": 12,
+        "impls": IMPLS,
     },
-    "quick": {"counts": (16, 256, 1024), "worlds": (1, 2), "shapes": ("8x8",), "steps": 6},
+    "quick": {
+        "counts": (16, 256, 1024),
+        "worlds": (1, 2),
+        "shapes": ("8x8",),
+        "steps": 6,
+        "impls": IMPLS,
+    },
+    "tiny": {  # smoke tests: seconds, not a measurement (no torchtitan: its import is slow)
+        "counts": (4, 16),
+        "worlds": (1, 2),
+        "shapes": ("8x8",),
+        "steps": 2,
+        "impls": tuple(i for i in IMPLS if i != "torchtitan"),
+    },
 }
-IMPLS = ("canzona", "replicated", "redistribute", "torchtitan", "torch_muon", "adamw_foreach")
 LABELS = {
     "canzona": "`canzona.Muon`, `canzona` plan",
     "replicated": "`canzona.Muon`, `replicated` plan",
@@ -63,8 +91,13 @@ LABELS = {
     "torch_muon": "one process: `torch.optim.Muon`",
     "adamw_foreach": "one process: `AdamW(foreach=True)`",
 }
-#: The issue's targets at world 2 on the 8x8 matrices.
+#: Targets at world 2 on the 8x8 matrices.
 TARGETS = {"slope_us": 15.0, "fixed_ms": 1.0, "vs_adamw": 1.5, "vs_torchtitan": 0.25}
+#: Implementations running canzona's fp32 Newton–Schulz: bitwise comparable with the
+#: one-process ``canzona.Muon`` (torchtitan's DistMuon runs its own, in bf16).
+SAME_MATH = ("canzona", "replicated", "redistribute")
+#: Implementations with one collective per matrix (seconds per step at large N): timed steps.
+SLOW_STEPS = {"redistribute": 3}
 
 
 class RedistributeMuon(torch.optim.Optimizer):
@@ -132,13 +165,36 @@ def _time_steps(
     return statistics.median(times)
 
 
-def _distributed_case(rank: int, world: int, count: int, shape: tuple[int, int], steps: int) -> Any:
+def _fingerprint(tensors: Sequence[torch.Tensor]) -> str:
+    """sha256 of the tensors' bytes (bitwise identity check)."""
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (the tensor itself otherwise)."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _first_rows(params: Sequence[torch.Tensor], world: int) -> str:
+    """Fingerprint of the rows rank 0 holds under ``Shard(0)`` on ``world`` ranks."""
+    return _fingerprint([p.detach().chunk(world, dim=0)[0] for p in params])
+
+
+def _distributed_case(
+    rank: int, world: int, count: int, shape: tuple[int, int], steps: int, impls: Sequence[str]
+) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
     fulls, full_grads = _matrices(count, shape, 0), _matrices(count, shape, 1)
-    out: dict[str, Any] = {}
+    times: dict[str, Any] = {}
+    prints: dict[str, str] = {}
     makers: dict[str, Callable[[list[tuple[str, nn.Parameter]]], torch.optim.Optimizer]] = {
         "canzona": lambda ps: canzona.Muon(ps, **CANZONA_KW),
         "replicated": lambda ps: canzona.Muon(
@@ -148,6 +204,8 @@ def _distributed_case(rank: int, world: int, count: int, shape: tuple[int, int],
         "redistribute": lambda ps: RedistributeMuon([p for _, p in ps], **HP),
     }
     for impl, make in makers.items():
+        if impl not in impls:
+            continue
         named = [
             (f"layers.{i % 8}.w{i}", nn.Parameter(distribute_tensor(f.clone(), mesh, [Shard(0)])))
             for i, f in enumerate(fulls)
@@ -155,24 +213,38 @@ def _distributed_case(rank: int, world: int, count: int, shape: tuple[int, int],
         grads = [distribute_tensor(g, mesh, [Shard(0)]) for g in full_grads]
         try:
             opt = make(named)
-            out[impl] = _time_steps(opt, [p for _, p in named], grads, steps, True)
+            timed = min(steps, SLOW_STEPS.get(impl, steps))
+            times[impl] = _time_steps(opt, [p for _, p in named], grads, timed, True)
         except Exception as exc:  # a peer that cannot run here is recorded, not fatal
-            out[impl] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
-    return out
+            times[impl] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+            continue
+        if impl in SAME_MATH and timed == steps:  # comparable with the one-process reference
+            prints[impl] = _fingerprint([_local(p) for _, p in named])
+    return {"times": times, "fingerprints": prints}
 
 
-def _one_process(count: int, shape: tuple[int, int], steps: int) -> dict[str, Any]:
+def _one_process(
+    count: int, shape: tuple[int, int], steps: int, impls: Sequence[str], worlds: Sequence[int]
+) -> dict[str, Any]:
+    """One process on the full matrices; fingerprints of rank 0's rows for every world."""
     fulls, grads = _matrices(count, shape, 0), _matrices(count, shape, 1)
     makers: dict[str, Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = {
         "canzona": lambda ps: canzona.Muon(ps, **CANZONA_KW),
         "torch_muon": lambda ps: torch.optim.Muon(ps, **MUON_KW),
         "adamw_foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=True),
     }
-    out: dict[str, Any] = {}
+    times: dict[str, Any] = {}
+    rows: dict[int, str] = {}
     for impl, make in makers.items():
+        if impl not in impls and impl != "canzona":  # canzona is the exactness reference
+            continue
         params = [nn.Parameter(f.clone()) for f in fulls]
-        out[impl] = _time_steps(make(params), params, grads, steps, False)
-    return out
+        elapsed = _time_steps(make(params), params, grads, steps, False)
+        if impl in impls:
+            times[impl] = elapsed
+        if impl == "canzona":
+            rows = {w: _first_rows(params, w) for w in worlds}
+    return {"times": times, "reference_rows": rows}
 
 
 def _fit(points: Sequence[tuple[int, float]]) -> tuple[float, float]:
@@ -185,23 +257,38 @@ def _fit(points: Sequence[tuple[int, float]]) -> tuple[float, float]:
 
 
 def run(preset: dict[str, Any]) -> dict[str, Any]:
-    """Every (shape, world, N) case; rows of seconds per implementation."""
+    """Every (shape, N, world) case; rows of seconds per implementation.
+
+    Each distributed row also says, per canzona-built implementation, whether rank 0's
+    parameters equal the one-process ``canzona.Muon`` rows bit for bit (``same_as_one_process``).
+    """
     rows: list[dict[str, Any]] = []
+    impls = tuple(preset["impls"])
+    worlds = tuple(preset["worlds"])
     for shape_name in preset["shapes"]:
         shape = SHAPES[shape_name]
         for count in preset["counts"]:
-            for world in preset["worlds"]:
+            reference: dict[int, str] = {}
+            for world in worlds:
                 began = time.perf_counter()
+                row: dict[str, Any] = {"shape": shape_name, "world": world, "n": count}
                 if world == 1:
-                    times = _one_process(count, shape, preset["steps"])
+                    one = _one_process(count, shape, preset["steps"], impls, worlds)
+                    reference = one["reference_rows"]
+                    row["times"] = one["times"]
                 else:
-                    times = launch(_distributed_case, world, count, shape, preset["steps"])[0]
-                rows.append({"shape": shape_name, "world": world, "n": count, "times": times})
+                    got = launch(_distributed_case, world, count, shape, preset["steps"], impls)[0]
+                    row["times"] = got["times"]
+                    if world in reference:
+                        row["same_as_one_process"] = {
+                            impl: fp == reference[world] for impl, fp in got["fingerprints"].items()
+                        }
+                rows.append(row)
                 print(
                     f"{shape_name} world {world} N {count}: "
                     + ", ".join(
                         f"{k} {v * 1e3:.2f} ms" if isinstance(v, float) else f"{k} failed"
-                        for k, v in times.items()
+                        for k, v in row["times"].items()
                     )
                     + f" ({time.perf_counter() - began:.0f} s)",
                     flush=True,
@@ -284,35 +371,68 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def render(result: dict[str, Any], commit: str, plot: str | None) -> str:
+def _same_rows(rows: Sequence[dict[str, Any]]) -> str:
+    """Which distributed runs ended bitwise equal to the one-process ``canzona.Muon``."""
+    verdicts: dict[str, list[bool]] = {}
+    for r in rows:
+        for impl, same in r.get("same_as_one_process", {}).items():
+            verdicts.setdefault(impl, []).append(same)
+    if not verdicts:
+        return ""
+    parts = [f"{LABELS[impl]}: {sum(v)} of {len(v)} runs" for impl, v in sorted(verdicts.items())]
+    return (
+        "After the timed steps, rank 0's parameters equal the rows of the one-process "
+        "`canzona.Muon` (same matrices, gradients and steps) bit for bit in: "
+        + "; ".join(parts)
+        + "."
+    )
+
+
+def render(payload: dict[str, Any], plot: str | None) -> str:
     """The Markdown section of docs/benchmarks.md."""
-    rows = result["rows"]
+    rows = payload["rows"]
+    impls = [i for i in IMPLS if any(i in r["times"] for r in rows)]
     lines = [
         "## Runtime overhead: step time against the number of matrices",
         "",
-        f"`benchmarks/overhead.py --full` (commit `{commit}`): N small fp32 matrices, Muon with "
-        "one fp32 Newton–Schulz iteration (almost no math), `Shard(0)` on a `(world,)` mesh of "
-        "forked gloo ranks, one thread per rank; median step time of the slowest rank. "
-        "One-process baselines run on the full matrices.",
+        f"`{payload['command']}` ({payload['mode']} mode, {payload['date']}, commit "
+        f"`{payload['commit']}`): N small fp32 matrices, Muon with one fp32 Newton–Schulz "
+        "iteration (almost no math), `Shard(0)` on a `(world,)` mesh of forked gloo ranks, one "
+        "thread per rank; median step time of the slowest rank over "
+        f"{payload['preset']['steps']} timed steps after 2 warm-up steps (the `redistribute` "
+        f"Muon, one collective per matrix: {SLOW_STEPS['redistribute']} steps). One-process "
+        "baselines run on the full matrices. Load average during the run: "
+        f"{payload['load_average']:.1f} on {payload['machine']['cpu_count']} cores (this "
+        "machine may be shared: numbers from a loaded machine are slower and noisier).",
         "",
     ]
     for shape in sorted({r["shape"] for r in rows}):
-        headers = ["N", "world", *[LABELS[i] for i in IMPLS]]
+        headers = ["N", "world", *[LABELS[i] for i in impls]]
         body = []
         for r in sorted(
             (r for r in rows if r["shape"] == shape), key=lambda r: (r["n"], r["world"])
         ):
             cells = [r["n"], r["world"]]
-            for impl in IMPLS:
+            for impl in impls:
                 v = r["times"].get(impl)
                 cells.append(
                     f"{v * 1e3:.2f} ms" if isinstance(v, float) else ("–" if v is None else "fails")
                 )
             body.append(cells)
         lines += [f"### {shape} matrices", "", markdown_table(headers, body), ""]
+    failures = sorted(
+        {(impl, v) for r in rows for impl, v in r["times"].items() if isinstance(v, str)}
+    )
+    if failures:
+        lines += ["Runs that fail, with the exact error:", ""]
+        lines += [f"- {LABELS[impl]}: `{why}`" for impl, why in failures]
+        lines.append("")
+    same = _same_rows(rows)
+    if same:
+        lines += [same, ""]
     fit_rows = [
         [f["shape"], f["world"], LABELS[f["impl"]], f"{f['fixed_ms']:.2f}", f"{f['slope_us']:.1f}"]
-        for f in result["fits"]
+        for f in payload["fits"]
     ]
     lines += [
         "### Fit: time = fixed + slope × N",
@@ -324,7 +444,7 @@ def render(result: dict[str, Any], commit: str, plot: str | None) -> str:
     ]
     tgt = [
         [t["target"], f"≤ {t['limit']:g}", f"{t['value']:.3g}", "met" if t["met"] else "**missed**"]
-        for t in result["targets"]
+        for t in payload["targets"]
     ]
     lines += [
         "### Targets (world 2, 8x8)",
@@ -372,56 +492,52 @@ def draw(result: dict[str, Any], path: Path) -> bool:
     return True
 
 
-def git_commit() -> str:
-    """The commit the benchmark runs on (with ``-dirty`` when the tree has changes)."""
-    import subprocess
-
-    try:
-        sha = subprocess.check_output(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True
-        ).strip()
-        dirty = subprocess.call(["git", "diff", "--quiet", "HEAD", "--", "src"], cwd=ROOT)
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return sha + ("-dirty" if dirty else "")
-
-
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Run the grid of the chosen mode; write the JSON, the plot and the section; return both."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true", help="reduced grid (default)")
     mode.add_argument("--full", action="store_true", help="the published grid")
+    mode.add_argument("--tiny", action="store_true", help="seconds; for smoke tests only")
     parser.add_argument("--out", type=Path, default=None, help="directory of the JSON result")
     parser.add_argument("--doc", type=Path, default=None, help="Markdown file to update")
     parser.add_argument("--plot", type=Path, default=None, help="PNG of step time against N")
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
-    full = bool(args.full)
-    preset = PRESETS["full" if full else "quick"]
+    name = "full" if args.full else "tiny" if args.tiny else "quick"
+    preset = PRESETS[name]
+    torch.set_num_threads(1)
+    began = time.perf_counter()
+    load0 = os.getloadavg()[0]
     result = run(preset)
-    result["targets"] = targets(result)
-    commit = git_commit()
+    payload: dict[str, Any] = {
+        "mode": name,
+        "command": " ".join(["python benchmarks/overhead.py", *(argv or [f"--{name}"])]),
+        "date": time.strftime("%Y-%m-%d"),
+        "preset": {k: list(v) if isinstance(v, tuple) else v for k, v in preset.items()},
+        "load_average": (load0 + os.getloadavg()[0]) / 2,
+        **result,
+        "targets": targets(result),
+        "bench_seconds": time.perf_counter() - began,
+    }
+    full = name == "full"
     out_dir = args.out or (RESULTS if full else RESULTS / "quick")
     plot = args.plot or (
-        ROOT / "docs" / "img" / "overhead.png" if full else out_dir / "overhead.png"
+        ROOT / "docs" / "img" / "overhead.png" if full else out_dir / f"overhead_{name}.png"
     )
-    drawn = draw(result, plot)
-    write_json(
-        "overhead",
-        {
-            "commit": commit,
-            "preset": {k: list(v) if isinstance(v, tuple) else v for k, v in preset.items()},
-            **result,
-        },
-        out_dir=out_dir,
-    )
+    drawn = draw(payload, plot)
+    payload["plot"] = str(plot) if drawn else None
+    payload["machine"] = machine_info()
+    path = write_json("overhead" if full else f"overhead_{name}", payload, out_dir=out_dir)
     doc = args.doc or (DOC if full else out_dir / "benchmarks_quick.md")
-    rel = os.path.relpath(plot, doc.parent) if drawn else None
-    update_section("overhead", render(result, commit, rel), doc=doc)
-    for t in result["targets"]:
+    rel = Path(os.path.relpath(plot, doc.parent)).as_posix() if drawn else None
+    update_section("overhead", render(payload, rel), doc=doc)
+    print(f"wrote {path} and the 'overhead' section of {doc}")
+    for t in payload["targets"]:
         verdict = "met" if t["met"] else "MISSED"
         print(f"target {t['target']}: {t['value']:.3g} (limit {t['limit']:g}) {verdict}")
-    return 0
+    return payload
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

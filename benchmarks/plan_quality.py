@@ -4,13 +4,15 @@ Runs the planner (pure Python, no torch) over a grid of Qwen3 models x world siz
 optimizers and compares ``canzona`` (LPT + refinement) with plain LPT and the baselines
 (``numel``, ``round_robin``, ``count``, ``replicated``); times end-to-end planning of
 Qwen3-235B-A22B at 1024 ranks; plots per-rank loads of Qwen3-32B at 256 ranks. Writes
-``benchmarks/results/plan_quality[_quick].json`` and the ``plan_quality`` section of
-``docs/benchmarks.md``.
+``benchmarks/results/plan_quality[_quick].json``, the plot under ``docs/img/`` and the
+``plan_quality`` section of ``docs/benchmarks.md`` (``--out``, ``--plot`` and ``--doc`` send
+them elsewhere, as ``run_all.py --quick`` does).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from pathlib import Path
@@ -20,7 +22,7 @@ from canzona.plan import STRATEGIES, assign_owners, build_plan
 from canzona.plan.models import model_specs
 from canzona.plan.report import compare_strategies
 
-from _report import ROOT, markdown_table, update_section, write_json
+from _report import DOC, RESULTS, ROOT, markdown_table, update_section, write_json
 
 FULL = {
     "models": ["qwen3-1.7b", "qwen3-8b", "qwen3-14b", "qwen3-32b", "qwen3-30b-a3b"],
@@ -148,16 +150,16 @@ def time_big_model(repeats: int) -> dict[str, Any]:
     }
 
 
-def draw_plot() -> Path | None:
+def draw_plot(path: Path) -> Path | None:
     try:
         from canzona.cli import plot_loads
 
         runs = compare_strategies(model_specs(PLOT_MODEL), PLOT_WORLD)
-        plot_loads(runs, PLOT_PATH, title=f"{PLOT_MODEL}, world {PLOT_WORLD}, muon")
+        plot_loads(runs, path, title=f"{PLOT_MODEL}, world {PLOT_WORLD}, muon")
     except ImportError:
         print("matplotlib is not installed: skipping the plot")
         return None
-    return PLOT_PATH
+    return path
 
 
 def _mark(ok: bool) -> str:
@@ -172,7 +174,8 @@ def render(payload: dict[str, Any]) -> str:
         f"`python benchmarks/plan_quality.py --{payload['mode']}` "
         f"({payload['mode']} grid: models {', '.join(grid['models'])}; "
         f"world sizes {', '.join(map(str, grid['worlds']))}; "
-        f"optimizers {', '.join(grid['optimizers'])}; date {payload['date']}). "
+        f"optimizers {', '.join(grid['optimizers'])}; date {payload['date']}; "
+        f"commit `{payload.get('commit', 'unknown')}`). "
         "The planner is pure Python and runs on one core.",
         "",
         "*makespan / LB* is the largest per-rank optimizer FLOPs divided by the lower bound "
@@ -275,7 +278,8 @@ def render(payload: dict[str, Any]) -> str:
         "",
     ]
     if payload.get("plot"):
-        rel = Path(payload["plot"]).relative_to(ROOT / "docs")
+        doc_dir = Path(payload.get("doc") or DOC).parent
+        rel = Path(os.path.relpath(payload["plot"], doc_dir))
         lines += [
             f"Per-rank loads of {PLOT_MODEL} at world {PLOT_WORLD} (Muon), each strategy "
             "relative to the lower bound:",
@@ -292,6 +296,9 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--quick", action="store_true", help="small grid, < 30 s (default)")
     mode.add_argument("--full", action="store_true", help="the full grid")
     parser.add_argument("--no-docs", action="store_true", help="skip docs/benchmarks.md")
+    parser.add_argument("--out", type=Path, default=None, help="directory of the JSON file")
+    parser.add_argument("--doc", type=Path, default=DOC, help="Markdown file to update")
+    parser.add_argument("--plot", type=Path, default=None, help="PNG of per-rank loads")
     args = parser.parse_args(argv)
     name = "full" if args.full else "quick"
     grid = FULL if args.full else QUICK
@@ -299,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     cells = run_grid(grid)
     big = time_big_model(repeats=3 if args.full else 1)
     print(f"{BIG_MODEL} @ {BIG_WORLD}: {big['end_to_end_seconds']:.2f} s end to end")
-    plot = draw_plot()
+    plot = draw_plot(args.plot or PLOT_PATH)
     payload: dict[str, Any] = {
         "mode": name,
         "date": time.strftime("%Y-%m-%d"),
@@ -312,11 +319,15 @@ def main(argv: list[str] | None = None) -> int:
         "plot": str(plot) if plot else None,
         "results": cells,
         "bench_seconds": time.perf_counter() - start,
+        "doc": str(args.doc),
     }
-    path = write_json("plan_quality" if args.full else "plan_quality_quick", payload)
+    out_dir = args.out or RESULTS
+    path = write_json(
+        "plan_quality" if args.full else "plan_quality_quick", payload, out_dir=out_dir
+    )
     print(f"wrote {path}")
     if not args.no_docs:
-        print(f"updated {update_section('plan_quality', render(payload))}")
+        print(f"updated {update_section('plan_quality', render(payload), doc=args.doc)}")
     canz = payload["summary"]["all"]["canzona"]
     print(
         f"canzona makespan/LB: mean {canz['mean_makespan_ratio']:.4f}, worst "

@@ -7,15 +7,28 @@ FSDP x TP on a (2, 2) mesh (``--mesh fsdp_tp``), feeds every optimizer the same 
 times ``optimizer.step()`` (barrier before each step; a step's time is the slowest rank's).
 Strategies: ``replicated`` (every rank computes every matrix), ``round_robin``, ``count``,
 ``numel``, ``canzona`` and ``canzona`` without overlap; for Muon also the peers of
-``_peers.py``. One extra process runs the same optimizer on the unsharded model: its compute
-time is the denominator of the redundancy factor, and its parameters must equal the
-distributed ones bit for bit. Writes ``benchmarks/results/step_latency[_quick].json``, the
-``step_latency`` section of ``docs/benchmarks.md`` and a chart under ``docs/img/``.
+``_peers.py``; diagnostic variants of ``canzona`` (``VARIANTS``: no per-step checks, one
+micro-group, pipeline depth 2 and 3, ``atomic=False``). One extra process runs the same
+optimizer on the unsharded model: its compute time is the denominator of the redundancy
+factor, and its parameters must equal the distributed ones bit for bit. The *structure* model
+(``_structure.py``: per-head attention blocks, expert stacks under expert parallel, dense
+MLPs) runs with its blocks declared by ``canzona.Split`` in the param groups.
 
-    python benchmarks/step_latency.py --quick          # under 2 minutes on 2 cores
-    python benchmarks/step_latency.py --full           # about 10 minutes
+For every strategy the script also predicts each rank's owner time from the measured cost
+model of the ``canzona`` run (``_plan_facts.py``) and reports it next to the measured
+``last_step_stats.compute_s``, with the calibration time. Full mode writes
+``benchmarks/results/step_latency.json`` (with the commit it ran on), the ``step_latency``
+section of ``docs/benchmarks.md`` and a chart under ``docs/img/``.
+
+    python benchmarks/step_latency.py --quick          # 1.5-3 minutes on 2 cores
+    python benchmarks/step_latency.py --full           # about 15 minutes
     python benchmarks/step_latency.py --from-json benchmarks/results/step_latency.json
     python benchmarks/step_latency.py --world 2 --mesh fsdp --optimizer muon --steps 20
+    python benchmarks/step_latency.py --quick --model structure --world 2
+
+Quick and tiny runs write under ``benchmarks/results/quick/`` unless ``--out``/``--doc``/
+``--chart`` say otherwise (``run_all.py --quick`` passes them): only full mode touches the
+published files.
 """
 
 from __future__ import annotations
@@ -26,54 +39,55 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import argparse
 import json
-import logging
 import statistics
 import sys
 import time
-import warnings
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _peers
 import _qwen
-import canzona
-from _latency_report import (
-    DIAGNOSTICS,
-    STRATEGIES,
-    _ratio,
-    draw_chart,
-    evaluate_targets,
-    explain,
-    render,
+import _structure
+from _latency_checks import _ratio, format_bound, format_measured
+from _latency_ranks import (
+    MUON_HP,
+    OPTIMIZERS,
+    SHAMPOO_HP,
+    SLOW_PEER_STEPS,
+    SOAP_HP,
+    WARMUP,
+    Case,
+    model_mib,
+    rank_body,
+    single_body,
 )
+from _latency_report import draw_chart, evaluate_targets, explain, render
 from _ranks import launch
 from kernels import cpu_description
 
 from _report import DOC, RESULTS, ROOT, update_section, write_json
 
-MUON_HP = {"lr": 0.02, "weight_decay": 0.1, "momentum": 0.95, "nesterov": True}
-SHAMPOO_HP = {"lr": 1e-3, "precondition_frequency": 1, "start_preconditioning_step": 1}
-SOAP_HP = {"lr": 3e-3, "precondition_frequency": 1}
-OPTIMIZERS: dict[str, tuple[Callable[..., Any], dict[str, Any]]] = {
-    "muon": (lambda *a, **k: canzona.Muon(*a, **k), MUON_HP),
-    "shampoo": (lambda *a, **k: canzona.Shampoo(*a, **k), SHAMPOO_HP),
-    "soap": (lambda *a, **k: canzona.SOAP(*a, **k), SOAP_HP),
-}
+#: Diagnostic variants per kind of case: ``muon`` (every Muon case), ``depth`` (added on the
+#: heterogeneous and structure cases at world 2: the micro-group choice), ``precond``
+#: (Shampoo and SOAP: the all-or-nothing step copies owner-held state).
+DEPTH = ("canzona_one_group", "canzona_depth2", "canzona_depth3")
 PRESETS: dict[str, dict[str, Any]] = {
     "full": {
         "models": {
             "qwen": _qwen.ModelConfig(name="qwen3-like", widths=(512,) * 4),
             "hetero": _qwen.ModelConfig(name="heterogeneous", widths=(768, 384, 384, 288)),
+            "structure": _structure.StructureConfig(name="structure", width=768),
             "small": _qwen.ModelConfig(name="qwen3-like small", widths=(256,) * 4),
         },
         "steps": 10,
-        "diagnostics": DIAGNOSTICS,
+        "diagnostics": {
+            "muon": ("canzona_unchecked", "canzona_one_group", "canzona_not_atomic"),
+            "depth": DEPTH,
+            "precond": ("canzona_not_atomic",),
+        },
         "peers": (
             "torchtitan",
             "muon_fsdp2",
@@ -87,226 +101,32 @@ PRESETS: dict[str, dict[str, Any]] = {
         "models": {
             "qwen": _qwen.ModelConfig(name="qwen3-like", widths=(256,) * 4),
             "hetero": _qwen.ModelConfig(name="heterogeneous", widths=(384, 192, 192, 144)),
+            "structure": _structure.StructureConfig(name="structure", width=256),
             "small": _qwen.ModelConfig(name="qwen3-like small", widths=(128,) * 4),
         },
-        "steps": 10,
+        "steps": 8,
+        "diagnostics": {
+            "depth": (*DEPTH, "canzona_not_atomic"),
+            "precond": ("canzona_not_atomic",),
+        },
         "peers": ("torchtitan", "full_tensor"),
     },
     "tiny": {  # CI smoke tests: seconds, not a measurement
         "models": {
             "qwen": _qwen.ModelConfig(name="qwen3-like", widths=(64,) * 2),
             "hetero": _qwen.ModelConfig(name="heterogeneous", widths=(96, 64, 48)),
+            "structure": _structure.StructureConfig(name="structure", width=64),
             "small": _qwen.ModelConfig(name="qwen3-like small", widths=(32,) * 2),
         },
         "steps": 2,
+        "diagnostics": {
+            "depth": (*DEPTH, "canzona_not_atomic"),
+            "precond": ("canzona_not_atomic",),
+        },
         "peers": ("full_tensor",),
     },
 }
-WARMUP = 2
-SLOW_PEER_STEPS = 3  # timed steps of the peers in _peers.SLOW (seconds per step)
-GRAD_SETS = 2
 PLOT_PATH = ROOT / "docs" / "img" / "step_latency_compute.png"
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Case:
-    """One launch of ``world`` ranks: every strategy (and peer) on one model and mesh."""
-
-    optimizer: str
-    model_key: str
-    model: _qwen.ModelConfig
-    mesh: str
-    world: int
-    steps: int
-    capacity_mb: float
-    peers: tuple[str, ...] = ()
-    strategies: tuple[str, ...] = STRATEGIES
-    diagnostics: tuple[str, ...] = ()
-
-    @property
-    def key(self) -> str:
-        return f"{self.optimizer}/{self.model_key}/{self.mesh}/w{self.world}"
-
-
-# -------------------------------------------------------------------------------- on the ranks
-
-
-def _quiet() -> None:
-    warnings.filterwarnings("ignore")
-    for name in ("torch.distributed", "torch._dynamo", "torch._inductor", "torch._functorch"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-
-
-def _canzona_factory(case: Case, strategy: str) -> Callable[..., torch.optim.Optimizer]:
-    make, hp = OPTIMIZERS[case.optimizer]
-    name = strategy.split("_", 1)[0] if strategy.startswith("canzona") else strategy
-    capacity = 4096.0 if strategy == "canzona_one_group" else case.capacity_mb
-    plan = canzona.PlanConfig(strategy=name, capacity_mb=capacity)
-    pipeline = canzona.PipelineConfig(
-        overlap=strategy != "canzona_no_overlap",
-        check_every_step=strategy != "canzona_unchecked",
-        progress_markers=strategy != "canzona_unchecked",
-    )
-
-    def factory(named: Any, mesh: Any) -> torch.optim.Optimizer:
-        return make(list(named), **hp, plan=plan, pipeline=pipeline)
-
-    return factory
-
-
-class Runner:
-    """One optimizer of a case, with its own copy of the parameters between its steps.
-
-    All runners of a case step in turn (step 0 of every runner, then step 1, ...), loading
-    their parameter values into the shared model before their step and saving them after,
-    so that load from outside the benchmark hits every strategy alike.
-    """
-
-    def __init__(
-        self, label: str, opt: torch.optim.Optimizer, init: list[torch.Tensor], steps: int
-    ) -> None:
-        self.label = label
-        self.opt = opt
-        self.values = [x.clone() for x in init]
-        self.steps = steps
-        self.canzona = hasattr(opt, "last_step_stats")
-        self.times: list[float] = []
-        self.stats: list[dict[str, Any]] = []
-        self.cpu: list[float] = []
-        self.error: str | None = None
-        self.snapshot_after: int | None = None  # keep the values after this many steps
-        self.snapshot: list[torch.Tensor] | None = None
-
-    def step(
-        self, index: int, params: list[torch.Tensor], grads: list[torch.Tensor], distributed: bool
-    ) -> None:
-        """One timed ``opt.step()`` (untimed before ``WARMUP``)."""
-        if self.error is not None or index >= WARMUP + self.steps:
-            return
-        with torch.no_grad():
-            for p, v, g in zip(params, self.values, grads, strict=True):
-                _qwen.local(p).copy_(v)
-                p.grad = g.clone()
-        if distributed:
-            dist.barrier()
-        start = time.perf_counter()
-        try:
-            self.opt.step()
-        except Exception as exc:  # a peer that does not run here: record why
-            self.error = describe_error(exc)
-            return
-        elapsed = time.perf_counter() - start
-        with torch.no_grad():
-            for p, v in zip(params, self.values, strict=True):
-                v.copy_(_qwen.local(p))
-                p.grad = None
-        if self.snapshot_after == index + 1:
-            self.snapshot = [v.clone() for v in self.values]
-        if index < WARMUP:
-            return
-        self.times.append(elapsed)
-        if self.canzona:
-            stats = self.opt.last_step_stats.as_dict()  # type: ignore[attr-defined]
-            self.cpu.append(stats["compute_cpu_s"])
-            self.stats.append(stats)
-
-    def result(self) -> dict[str, Any]:
-        if self.error is not None:
-            return {"error": self.error}
-        return {"times": self.times, "stats": self.stats, "cpu_compute": self.cpu}
-
-
-def describe_error(exc: BaseException) -> str:
-    """``Type: first line`` of an exception, plus the failing line of a peer's compiled code."""
-    text = str(exc).strip()
-    out = f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}".strip()
-    if "from user code:" in text:  # torch.compile: name the peer's line that failed
-        lines = [ln.strip() for ln in text.split("from user code:", 1)[1].splitlines()]
-        files = [i for i, ln in enumerate(lines) if ln.startswith("File ")]
-        if files:
-            i = files[-1]
-            where = lines[i].replace(str(Path(torch.__file__).parents[1]) + "/", "")
-            code = lines[i + 1] if i + 1 < len(lines) else ""
-            out += f" ({where}: {code})"
-    return out[:600]
-
-
-def _bind(factory: _peers.PeerFactory, hp: dict[str, Any]) -> Callable[..., Any]:
-    return lambda named, mesh: factory(named, mesh, hp)
-
-
-def _load(params: list[torch.Tensor], values: list[torch.Tensor]) -> None:
-    with torch.no_grad():
-        for p, v in zip(params, values, strict=True):
-            _qwen.local(p).copy_(v)
-
-
-def rank_body(rank: int, world: int, case: Case) -> dict[str, Any]:
-    """Every strategy and peer of ``case`` on this rank, interleaved step by step."""
-    _quiet()
-    model, mesh = _qwen.build(case.model, case.mesh, world)
-    named = model.matrices()
-    params = [p for _, p in named]
-    init = [_qwen.local(p).detach().clone() for p in params]
-    pool = [_qwen.make_gradients(named, seed=s) for s in range(GRAD_SETS)]
-    order = ["canzona", *[s for s in case.strategies if s != "canzona"], *case.diagnostics]
-    entries = [(s, _canzona_factory(case, s)) for s in order]
-    entries += [(peer, _bind(_peers.PEERS[peer], dict(MUON_HP))) for peer in case.peers]
-    runners: list[Runner] = []
-    out: dict[str, Any] = {}
-    began = time.perf_counter()
-    for label, factory in entries:
-        _load(params, init)
-        try:
-            opt = factory(named, mesh)
-        except Exception as exc:  # a peer that does not run here: record why
-            out[label] = {"error": describe_error(exc)}
-            continue
-        steps = min(case.steps, SLOW_PEER_STEPS) if label in _peers.SLOW else case.steps
-        runners.append(Runner(label, opt, init, steps))
-    reference_runner = next(r for r in runners if r.label == "canzona")
-    if any(r.steps < case.steps for r in runners):  # peers timed over fewer steps
-        reference_runner.snapshot_after = WARMUP + min(r.steps for r in runners)
-    for index in range(WARMUP + case.steps):
-        shift = index % len(runners)  # rotate the order: no runner always goes first
-        for runner in runners[shift:] + runners[:shift]:
-            runner.step(index, params, pool[index % len(pool)], distributed=True)
-    for runner in runners:
-        result = runner.result()
-        if "error" not in result:
-            result["fingerprint"] = _qwen.fingerprint(runner.values)
-            if runner.label == "canzona":
-                _load(params, runner.values)
-                result["full_fingerprint"] = _qwen.fingerprint([p.full_tensor() for p in params])
-            else:  # compare with canzona after as many steps as this runner took
-                short = runner.steps < case.steps and reference_runner.snapshot is not None
-                reference = reference_runner.snapshot if short else reference_runner.values
-                assert reference is not None
-                result["reference_fingerprint"] = _qwen.fingerprint(reference)
-                result["max_rel_diff"] = _qwen.max_rel_diff(runner.values, reference)
-        out[runner.label] = result
-    out["_meta"] = {"seconds": time.perf_counter() - began, "load": os.getloadavg()}
-    return out
-
-
-def single_body(rank: int, world: int, case: Case) -> dict[str, Any]:
-    """The same optimizer on the unsharded model in one process: the redundancy denominator."""
-    _quiet()
-    model, _ = _qwen.build(case.model, "none", 1)
-    named = model.matrices()
-    params = [p for _, p in named]
-    pool = [_qwen.make_gradients(named, seed=s) for s in range(GRAD_SETS)]
-    runner = Runner(
-        "canzona",
-        _canzona_factory(case, "canzona")(named, None),
-        [p.detach().clone() for p in params],
-        case.steps,
-    )
-    for index in range(WARMUP + case.steps):
-        runner.step(index, params, pool[index % len(pool)], distributed=False)
-    run = runner.result()
-    run["full_fingerprint"] = _qwen.fingerprint(runner.values)
-    return run
 
 
 # -------------------------------------------------------------------------------- the parent
@@ -314,6 +134,38 @@ def single_body(rank: int, world: int, case: Case) -> dict[str, Any]:
 
 def _median(values: Sequence[float]) -> float:
     return statistics.median(values) if values else float("nan")
+
+
+def _measured_group_factor(per: list[dict[str, Any]]) -> float | None:
+    """Measured per-group imbalance: the median over steps of the summed group maxima.
+
+    Per step: the sum over micro-groups of the slowest rank's compute in the group, over the
+    slowest rank's compute summed over the groups (1.0: every group as even as the totals).
+    """
+    factors = []
+    for step in zip(*(p["stats"] for p in per), strict=True):
+        groups = [s.get("group_compute_s", []) for s in step]
+        if not groups[0] or len({len(g) for g in groups}) != 1:
+            continue
+        busiest = max(sum(g) for g in groups)
+        if busiest > 0:
+            factors.append(sum(max(col) for col in zip(*groups, strict=True)) / busiest)
+    return _median(factors) if factors else None
+
+
+def _prediction(predicted: list[float], run: dict[str, Any]) -> dict[str, Any]:
+    """Predicted against measured owner time per rank, and the busiest rank's error."""
+    wall, cpu = run["compute_s"], run["compute_cpu_s"]
+    busiest = max(range(len(wall)), key=wall.__getitem__)
+    busiest_cpu = max(range(len(cpu)), key=cpu.__getitem__)
+    return {
+        "predicted_s": predicted,
+        "measured_s": wall,
+        "measured_cpu_s": cpu,
+        "busiest": busiest,
+        "error": predicted[busiest] / wall[busiest] - 1 if wall[busiest] else None,
+        "error_cpu": predicted[busiest_cpu] / cpu[busiest_cpu] - 1 if cpu[busiest_cpu] else None,
+    }
 
 
 def summarize(case: Case, ranks: list[dict[str, Any]], single: dict[str, Any]) -> dict[str, Any]:
@@ -345,6 +197,14 @@ def summarize(case: Case, ranks: list[dict[str, Any]], single: dict[str, Any]) -
         )
     out["load_average"] = ranks[0]["_meta"]["load"]
     out["interleaved_seconds"] = ranks[0]["_meta"]["seconds"]
+    out["param_bytes"] = [r["_meta"]["param_bytes"] for r in ranks]
+    if "cost_table" in ranks[0]["_meta"]:
+        out["cost_table"] = ranks[0]["_meta"]["cost_table"]
+    if "pinned_bytes_sent" in ranks[0]["_meta"]:
+        out["experts_bytes_sent"] = {
+            s: [r["_meta"]["pinned_bytes_sent"][s] for r in ranks]
+            for s in ranks[0]["_meta"]["pinned_bytes_sent"]
+        }
     out["single_device"]["wall_over_cpu"] = single_wall / single_cpu if single_cpu else None
     for label in ranks[0]:
         if label.startswith("_"):
@@ -391,7 +251,18 @@ def summarize(case: Case, ranks: list[dict[str, Any]], single: dict[str, Any]) -
                 collectives=[s["collectives"] for s in last],
                 micro_groups=last[0]["micro_groups"],
                 matrices_computed=[s["matrices_computed"] for s in last],
+                backup_bytes=[s["backup_bytes"] for s in last],
+                group_factor_measured=_measured_group_factor(per),
             )
+        run["first_step_s"] = max((p["first_s"] or 0.0) for p in per)
+        if "plan_versions" in per[0]:
+            run["calibration_s"] = [p["calibration_s"] for p in per]
+            versions = per[0]["plan_versions"]
+            run["replans_after_first_step"] = versions[-1] - versions[0] if versions else None
+        if "plan" in per[0]:
+            run["plan"] = per[0]["plan"]
+            if "predicted_s" in run["plan"] and "compute_s" in run:
+                run["prediction"] = _prediction(run["plan"]["predicted_s"], run)
         out["runs"][label] = run
     base = out["runs"].get("replicated", {}).get("step_s")
     ref = out["runs"].get("canzona", {}).get("step_s")
@@ -420,7 +291,14 @@ def plan_cases(args: argparse.Namespace, preset: dict[str, Any]) -> list[Case]:
             return
         model = models[key]
         # about four micro-groups per step for canzona: capacity = a quarter of a rank's share
-        capacity = max(0.05, round(_qwen.mib(model) / world / 4, 3))
+        capacity = max(0.05, round(model_mib(model) / world / 4, 3))
+        kinds = preset.get("diagnostics", {})
+        diagnostics = kinds.get("muon" if optimizer == "muon" else "precond", ())
+        if optimizer == "muon" and key in ("hetero", "structure") and world == 2:
+            diagnostics = (
+                *diagnostics,
+                *(d for d in kinds.get("depth", ()) if d not in diagnostics),
+            )
         cases.append(
             Case(
                 optimizer=optimizer,
@@ -431,31 +309,18 @@ def plan_cases(args: argparse.Namespace, preset: dict[str, Any]) -> list[Case]:
                 steps=steps,
                 capacity_mb=capacity,
                 peers=peers if with_peers else (),
-                diagnostics=preset.get("diagnostics", ()) if optimizer == "muon" else (),
+                diagnostics=tuple(diagnostics),
             )
         )
 
     for world in (2, 4):
         add("muon", "qwen", "fsdp", world, True)
         add("muon", "hetero", "fsdp", world, False)
+        add("muon", "structure", "fsdp", world, True)
     add("muon", "qwen", "fsdp_tp", 4, True)
     for optimizer in ("shampoo", "soap"):
         add(optimizer, "small", "fsdp", 4, False)
     return cases
-
-
-def planned_makespans(case: Case) -> dict[str, float]:
-    """The planner's makespan / lower bound of each strategy for this case's matrices."""
-    specs = [
-        canzona.MatrixSpec(f"layers.{i}.{name}", shape)
-        for i, h in enumerate(case.model.widths)
-        for name, shape in _qwen.layer_shapes(h).items()
-    ]
-    out = {}
-    for s in ("round_robin", "count", "numel", "canzona"):
-        a = canzona.assign_owners(specs, case.world, strategy=s, optimizer=case.optimizer)
-        out[s] = a.makespan_ratio
-    return out
 
 
 def run_case(case: Case, timeout: float) -> dict[str, Any]:
@@ -463,7 +328,16 @@ def run_case(case: Case, timeout: float) -> dict[str, Any]:
     single = launch(single_body, 1, case, timeout=timeout)[0]
     ranks = launch(rank_body, case.world, case, timeout=timeout)
     summary = summarize(case, ranks, single)
-    summary["planned_makespan_ratio"] = planned_makespans(case)
+    # each strategy's plan as it ran, priced in the closed-form FLOPs and in measured seconds
+    for key, field_name in (
+        ("planned_makespan_ratio", "makespan_ratio_flops"),
+        ("planned_makespan_ratio_time", "makespan_ratio_time"),
+    ):
+        summary[key] = {
+            s: summary["runs"][s]["plan"][field_name]
+            for s in ("round_robin", "count", "numel", "canzona")
+            if field_name in summary["runs"].get(s, {}).get("plan", {})
+        }
     summary["bench_seconds"] = time.perf_counter() - began
     return summary
 
@@ -480,14 +354,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--world", type=int, nargs="+", choices=(2, 4), help="world sizes")
     parser.add_argument("--mesh", nargs="+", choices=("fsdp", "fsdp_tp"), help="meshes")
     parser.add_argument("--optimizer", nargs="+", choices=tuple(OPTIMIZERS), help="optimizers")
-    parser.add_argument("--model", nargs="+", choices=("qwen", "hetero", "small"))
+    parser.add_argument("--model", nargs="+", choices=("qwen", "hetero", "structure", "small"))
     parser.add_argument("--steps", type=int, help="timed steps per run (>= 10 for a measurement)")
     parser.add_argument(
         "--peers", help="comma-separated peers (default: the preset's; '' for none)"
     )
-    parser.add_argument("--out", type=Path, default=RESULTS, help="directory of the JSON file")
-    parser.add_argument("--doc", type=Path, default=DOC, help="Markdown file to update")
-    parser.add_argument("--chart", type=Path, default=PLOT_PATH, help="PNG of per-rank compute")
+    parser.add_argument(
+        "--out", type=Path, help="directory of the JSON file (full: benchmarks/results)"
+    )
+    parser.add_argument("--doc", type=Path, help="Markdown file (full: docs/benchmarks.md)")
+    parser.add_argument("--chart", type=Path, help="PNG of per-rank compute (full: docs/img/)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per launch")
     parser.add_argument(
         "--from-json", type=Path, help="only re-render the docs section from a results file"
@@ -495,8 +371,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     if args.from_json:
-        return publish(json.loads(args.from_json.read_text()), args, None)
+        saved: dict[str, Any] = json.loads(args.from_json.read_text())
+        _default_outputs(args, saved["mode"])
+        return publish(saved, args, None)
     name = "full" if args.full else "tiny" if args.tiny else "quick"
+    _default_outputs(args, name)
     preset = PRESETS[name]
     torch.set_num_threads(1)
     began = time.perf_counter()
@@ -522,6 +401,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                     f"  same params: {run.get('identical')}",
                     flush=True,
                 )
+        print_prediction(summary)
     payload: dict[str, Any] = {
         "mode": name,
         "command": " ".join(["python benchmarks/step_latency.py", *(argv or [f"--{name}"])]),
@@ -535,7 +415,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 "name": v.name,
                 "widths": list(v.widths),
                 "layers": v.describe(),
-                "mib": _qwen.mib(v),
+                "mib": model_mib(v),
             }
             for k, v in preset["models"].items()
         },
@@ -544,6 +424,38 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     }
     payload["bench_seconds"] = time.perf_counter() - began
     return publish(payload, args, name)
+
+
+def print_prediction(summary: dict[str, Any]) -> None:
+    """Per strategy and rank: predicted and measured owner time, the busiest rank's error."""
+    canz = summary["runs"].get("canzona", {})
+    if "calibration_s" in canz:
+        print(
+            f"  calibration {max(canz['calibration_s']):.3f} s (slowest rank), "
+            f"re-plans after the first step: {canz.get('replans_after_first_step')}"
+        )
+    for label, run in summary["runs"].items():
+        pred = run.get("prediction")
+        if pred is None:
+            continue
+        ms = "/".join(f"{x * 1e3:.1f}" for x in pred["predicted_s"])
+        wall = "/".join(f"{x * 1e3:.1f}" for x in pred["measured_s"])
+        cpu = "/".join(f"{x * 1e3:.1f}" for x in pred["measured_cpu_s"])
+        print(
+            f"  {label:20s} owner ms predicted {ms} | measured {wall} (CPU {cpu}) | error "
+            f"{100 * pred['error']:+.1f}% (CPU {100 * pred['error_cpu']:+.1f}%)"
+        )
+
+
+def _default_outputs(args: argparse.Namespace, mode: str) -> None:
+    """Full mode writes the published files; the other modes under ``results/quick/``."""
+    quick = RESULTS / "quick"
+    if args.out is None:
+        args.out = RESULTS if mode == "full" else quick
+    if args.doc is None:
+        args.doc = DOC if mode == "full" else quick / "benchmarks_quick.md"
+    if args.chart is None:
+        args.chart = PLOT_PATH if mode == "full" else quick / f"step_latency_{mode}.png"
 
 
 def publish(payload: dict[str, Any], args: argparse.Namespace, name: str | None) -> dict[str, Any]:
@@ -564,7 +476,7 @@ def publish(payload: dict[str, Any], args: argparse.Namespace, name: str | None)
     for t in payload["targets"]:
         print(
             f"  {'ok  ' if t['met'] else 'MISS' if t['met'] is False else '--  '} "
-            f"{t['name']}: {_ratio(t['measured'])} (target <= {t['target']})"
+            f"{t['name']}: {format_measured(t)} (target {format_bound(t)})"
         )
     return payload
 

@@ -165,7 +165,8 @@ def render(payload: dict[str, Any]) -> str:
     return "\n\n".join(
         [
             "## Training iterations: forward + backward + step",
-            f"`{payload['command']}` ({payload['mode']} mode, {payload['date']}): "
+            f"`{payload['command']}` ({payload['mode']} mode, {payload['date']}, commit "
+            f"`{payload.get('commit', 'unknown')}`): "
             f"{payload['cpu']}, {m['cpu_count']} cores, torch {m['torch']}, gloo, 4 ranks on a "
             "(dp 2, tp 2) mesh, one intra-op thread per rank; "
             f"{payload['load_average']:.1f} load average during the run.",
@@ -202,12 +203,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     mode.add_argument("--full", action="store_true", help="the step-latency model")
     mode.add_argument("--tiny", action="store_true", help="seconds; for smoke tests only")
     parser.add_argument("--steps", type=int, help="timed iterations")
-    parser.add_argument("--out", type=Path, default=RESULTS, help="directory of the JSON file")
-    parser.add_argument("--doc", type=Path, default=DOC, help="Markdown file to update")
+    parser.add_argument("--out", type=Path, help="directory of the JSON (full: benchmarks/results)")
+    parser.add_argument("--doc", type=Path, help="Markdown file (full: docs/benchmarks.md)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds for the run")
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     name = "full" if args.full else "tiny" if args.tiny else "quick"
+    full = name == "full"  # only full mode writes the published files
+    args.out = args.out or (RESULTS if full else RESULTS / "quick")
+    args.doc = args.doc or (DOC if full else RESULTS / "quick" / "benchmarks_quick.md")
     cfg = dict(PRESETS[name])
     if args.steps:
         cfg["steps"] = args.steps

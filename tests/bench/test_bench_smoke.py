@@ -7,8 +7,10 @@ that every owner strategy ends with the same parameters. No timing is asserted.
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -19,6 +21,8 @@ if str(BENCH) not in sys.path:
 pytest.importorskip("torch")
 
 STRATEGIES = ("replicated", "round_robin", "count", "numel", "canzona", "canzona_no_overlap")
+DEPTH = ("canzona_one_group", "canzona_depth2", "canzona_depth3", "canzona_not_atomic")
+COMMIT = re.compile(r"^([0-9a-f]{4,40}(-dirty)?|unknown)$")
 
 
 def _section(doc: Path, name: str) -> str:
@@ -28,7 +32,7 @@ def _section(doc: Path, name: str) -> str:
     return text[text.index(begin) : text.index(end)]
 
 
-def _check_case(case: dict, peers: tuple[str, ...] = ()) -> None:
+def _check_case(case: dict[str, Any], peers: tuple[str, ...] = ()) -> None:
     runs = case["runs"]
     assert set(STRATEGIES) <= set(runs)
     for label in STRATEGIES:
@@ -43,6 +47,45 @@ def _check_case(case: dict, peers: tuple[str, ...] = ()) -> None:
     assert case["single_device"]["matches_distributed"] is True
     for peer in peers:
         assert "step_s" in runs[peer] or "error" in runs[peer]
+    _check_prediction(case)
+
+
+def _check_prediction(case: dict[str, Any]) -> None:
+    """Every strategy's plan priced with the canzona run's measured table; one calibration."""
+    world, runs = case["world"], case["runs"]
+    canz = runs["canzona"]
+    assert len(canz["calibration_s"]) == world and canz["replans_after_first_step"] == 0
+    assert case["cost_table"] and all(m["table"] for m in case["cost_table"].values())
+    for label in STRATEGIES:
+        pred = runs[label]["prediction"]
+        assert len(pred["predicted_s"]) == world and min(pred["predicted_s"]) > 0
+        assert pred["measured_s"] == runs[label]["compute_s"]
+        assert pred["error"] > -1 and pred["error_cpu"] > -1
+    # replicated: every rank computes every matrix, so each predicts the whole model
+    assert sum(canz["prediction"]["predicted_s"]) == pytest.approx(
+        runs["replicated"]["prediction"]["predicted_s"][0], rel=1e-9
+    )
+
+
+def _check_diagnostics(case: dict[str, Any]) -> None:
+    """Depth, one group and atomic=False end bitwise equal; only the atomic run copies state."""
+    runs = case["runs"]
+    for label in DEPTH:
+        assert runs[label]["identical"] is True, label
+        assert runs[label]["group_factor_measured"] >= 1.0 - 1e-9
+    assert runs["canzona_one_group"]["micro_groups"] == 1
+    assert runs["canzona_one_group"]["plan"]["group_factor"] == pytest.approx(1.0)
+    assert min(runs["canzona"]["backup_bytes"]) > 0
+    assert runs["canzona_not_atomic"]["backup_bytes"] == [0] * case["world"]
+
+
+def _check_structure(case: dict[str, Any]) -> None:
+    """Experts stay where they lie under canzona and numel; the plan says what moves."""
+    sent = case["experts_bytes_sent"]
+    assert sent["canzona"] == sent["numel"] == [0] * case["world"]
+    assert min(sent["replicated"]) > 0 and min(sent["round_robin"]) > 0
+    for label in ("canzona", "numel", "replicated"):  # the same whatever else is planned
+        assert case["runs"][label]["plan"]["pinned_bytes_sent"] == sent[label], label
 
 
 def test_step_latency_tiny(tmp_path: Path) -> None:
@@ -67,14 +110,29 @@ def test_step_latency_tiny(tmp_path: Path) -> None:
         ]
     )
     saved = json.loads((tmp_path / "step_latency_tiny.json").read_text())
-    assert saved["machine"]["torch"]
-    assert {c["case"] for c in saved["cases"]} == {"muon/qwen/fsdp/w2", "muon/hetero/fsdp/w2"}
+    assert saved["machine"]["torch"] and COMMIT.match(saved["commit"])
+    keys = {"muon/qwen/fsdp/w2", "muon/hetero/fsdp/w2", "muon/structure/fsdp/w2"}
+    assert {c["case"] for c in saved["cases"]} == keys
     for case in payload["cases"]:
-        _check_case(case, ("full_tensor",) if case["model"] == "qwen" else ())
+        _check_case(case, ("full_tensor",) if case["model"] != "hetero" else ())
+        if case["model"] != "qwen":
+            _check_diagnostics(case)
+    _check_structure(next(c for c in payload["cases"] if c["model"] == "structure"))
     assert payload["cases"][0]["runs"]["full_tensor"]["identical"] is True
-    assert {t["name"] for t in payload["targets"]}
+    kinds = {t["kind"] for t in payload["targets"]}
+    assert {"hetero", "prediction", "calibration", "experts_bytes", "exactness"} <= kinds
+    exact = [t for t in payload["targets"] if t["kind"] in ("experts_bytes", "exactness")]
+    assert all(t["met"] for t in exact)
     section = _section(doc, "step_latency")
     assert "### Targets" in section and "replicated" in section
+    assert f"commit `{saved['commit']}`" in section
+    for title in (
+        "### Predicted and measured owner time",
+        "### Structure: per-head blocks and experts",
+        "### Cost of the all-or-nothing step",
+        "### Micro-groups: pipeline depth and one group",
+    ):
+        assert title in section, title
 
 
 def test_step_latency_tiny_fsdp_tp_shampoo(tmp_path: Path) -> None:
@@ -108,6 +166,12 @@ def test_step_latency_tiny_fsdp_tp_shampoo(tmp_path: Path) -> None:
     assert keys == {"muon/qwen/fsdp/w4", "muon/qwen/fsdp_tp/w4", "shampoo/small/fsdp/w4"}
     for case in payload["cases"]:
         _check_case(case)
+    shampoo = next(c for c in payload["cases"] if c["optimizer"] == "shampoo")
+    # the atomic step copies Shampoo's owner-held state too: more than the parameters
+    runs = shampoo["runs"]
+    assert runs["canzona_not_atomic"]["identical"] is True
+    assert sum(runs["canzona"]["backup_bytes"]) > sum(shampoo["param_bytes"])
+    assert runs["canzona_not_atomic"]["backup_bytes"] == [0] * 4
 
 
 def test_train_step_tiny(tmp_path: Path) -> None:
@@ -149,20 +213,60 @@ def test_kernels_tiny(tmp_path: Path) -> None:
     assert _section(doc, "kernels")
 
 
-def test_plan_quality_quick(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_plan_quality_quick(tmp_path: Path) -> None:
     import plan_quality
 
-    import _report
-
-    monkeypatch.setattr(_report, "RESULTS", tmp_path)
-    monkeypatch.setattr(plan_quality, "PLOT_PATH", tmp_path / "plot.png")
-    assert plan_quality.main(["--quick", "--no-docs"]) == 0
+    doc = tmp_path / "b.md"
+    args = ["--quick", "--out", str(tmp_path), "--doc", str(doc), "--plot", str(tmp_path / "p.png")]
+    assert plan_quality.main(args) == 0
     saved = json.loads((tmp_path / "plan_quality_quick.json").read_text())
     assert saved["summary"]["all"]["canzona"]["mean_makespan_ratio"] >= 1.0
+    assert f"commit `{saved['commit']}`" in _section(doc, "plan_quality")
+
+
+def test_overhead_tiny(tmp_path: Path) -> None:
+    import overhead
+
+    doc = tmp_path / "b.md"
+    payload = overhead.main(
+        ["--tiny", "--out", str(tmp_path), "--doc", str(doc), "--plot", str(tmp_path / "o.png")]
+    )
+    saved = json.loads((tmp_path / "overhead_tiny.json").read_text())
+    assert COMMIT.match(saved["commit"]) and saved["mode"] == "tiny"
+    preset = overhead.PRESETS["tiny"]
+    grid = {(r["n"], r["world"]) for r in saved["rows"]}
+    assert grid == {(n, w) for n in preset["counts"] for w in preset["worlds"]}
+    for row in saved["rows"]:
+        impls = ("canzona", "torch_muon", "adamw_foreach") if row["world"] == 1 else ()
+        impls = impls or ("canzona", "replicated", "redistribute")
+        assert all(row["times"][i] > 0 for i in impls), row
+        if row["world"] > 1:  # exact: rank 0's rows equal the one-process canzona.Muon's
+            assert row["same_as_one_process"]["canzona"] is True
+            assert row["same_as_one_process"]["replicated"] is True
+    fitted = {(f["world"], f["impl"]) for f in payload["fits"]}
+    assert {(1, "canzona"), (2, "canzona"), (2, "replicated"), (1, "adamw_foreach")} <= fitted
+    names = {t["target"] for t in payload["targets"]}
+    assert "slope (µs per matrix)" in names and "fixed (ms per step)" in names
+    section = _section(doc, "overhead")
+    assert f"commit `{saved['commit']}`" in section and "### Fit" in section
 
 
 def test_run_all_knows_every_script() -> None:
     import run_all
 
+    assert "overhead" in run_all.SCRIPTS
     for name in run_all.SCRIPTS:
         assert (BENCH / f"{name}.py").exists()
+        # quick mode writes only under results/quick/: every path it passes is there
+        paths = [a for a in run_all.QUICK_OUTPUTS[name] if not a.startswith("--")]
+        assert paths and all(Path(p).is_relative_to(run_all.QUICK) for p in paths), name
+
+
+def test_results_record_their_commit(tmp_path: Path) -> None:
+    import _report
+
+    payload: dict[str, Any] = {"x": 1}
+    path = _report.write_json("probe", payload, out_dir=tmp_path)
+    saved = json.loads(path.read_text())
+    assert COMMIT.match(saved["commit"]) and saved["commit"] == payload["commit"]
+    assert list(saved)[:2] == ["machine", "commit"] and saved["x"] == 1
