@@ -37,3 +37,11 @@ def test_holders_must_be_eligible() -> None:
         MatrixSpec("w", (4, 4), holders=(1, 0))
     with pytest.raises(ValueError, match="holders must be < num_ranks"):
         assign_owners([MatrixSpec("w", (4, 4), holders=(3,))], 2)
+
+
+def test_a_pinned_matrix_never_leaves_its_holders() -> None:
+    specs = [MatrixSpec(f"h{i}", (64, 64), holders=(0,), pinned=True) for i in range(3)]
+    a = assign_owners(specs, 2, strategy="canzona")
+    assert set(a.owner.values()) == {0} and a.comm_bytes == (0, 0)
+    with pytest.raises(ValueError, match="pinned needs holders"):
+        MatrixSpec("w", (4, 4), pinned=True)

@@ -190,7 +190,7 @@ def assign_owners(
     A matrix that some ranks already hold whole (:attr:`MatrixSpec.holders`) starts on the
     least loaded of them under ``canzona`` and ``numel``, where it moves no bytes; only the
     ``canzona`` refinement moves it elsewhere, and only when that strictly lowers the
-    makespan (ties keep it on its holder).
+    makespan (ties keep it on its holder); a ``pinned`` one never leaves its holders.
 
     * ``canzona``: longest-processing-time-first greedy on the blended cost
       ``(1 - alpha) * bytes / total_bytes + alpha * flops / total_flops``, in the order
@@ -226,7 +226,7 @@ def assign_owners(
     model = resolve_cost_model(optimizer)
     flops = [model.flops(s) for s in specs]
     nbytes = [model.comm_bytes(s) for s in specs]
-    eligible = [s.ranks for s in specs]
+    eligible = [s.holders if s.pinned else s.ranks for s in specs]
     # data already in place starts there: the greedy places a held matrix on its least
     # loaded holder; the refinement may still move it when that strictly lowers the makespan
     start_on = [s.holders if s.holders is not None else s.ranks for s in specs]

@@ -162,7 +162,7 @@ class Plan:
                     s.itemsize,
                     None if s.ranks is None else list(s.ranks),
                     *([] if s.cost_key is None else [s.cost_key]),
-                    *([] if s.holders is None else [["holders", list(s.holders)]]),
+                    *([] if s.holders is None else [["holders", list(s.holders), s.pinned]]),
                 ]
                 for s in self.specs
             ],

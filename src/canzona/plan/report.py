@@ -14,12 +14,15 @@ from canzona.plan.cost import CostModel
 from canzona.plan.spec import MatrixSpec
 
 __all__ = [
+    "UNITS",
     "StrategyRun",
     "compare_strategies",
     "format_bytes",
     "format_seconds",
     "load_histogram",
     "metrics",
+    "rank_metrics",
+    "recv_bytes",
     "strategy_table",
 ]
 
@@ -70,17 +73,48 @@ def compare_strategies(
     return runs
 
 
+#: Units of the values of :func:`metrics` and :func:`rank_metrics`.
+UNITS: dict[str, str] = {
+    "balance_ratio": "max load / mean load",
+    "makespan_ratio": "makespan / lower bound",
+    "makespan": "FLOPs",
+    "lower_bound": "FLOPs",
+    "max_recv_bytes_per_rank": "bytes",
+    "micro_groups": "count",
+    "plan_seconds": "seconds",
+    "loads": "FLOPs per rank",
+    "recv_bytes": "bytes per rank",
+}
+
+
+def recv_bytes(run: StrategyRun) -> tuple[int, ...]:
+    """Bytes each rank receives for the matrices it computes (none on a single rank)."""
+    a = run.plan.assignment
+    return a.comm_bytes if a.num_ranks > 1 else (0,) * a.num_ranks
+
+
 def metrics(run: StrategyRun) -> dict[str, Any]:
-    """The headline numbers of one run (the keys of ``canzona plan --json``)."""
+    """The headline numbers of one run: the columns of :func:`strategy_table`.
+
+    ``balance_ratio`` is the table's "balance", ``makespan_ratio`` its "makespan/LB",
+    ``max_recv_bytes_per_rank`` its "max recv/rank", ``micro_groups`` its "groups" and
+    ``plan_seconds`` its "plan time"; :data:`UNITS` gives the units.
+    """
     a = run.plan.assignment
     return {
         "balance_ratio": a.balance_ratio,
+        "makespan_ratio": a.makespan_ratio,
         "makespan": a.makespan,
         "lower_bound": a.lower_bound,
-        "max_comm_bytes": max(a.comm_bytes, default=0),
+        "max_recv_bytes_per_rank": max(recv_bytes(run), default=0),
         "micro_groups": len(run.plan.groups),
         "plan_seconds": run.seconds,
     }
+
+
+def rank_metrics(run: StrategyRun) -> dict[str, list[float] | list[int]]:
+    """Per-rank ``loads`` and ``recv_bytes`` of one run, in rank order."""
+    return {"loads": list(run.plan.assignment.loads), "recv_bytes": list(recv_bytes(run))}
 
 
 def format_bytes(n: float) -> str:
@@ -103,13 +137,12 @@ def strategy_table(runs: Mapping[str, StrategyRun]) -> str:
     rows = []
     for name, run in runs.items():
         m = metrics(run)
-        ratio = run.plan.assignment.makespan_ratio
         rows.append(
             [
                 name,
                 f"{m['balance_ratio']:.3f}",
-                f"{ratio:.3f}",
-                format_bytes(m["max_comm_bytes"]),
+                f"{m['makespan_ratio']:.3f}",
+                format_bytes(m["max_recv_bytes_per_rank"]),
                 str(m["micro_groups"]),
                 format_seconds(m["plan_seconds"]),
             ]

@@ -33,8 +33,11 @@ class MatrixSpec:
             for a single cost model.
         holders: Ranks that already hold the whole matrix (sorted, unique; a subset of the
             eligible ranks), e.g. the rank holding an expert under expert parallelism.
-            Owning it there moves no bytes, so ``canzona`` and ``numel`` choose its owner
-            among them. ``None``: no rank holds it whole.
+            Owning it there moves no bytes, so ``canzona`` and ``numel`` start it on one of
+            them (``canzona``'s refinement moves it when that strictly lowers the
+            makespan). ``None``: no rank holds it whole.
+        pinned: Never move it off its holders (a matrix of a stack sharded over its
+            leading dimension: expert parallelism places experts by design).
     """
 
     name: str
@@ -43,6 +46,7 @@ class MatrixSpec:
     ranks: tuple[int, ...] | None = None
     cost_key: str | None = None
     holders: tuple[int, ...] | None = None
+    pinned: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -92,6 +96,8 @@ class MatrixSpec:
                     f"MatrixSpec {self.name!r}: holders must be eligible ranks, got {holders!r}"
                 )
             object.__setattr__(self, "holders", holders)
+        if self.pinned and self.holders is None:
+            raise ValueError(f"MatrixSpec {self.name!r}: pinned needs holders, got None")
         if self.cost_key is not None and not isinstance(self.cost_key, str):
             raise ValueError(
                 f"MatrixSpec {self.name!r}: cost_key must be a string or None, "

@@ -146,6 +146,7 @@ def plan_specs(
             tuple(sorted(it.unit)),
             cost_key(it.param),
             holders.get(it.name),
+            it.name in holders and it.lead is not None,  # experts stay where they are placed
         )
         for it in items
         if not it.is_local
