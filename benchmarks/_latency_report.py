@@ -64,6 +64,8 @@ TARGETS = {
     "redundancy": 1.15,
     "balance": 1.10,
     "precond_w4_vs_replicated": 0.3,
+    "w128_w2_vs_replicated": 0.6,
+    "w128_w4_vs_replicated": 0.35,
 }
 
 
@@ -110,6 +112,18 @@ def evaluate_targets(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     "vs_replicated",
                     c,
                     TARGETS[key],
+                    "replicated",
+                )
+            )
+    for world in (2, 4):  # small matrices: what remains is the runtime's host work
+        c = _find(cases, "muon", "w128", "fsdp", world)
+        if c is not None:
+            rows.append(
+                ratio_row(
+                    f"Qwen3-like width 128, 2 layers, world {world}: `canzona` / `replicated`",
+                    "vs_replicated",
+                    c,
+                    TARGETS[f"w128_w{world}_vs_replicated"],
                     "replicated",
                 )
             )

@@ -81,6 +81,7 @@ PRESETS: dict[str, dict[str, Any]] = {
             "hetero": _qwen.ModelConfig(name="heterogeneous", widths=(768, 384, 384, 288)),
             "structure": _structure.StructureConfig(name="structure", width=768),
             "small": _qwen.ModelConfig(name="qwen3-like small", widths=(256,) * 4),
+            "w128": _qwen.ModelConfig(name="qwen3-like width 128", widths=(128,) * 2),
         },
         "steps": 10,
         "diagnostics": {
@@ -103,6 +104,7 @@ PRESETS: dict[str, dict[str, Any]] = {
             "hetero": _qwen.ModelConfig(name="heterogeneous", widths=(384, 192, 192, 144)),
             "structure": _structure.StructureConfig(name="structure", width=256),
             "small": _qwen.ModelConfig(name="qwen3-like small", widths=(128,) * 4),
+            "w128": _qwen.ModelConfig(name="qwen3-like width 128", widths=(128,) * 2),
         },
         "steps": 8,
         "diagnostics": {
@@ -117,6 +119,7 @@ PRESETS: dict[str, dict[str, Any]] = {
             "hetero": _qwen.ModelConfig(name="heterogeneous", widths=(96, 64, 48)),
             "structure": _structure.StructureConfig(name="structure", width=64),
             "small": _qwen.ModelConfig(name="qwen3-like small", widths=(32,) * 2),
+            "w128": _qwen.ModelConfig(name="qwen3-like width 128", widths=(32,) * 2),
         },
         "steps": 2,
         "diagnostics": {
@@ -317,6 +320,7 @@ def plan_cases(args: argparse.Namespace, preset: dict[str, Any]) -> list[Case]:
         add("muon", "qwen", "fsdp", world, True)
         add("muon", "hetero", "fsdp", world, False)
         add("muon", "structure", "fsdp", world, True)
+        add("muon", "w128", "fsdp", world, False)  # small matrices: the runtime's own cost
     add("muon", "qwen", "fsdp_tp", 4, True)
     for optimizer in ("shampoo", "soap"):
         add(optimizer, "small", "fsdp", 4, False)
@@ -354,7 +358,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--world", type=int, nargs="+", choices=(2, 4), help="world sizes")
     parser.add_argument("--mesh", nargs="+", choices=("fsdp", "fsdp_tp"), help="meshes")
     parser.add_argument("--optimizer", nargs="+", choices=tuple(OPTIMIZERS), help="optimizers")
-    parser.add_argument("--model", nargs="+", choices=("qwen", "hetero", "structure", "small"))
+    parser.add_argument(
+        "--model", nargs="+", choices=("qwen", "hetero", "structure", "small", "w128")
+    )
     parser.add_argument("--steps", type=int, help="timed steps per run (>= 10 for a measurement)")
     parser.add_argument(
         "--peers", help="comma-separated peers (default: the preset's; '' for none)"
