@@ -111,7 +111,12 @@ def test_step_latency_tiny(tmp_path: Path) -> None:
     )
     saved = json.loads((tmp_path / "step_latency_tiny.json").read_text())
     assert saved["machine"]["torch"] and COMMIT.match(saved["commit"])
-    keys = {"muon/qwen/fsdp/w2", "muon/hetero/fsdp/w2", "muon/structure/fsdp/w2"}
+    keys = {
+        "muon/qwen/fsdp/w2",
+        "muon/hetero/fsdp/w2",
+        "muon/structure/fsdp/w2",
+        "muon/w128/fsdp/w2",
+    }
     assert {c["case"] for c in saved["cases"]} == keys
     for case in payload["cases"]:
         _check_case(case, ("full_tensor",) if case["model"] != "hetero" else ())
