@@ -119,8 +119,9 @@ def test_step_latency_tiny(tmp_path: Path) -> None:
     }
     assert {c["case"] for c in saved["cases"]} == keys
     for case in payload["cases"]:
-        _check_case(case, ("full_tensor",) if case["model"] != "hetero" else ())
-        if case["model"] != "qwen":
+        peers = ("full_tensor",) if case["model"] in ("qwen", "structure") else ()
+        _check_case(case, peers)
+        if case["model"] in ("hetero", "structure"):
             _check_diagnostics(case)
     _check_structure(next(c for c in payload["cases"] if c["model"] == "structure"))
     assert payload["cases"][0]["runs"]["full_tensor"]["identical"] is True
