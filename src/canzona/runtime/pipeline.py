@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from canzona.runtime.checks import reports_of, vote
 from canzona.runtime.config import PipelineConfig, UpdateFailedError
-from canzona.runtime.schedule import (
+from canzona.runtime.schedule_parts import (
     Delivery,
     GroupSchedule,
     OwnerBatch,

@@ -152,12 +152,14 @@ class Watchdog:
             raise self._error(what, exc, time.monotonic() - start) from exc
 
     def _error(self, what: str, exc: RuntimeError, elapsed: float) -> CollectiveTimeoutError:
-        """The error of a failed wait: a peer that closed its connection, or a late peer."""
+        """The error of a failed wait: a peer that left, an early failure, or a late peer."""
         where = f"rank {self.rank}: {what} (step {self.step})"
-        if elapsed < self.timeout_s and _CLOSED.search(str(exc)):
+        early = elapsed < 0.99 * self.timeout_s
+        if early and _CLOSED.search(str(exc)):
             return CollectiveTimeoutError(
                 f"{where} failed after {elapsed:.1f}s of the {self.timeout_s:g}s deadline: a "
-                f"peer rank closed its connection (it exited or crashed; see its log) ({exc})"
+                "peer rank closed its connection (it exited, crashed or destroyed the process "
+                f"group; see its log) ({exc})"
             )
         late = self.behind()
         who = (
@@ -166,6 +168,11 @@ class Watchdog:
             if late
             else "a peer rank is stuck, crashed or did not call the same method"
         )
+        if early:  # e.g. the process group's own timeout, shorter than timeout_s
+            return CollectiveTimeoutError(
+                f"{where} failed after {elapsed:.1f}s, before the {self.timeout_s:g}s "
+                f"deadline, in the process group; {who} ({exc})"
+            )
         return CollectiveTimeoutError(
             f"{where} did not complete within {self.timeout_s:g}s; {who} ({exc})"
         )

@@ -1,0 +1,225 @@
+"""The parts of a precomputed step: runs to place, pieces to send, deliveries, schedules."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from canzona.runtime.buffers import FlatBuffer, Selector
+from canzona.runtime.routing import Item, Runs
+
+BatchKey = tuple[int, int, int, torch.dtype]  # (param group, m, n, payload dtype)
+SendView = torch.Tensor | tuple[torch.Tensor, Selector]
+"""A sent fragment: a flat range, a strided 2-D view, or (a matrix, the fragment's runs)."""
+
+
+def common_dtype(dtypes: Sequence[torch.dtype]) -> torch.dtype:
+    """The dtype every member of ``dtypes`` converts to and from exactly."""
+    out = dtypes[0]
+    for d in dtypes[1:]:
+        out = torch.promote_types(out, d)
+    if out in (torch.bfloat16, torch.float16) and len(set(dtypes)) > 1:
+        out = torch.float32
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Assembly:
+    """A run of fragments from one source, placed into the owner's full stack.
+
+    Attributes:
+        offset: Element offset of the run in the micro-group's gather receive buffer.
+        start: Position of the run's first matrix in the batch.
+        count: Matrices in the run.
+        selector: Where the fragment sits in each full matrix.
+    """
+
+    offset: int
+    start: int
+    count: int
+    selector: Selector
+
+
+@dataclass(slots=True)
+class OwnerBatch:
+    """Matrices one rank computes in one call.
+
+    Attributes:
+        items: The matrices, in stack order.
+        key: Their param group.
+        m: Rows.
+        n: Columns.
+        dtype: Dtype of the stacked payload.
+        assembly: Runs that fill the stack from the gather receive buffer.
+        inputs: Local batches: the payload view of each matrix (no communication).
+    """
+
+    items: tuple[Item, ...]
+    key: int
+    m: int
+    n: int
+    dtype: torch.dtype
+    assembly: list[Assembly] = field(default_factory=list)
+    inputs: tuple[torch.Tensor, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """A run of direction fragments read from a computed stack (sent, or kept).
+
+    Attributes:
+        batch: Index of the owner batch.
+        start: First matrix of the run in the batch.
+        count: Matrices in the run.
+        selector: The fragment to read from each matrix.
+    """
+
+    batch: int
+    start: int
+    count: int
+    selector: Selector
+
+    @property
+    def numel(self) -> int:
+        """Elements of the run."""
+        return self.count * self.selector.shape[0] * self.selector.shape[1]
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """Where consecutive matrices of a delivery run land in one parameter's local shard.
+
+    Attributes:
+        param: The parameter.
+        pos: For a 3-D stack, the first matrix's position in the local shard's leading dim.
+        count: Matrices covered (consecutive in the run).
+        rows: Blocks along the rows filling local rows ``[start, stop)`` at full width
+            (the target is that row range viewed as ``(count, rows // count, cols)``).
+        rects: One block in several pieces: per piece ``(fragment rows, fragment columns,
+            local rows, local columns)`` as ``(start, stop)`` pairs.
+        flat: The parameter is an N-D weight updated as its ``(rows, rest)`` matrix.
+    """
+
+    param: int
+    pos: int | None = None
+    count: int = 1
+    rows: tuple[int, int] | None = None
+    rects: tuple[tuple[tuple[int, int], ...], ...] | None = None
+    flat: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    """A run of this rank's direction fragments, each for one local target.
+
+    Attributes:
+        offset: Element offset in the scatter receive buffer (unused for kept runs).
+        shape: Local fragment shape ``(fr, fc)`` of every matrix in the run.
+        key: Param group.
+        full: ``(m, n)`` of the full matrices.
+        dtype: Direction dtype the apply receives.
+        targets: The run's targets in order (each updated at once).
+        count: Matrices in the run.
+    """
+
+    offset: int
+    shape: tuple[int, int]
+    key: int
+    full: tuple[int, int]
+    dtype: torch.dtype
+    targets: tuple[Target, ...]
+    count: int
+
+
+@dataclass(slots=True)
+class GroupSchedule:
+    """One micro-group's exchanges, batches and deliveries on this rank.
+
+    With ``status`` (the step's last scatter), every segment of the scatter starts with one
+    element saying whether its sender has failed so far in the step, so every rank learns
+    every rank's outcome without another collective: ``piece_bounds[t]`` is where target
+    ``t``'s pieces start in ``scatter_pieces``; ``status_offsets[s]`` is where sender
+    ``s``'s flag sits in the receive buffer.
+    """
+
+    index: int
+    gather_dtype: torch.dtype
+    send: tuple[SendView, ...]
+    gather_in: list[int]
+    gather_out: list[int]
+    batches: list[OwnerBatch]
+    scatter_dtype: torch.dtype
+    scatter_pieces: list[Piece]
+    scatter_in: list[int]
+    scatter_out: list[int]
+    deliveries: list[Delivery]
+    kept: list[tuple[Piece, Delivery]]
+    status: bool = False
+    piece_bounds: list[int] = field(default_factory=list)
+    status_offsets: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Schedule:
+    """A step's precomputed work on this rank.
+
+    Attributes:
+        buffers: Flat buffers: per (param dtype, payload dtype) the prepared payloads, and
+            their cast to the payload dtype when it differs.
+        casts: (prepared, payload) buffer pairs to cast after the optimizer's prepare.
+        payload: Per active matrix parameter with local data: where the optimizer writes
+            its prepared payload (a view shaped like the parameter's local shard).
+        local: Batches of matrices this rank holds whole and updates alone.
+        local_kept: Deliveries of the local batches' results.
+        groups: The micro-groups with active matrices, in plan order.
+        replicated: Every computing rank keeps its own fragment (no scatter).
+    """
+
+    buffers: list[FlatBuffer]
+    casts: list[tuple[FlatBuffer, FlatBuffer]]
+    payload: dict[int, torch.Tensor]
+    local: list[OwnerBatch]
+    local_kept: list[tuple[Piece, Delivery]]
+    groups: list[GroupSchedule]
+    replicated: bool
+
+    def acquire(self) -> None:
+        """Allocate the step buffers."""
+        for buf in self.buffers:
+            buf.acquire()
+
+    def release(self) -> None:
+        """Free the step buffers."""
+        for buf in self.buffers:
+            buf.release()
+
+
+def rects(rows: Runs, cols: Runs) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """The rectangles of a fragment made of index runs: fragment and local coordinates."""
+    out = []
+    fr = 0
+    for r0, r1 in rows:
+        fc = 0
+        for c0, c1 in cols:
+            out.append(((fr, fr + r1 - r0), (fc, fc + c1 - c0), (r0, r1), (c0, c1)))
+            fc += c1 - c0
+        fr += r1 - r0
+    return tuple(out)
+
+
+def merge_targets(last: Target, new: Target) -> Target | None:
+    """One target for two consecutive ones when they are adjacent in the local shard."""
+    if last.param != new.param or last.rects is not None or new.rects is not None:
+        return None
+    if last.rows is None and new.rows is None:  # consecutive matrices of a 3-D stack
+        if last.pos is not None and new.pos is not None and last.pos + last.count == new.pos:
+            return Target(last.param, last.pos, last.count + 1)
+        return None
+    if last.rows is not None and new.rows is not None and last.pos == new.pos:
+        height = (last.rows[1] - last.rows[0]) // last.count
+        if last.rows[1] == new.rows[0] and new.rows[1] - new.rows[0] == height:
+            rows = (last.rows[0], new.rows[1])
+            return Target(last.param, last.pos, last.count + 1, rows, flat=last.flat)
+    return None
