@@ -8,7 +8,7 @@ from collections.abc import Hashable, Sequence
 import torch.distributed as dist
 
 from canzona.runtime.config import GradientMismatchError, PlanMismatchError
-from canzona.runtime.watchdog import Watchdog, gather_ints, reduce_max_ints
+from canzona.runtime.watchdog import Watchdog, gather_ints
 
 _CHUNKS = 3  # 40-bit chunks per digest: exact in int64
 VOTE = 1_000_000  # progress-marker phase of the success vote: after every micro-group
@@ -47,14 +47,12 @@ def check_header(
     nonfinite: bool = False,
     failed: bool = False,
 ) -> tuple[bool, bool, bool]:
-    """Compare one small fixed-size header across ranks with one all-reduce.
+    """Gather one small fixed-size header from every rank and compare.
 
     The header holds the parameter count and digests of the parameter list, the plan,
     the hyper-parameters and the gradient-presence bitmap, plus three flags (something
-    already failed on this rank, non-finite gradient, re-plan needed). An all-reduce of
-    each entry's maximum and (negated) minimum tells every rank whether all agree; it is
-    the only collective of a step's checks when everything agrees (on a mismatch, one
-    all-gather finds the ranks that disagree).
+    already failed on this rank, non-finite gradient, re-plan needed). It is the only
+    collective of a step's checks when everything agrees.
 
     Returns:
         (any rank needs to (re)build its plan, any rank saw a non-finite gradient, any
@@ -72,30 +70,26 @@ def check_header(
         *digest_chunks(hparams),
     ]
     grads = digest_chunks(grads_digest(has_grad))
-    row = [*values, *grads]
-    flags = [int(failed), int(nonfinite), int(needs_setup)]
-    # every rank agrees iff each entry's maximum equals its minimum: one all-reduce
-    reduced = reduce_max_ints(
-        [*row, *(-v for v in row), *flags],
+    gathered = gather_ints(
+        [*values, *grads, int(failed), int(nonfinite), int(needs_setup)],
         watchdog=watchdog,
         phase=0,
         what="the step's cross-rank check",
     )
-    n = len(row)
-    same = [reduced[i] == -reduced[n + i] for i in range(n)]
-    any_failed, flagged, setup = (bool(f) for f in reduced[2 * n :])
-    if any_failed:
+    flagged = any(r[-2] for r in gathered)
+    if any(r[-3] for r in gathered):
         return False, flagged, True
-    plan_slice = range(1 + _CHUNKS, 1 + 2 * _CHUNKS)
+    rows = [(*r[: len(values)], r[-1]) for r in gathered]
+    setup = any(r[-1] for r in rows)
+    compared = [r[:-1] for r in rows]
     # a rank that is about to re-plan has no valid plan digest yet: compare it only
     # when nobody re-plans
-    header_same = all(same[i] for i in range(len(values)) if not (setup and i in plan_slice))
-    if not header_same:
-        gathered = gather_ints(
-            [*row, *flags], watchdog=watchdog, phase=2, what="the cross-rank check's report"
-        )
-        _raise_mismatch([(*r[: len(values)], r[-1]) for r in gathered], setup)
-    if not all(same[len(values) :]):
+    if setup:
+        plan_slice = slice(1 + _CHUNKS, 1 + 2 * _CHUNKS)
+        compared = [r[: plan_slice.start] + r[plan_slice.stop :] for r in compared]
+    if len(set(compared)) != 1:
+        _raise_mismatch(rows, setup)
+    if len({tuple(r[len(values) : len(values) + _CHUNKS]) for r in gathered}) != 1:
         _raise_partial_gradients(names, has_grad, watchdog=watchdog)
     return setup, flagged, False
 
@@ -175,16 +169,16 @@ def failing_ranks(
 def vote(report: str | None, *, watchdog: Watchdog) -> list[tuple[int, str]]:
     """Agree on whether every rank succeeded; ``report`` is None on success.
 
-    One small all-reduce of one flag per rank; only when some rank failed, an
+    One small gather of success flags; only when some rank failed, an
     ``all_gather_object`` brings every failing rank's report to every rank.
 
     Returns:
         ``(rank, report)`` of every failing rank, in rank order (empty on success).
     """
-    flags = [0] * watchdog.world
-    flags[watchdog.rank] = int(report is not None)
-    reduced = reduce_max_ints(flags, watchdog=watchdog, phase=VOTE, what="the step's success vote")
-    return reports_of([r for r, bad in enumerate(reduced) if bad], report, watchdog=watchdog)
+    rows = gather_ints(
+        [int(report is not None)], watchdog=watchdog, phase=VOTE, what="the step's success vote"
+    )
+    return reports_of([r for r, (bad,) in enumerate(rows) if bad], report, watchdog=watchdog)
 
 
 def reports_of(

@@ -179,21 +179,17 @@ class Watchdog:
 
 
 def gather_ints(values: list[int], *, watchdog: Watchdog, phase: int, what: str) -> list[list[int]]:
-    """All-gather a short int64 vector (same length on every rank); rows in rank order."""
-    mine = torch.tensor(values, dtype=torch.int64, device=watchdog.device)
-    out = torch.empty(watchdog.world * len(values), dtype=torch.int64, device=watchdog.device)
+    """All-gather a short int64 vector (same length on every rank); rows in rank order.
+
+    Runs as an all-to-all of the vector to every rank: for a few numbers it is the fastest
+    collective of CPU process groups (gloo's all-gather and all-reduce take two to three
+    times as long on loopback).
+    """
+    n, world = len(values), watchdog.world
+    mine = torch.tensor(values * world, dtype=torch.int64, device=watchdog.device)
+    out = torch.empty(world * n, dtype=torch.int64, device=watchdog.device)
     watchdog.mark(phase, what)
-    work = dist.all_gather_single(out, mine, group=watchdog.group, async_op=True)
+    work = dist.all_to_all_single(out, mine, group=watchdog.group, async_op=True)
     watchdog.wait(work, what)
-    rows: list[list[int]] = out.view(watchdog.world, len(values)).tolist()
+    rows: list[list[int]] = out.view(world, n).tolist()
     return rows
-
-
-def reduce_max_ints(values: list[int], *, watchdog: Watchdog, phase: int, what: str) -> list[int]:
-    """All-reduce a short int64 vector with MAX (same length on every rank)."""
-    t = torch.tensor(values, dtype=torch.int64, device=watchdog.device)
-    watchdog.mark(phase, what)
-    work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=watchdog.group, async_op=True)
-    watchdog.wait(work, what)
-    out: list[int] = t.tolist()
-    return out
