@@ -41,9 +41,9 @@ class PipelineConfig:
             the process group's own timeout.)
         check_every_step: Run the small per-step cross-rank check (parameter set,
             plan digest, hyper-parameters, gradient presence) before the first
-            collective of each step. Disabling it saves one small all-reduce per step
+            collective of each step. Disabling it saves one small collective per step
             but turns mismatches into hangs or wrong results (with ``skip_nonfinite`` the
-            header all-reduce still runs, since it carries the non-finite flag).
+            header gather still runs, since it carries the non-finite flag).
         process_group: Process group the optimizer's collectives run on (default: the
             default group). Every rank of it must hold the same parameter list.
         progress_markers: Record, before each collective, which one this rank is about
