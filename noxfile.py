@@ -36,6 +36,17 @@ TORCHTITAN = [
 ]
 
 
+# What TorchTitan's job-config route adds (docs/torchtitan.md): the packages that
+# ``import torchtitan.train`` and its config registries import. torchdata goes in with
+# --no-deps (it requires torch); the others do not depend on torch.
+TORCHTITAN_TRAINER = [
+    "datasets==4.7.0",
+    "tokenizers==0.23.3",
+    "tensorboard==2.21.0",
+    "pillow==13.0.0",
+]
+
+
 @nox.session
 def tests(session: nox.Session) -> None:
     """Run the whole test suite (multi-process gloo tests included)."""
@@ -69,7 +80,23 @@ def demo(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Benchmarks in quick mode (``nox -s bench -- --full`` for the full grid)."""
+    """Benchmarks in quick mode (``nox -s bench -- --full`` for the full grid).
+
+    TorchTitan's DistMuon is a peer of the step-latency and overhead benchmarks; it is
+    installed as in the tests session (``--no-deps``: torch stays pinned).
+    """
     _install(session, "test,plot")
+    session.install("--no-deps", *TORCHTITAN)
     mode = "--full" if "--full" in session.posargs else "--quick"
     session.run("python", "benchmarks/run_all.py", mode, env=THREAD_ENV)
+
+
+@nox.session
+def torchtitan(session: nox.Session) -> None:
+    """The TorchTitan tests with the job-config route's packages (its documented job config)."""
+    _install(session, "test")
+    session.install("--no-deps", *TORCHTITAN, "torchdata==0.11.0")
+    session.install(*TORCHTITAN_TRAINER)
+    session.run(
+        "pytest", "-q", "tests/integrations/test_torchtitan.py", *session.posargs, env=THREAD_ENV
+    )

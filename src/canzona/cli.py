@@ -1,8 +1,9 @@
-"""The ``canzona`` command line: ``canzona plan`` (planner report) and ``canzona demo``."""
+"""The ``canzona`` command line: ``canzona plan``, ``canzona calibrate`` and ``canzona demo``."""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -10,20 +11,26 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from canzona.plan import MatrixSpec
-from canzona.plan.models import MODELS, model_specs
+from canzona.plan import CostModel, MatrixSpec
+from canzona.plan.measured import load_cost_table
+from canzona.plan.models import MODELS, SPLITS, model_specs
 from canzona.plan.report import (
+    UNITS,
     StrategyRun,
     compare_strategies,
     format_bytes,
     load_histogram,
     metrics,
+    rank_metrics,
     strategy_table,
 )
 
 __all__ = ["load_specs", "main", "plot_loads"]
 
 OPTIMIZERS = ("muon", "shampoo", "soap", "adamw")
+
+#: File types ``--plot`` writes (matplotlib's Agg canvas), by extension.
+PLOT_FORMATS = ("png", "pdf", "svg", "svgz", "jpg", "jpeg", "eps", "ps", "tif", "tiff", "webp")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -73,9 +80,9 @@ def load_specs(path: Path) -> list[MatrixSpec]:
     return specs
 
 
-def _resolve_model(value: str, split_heads: bool) -> tuple[str, list[MatrixSpec]]:
+def _resolve_model(value: str, split: str, world: int | None) -> tuple[str, list[MatrixSpec]]:
     if value in MODELS:
-        return value, model_specs(value, split_heads=split_heads)
+        return value, model_specs(value, split=split, world=world)
     path = Path(value)
     if path.suffix == ".json" or path.exists():
         return path.stem, load_specs(path)
@@ -115,6 +122,21 @@ def plot_loads(runs: Mapping[str, StrategyRun], path: Path, *, title: str) -> No
     plt.close(fig)
 
 
+def check_plot_path(path: Path) -> None:
+    """Refuse a ``--plot`` file matplotlib cannot write, before any planning.
+
+    Raises:
+        CliError: For a missing or unknown extension, or when matplotlib is not installed.
+    """
+    suffix = path.suffix.lower().lstrip(".")
+    if suffix not in PLOT_FORMATS:
+        raise CliError(
+            f"--plot needs a file ending in one of .{', .'.join(PLOT_FORMATS)}, got {str(path)!r}"
+        )
+    if importlib.util.find_spec("matplotlib") is None:
+        raise CliError("--plot needs matplotlib: pip install 'canzona[plot]'")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="canzona", description="Exact, load-balanced matrix optimizers.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -130,9 +152,41 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--optimizer", choices=OPTIMIZERS, default="muon")
     plan.add_argument("--alpha", type=float, default=1.0, help="compute weight in [0, 1]")
     plan.add_argument("--capacity-mb", type=float, default=512.0, help="micro-group capacity")
-    plan.add_argument("--split-heads", action="store_true", help="one matrix per attention head")
+    plan.add_argument(
+        "--split",
+        choices=SPLITS,
+        default="qkv",
+        help="catalogued models: fused qkv/gate_up as one matrix (none), q/k/v and gate/up "
+        "apart (qkv), or one matrix per attention head (heads)",
+    )
+    plan.add_argument(
+        "--cost",
+        type=Path,
+        metavar="FILE.json",
+        help="price matrices with a table of measured seconds (written by canzona calibrate)",
+    )
     plan.add_argument("--json", action="store_true", help="print one JSON object")
     plan.add_argument("--plot", type=Path, metavar="FILE.png", help="plot per-rank loads")
+    cal = sub.add_parser(
+        "calibrate",
+        help="time the owner math of a model's matrices on this machine",
+        description="Time each distinct matrix shape of a model under an optimizer on this "
+        "machine and write a cost table for canzona plan --cost.",
+    )
+    cal.add_argument("--model", required=True, help=f"one of {', '.join(MODELS)}, or a JSON file")
+    cal.add_argument("--optimizer", choices=OPTIMIZERS[:-1], default="muon")
+    cal.add_argument("--split", choices=SPLITS, default="qkv", help="as for canzona plan")
+    cal.add_argument("--out", type=Path, required=True, metavar="FILE.json")
+    cal.add_argument("--device", default="cpu", help="torch device (cpu, cuda, ...)")
+    cal.add_argument(
+        "--ns-dtype",
+        choices=("bfloat16", "float32"),
+        default="bfloat16",
+        help="Muon's Newton-Schulz dtype",
+    )
+    cal.add_argument(
+        "--budget", type=float, default=60.0, help="seconds of timing; the rest is predicted"
+    )
     sub.add_parser(
         "demo", add_help=False, help="run the demo (arguments go to the demo's own parser)"
     )
@@ -146,12 +200,27 @@ def _plan(args: argparse.Namespace) -> int:
         raise CliError(f"--alpha must be in [0, 1], got {args.alpha}")
     if not 0 < args.capacity_mb < float("inf"):
         raise CliError(f"--capacity-mb must be positive, got {args.capacity_mb}")
-    model, specs = _resolve_model(args.model, args.split_heads)
+    if args.plot is not None:
+        check_plot_path(args.plot)
+    model, specs = _resolve_model(args.model, args.split, args.world)
+    optimizer: str | CostModel = args.optimizer
+    if args.cost is not None:
+        try:
+            optimizer = load_cost_table(args.cost)
+        except ValueError as exc:
+            raise CliError(str(exc)) from None
+    if args.world > len(specs):
+        print(
+            f"canzona plan: warning: {args.world} ranks for {len(specs)} matrices: at most "
+            f"{len(specs)} ranks own a matrix, the other {args.world - len(specs)} own nothing "
+            "(and only take part in the collectives)",
+            file=sys.stderr,
+        )
     try:
         runs = compare_strategies(
             specs,
             args.world,
-            optimizer=args.optimizer,
+            optimizer=optimizer,
             alpha=args.alpha,
             capacity_mb=args.capacity_mb,
         )
@@ -163,6 +232,8 @@ def _plan(args: argparse.Namespace) -> int:
             plot_loads(runs, args.plot, title=f"{model}, world {args.world}, {args.optimizer}")
         except ImportError:
             raise CliError("--plot needs matplotlib: pip install 'canzona[plot]'") from None
+        except (OSError, ValueError) as exc:
+            raise CliError(f"cannot write the plot to {str(args.plot)!r}: {exc}") from None
     if args.json:
         out: dict[str, Any] = {
             "model": model,
@@ -171,8 +242,12 @@ def _plan(args: argparse.Namespace) -> int:
             "alpha": args.alpha,
             "capacity_mb": args.capacity_mb,
             "matrices": len(specs),
-            "strategies": {name: metrics(run) for name, run in runs.items()},
+            "units": {"capacity_mb": "MiB", **UNITS},
+            "strategies": {
+                name: {**metrics(run), **rank_metrics(run)} for name, run in runs.items()
+            },
             "digest": canzona.digest(),
+            "owners": dict(canzona.assignment.owner),
         }
         print(json.dumps(out, indent=2))
         return 0
@@ -190,6 +265,30 @@ def _plan(args: argparse.Namespace) -> int:
     print(f"canzona plan digest: {canzona.digest()}")
     if args.plot is not None:
         print(f"plot written to {args.plot}")
+    return 0
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    if not args.budget > 0:
+        raise CliError(f"--budget must be positive, got {args.budget}")
+    _, specs = _resolve_model(args.model, args.split, None)
+    from canzona.optim.calibration import calibrate_model  # torch: only for this command
+
+    try:
+        summary = calibrate_model(
+            specs,
+            optimizer=args.optimizer,
+            out=args.out,
+            device=args.device,
+            ns_dtype=args.ns_dtype,
+            budget_s=args.budget,
+        )
+    except (ValueError, RuntimeError) as exc:
+        raise CliError(str(exc)) from None
+    print(
+        f"{args.model}: {summary['shapes']} distinct shapes, {summary['timed']} timed in "
+        f"{summary['seconds']:.1f} s on {summary['device']}; table written to {args.out}"
+    )
     return 0
 
 
@@ -211,6 +310,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
+        if args.command == "calibrate":
+            return _calibrate(args)
         return _plan(args)
     except CliError as exc:
         print(f"canzona {args.command}: error: {exc}", file=sys.stderr)

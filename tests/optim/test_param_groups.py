@@ -156,6 +156,26 @@ def test_group_entries_and_empty_groups() -> None:
     assert "algorithm" not in group
 
 
+@pytest.mark.parametrize(
+    ("adamw", "decay"), [(None, 0.0), ({"lr": 3e-4}, 0.0), ({"weight_decay": 0.05}, 0.05)]
+)
+def test_adamw_group_is_not_decayed_unless_asked(
+    adamw: dict[str, Any] | None, decay: float
+) -> None:
+    """Catches: embeddings, the head, norms and biases decayed with the matrix optimizer's
+    weight decay (Muon's 0.1) when the AdamW group does not set its own."""
+    model = _model()
+    opt = canzona.Muon(canzona.param_groups(model, adamw=adamw), lr=0.02, weight_decay=0.1)
+    matrix, vectors = opt.param_groups
+    assert (matrix["weight_decay"], vectors["weight_decay"]) == (0.1, decay)
+    before = [p.detach().clone() for p in vectors["params"]]
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)  # AdamW moves nothing: only the decay acts
+    opt.step()
+    for name, p, old in zip(vectors["param_names"], vectors["params"], before, strict=True):
+        torch.testing.assert_close(p.detach(), old * (1 - vectors["lr"] * decay), msg=name)
+
+
 @pytest.mark.parametrize("cls", [canzona.Muon, canzona.Shampoo, canzona.SOAP])
 @pytest.mark.parametrize("tied", [False, True])
 def test_groups_work_with_every_optimizer(cls: type[torch.optim.Optimizer], tied: bool) -> None:

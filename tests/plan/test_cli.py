@@ -14,6 +14,7 @@ import canzona
 from canzona import cli
 from canzona.plan import PlanConfig, build_plan
 from canzona.plan.models import model_specs
+from canzona.plan.report import format_bytes
 
 SRC = Path(canzona.__file__).resolve().parents[1]
 STRATEGIES = ["canzona", "numel", "round_robin", "count", "replicated"]
@@ -43,7 +44,7 @@ def test_plan_table(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_plan_json(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["plan", "--model", "qwen3-8b", "--world", "32", "--optimizer", "soap"]
-    argv += ["--alpha", "0.5", "--capacity-mb", "400", "--split-heads", "--json"]
+    argv += ["--alpha", "0.5", "--capacity-mb", "400", "--split", "heads", "--json"]
     assert cli.main(argv) == 0
     data = json.loads(capsys.readouterr().out)
     assert {"model", "world", "optimizer", "alpha", "strategies", "digest"} <= set(data)
@@ -56,19 +57,62 @@ def test_plan_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert list(data["strategies"]) == STRATEGIES
     keys = {
         "balance_ratio",
+        "makespan_ratio",
         "makespan",
         "lower_bound",
-        "max_comm_bytes",
+        "max_recv_bytes_per_rank",
         "micro_groups",
         "plan_seconds",
+        "loads",
+        "recv_bytes",
     }
+    assert keys <= set(data["units"])  # every value has a unit
     for metrics in data["strategies"].values():
         assert set(metrics) == keys
+        assert len(metrics["loads"]) == len(metrics["recv_bytes"]) == 32
+        assert metrics["max_recv_bytes_per_rank"] == max(metrics["recv_bytes"])
     canz = data["strategies"]["canzona"]
     assert canz["makespan"] >= canz["lower_bound"]
-    specs = model_specs("qwen3-8b", split_heads=True)
+    assert canz["makespan"] == max(canz["loads"])
+    specs = model_specs("qwen3-8b", split="heads")
     plan = build_plan(specs, 32, PlanConfig(alpha=0.5, capacity_mb=400), optimizer="soap")
     assert data["digest"] == plan.digest()
+    assert data["owners"] == dict(plan.assignment.owner)
+
+
+def test_json_and_table_share_the_numbers(capsys: pytest.CaptureFixture[str]) -> None:
+    """Catches: a JSON field that names or measures something else than its table column."""
+    argv = ["plan", "--model", "qwen3-1.7b", "--world", "16"]
+    assert cli.main(argv) == 0
+    table = capsys.readouterr().out
+    assert cli.main([*argv, "--json"]) == 0
+    canz = json.loads(capsys.readouterr().out)["strategies"]["canzona"]
+    row = next(line.split() for line in table.splitlines() if line.startswith("canzona "))
+    ratios = [f"{canz['balance_ratio']:.3f}", f"{canz['makespan_ratio']:.3f}"]
+    assert row[1:5] == [*ratios, *format_bytes(canz["max_recv_bytes_per_rank"]).split()]
+
+
+def test_one_rank_receives_nothing(capsys: pytest.CaptureFixture[str]) -> None:
+    """Catches: the payloads of a one-process job reported as bytes received."""
+    assert cli.main(["plan", "--model", "qwen3-0.6b", "--world", "1", "--json"]) == 0
+    for name, metrics in json.loads(capsys.readouterr().out)["strategies"].items():
+        assert metrics["max_recv_bytes_per_rank"] == 0 and metrics["recv_bytes"] == [0], name
+    assert cli.main(["plan", "--model", "qwen3-0.6b", "--world", "1"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("canzona ")]
+    assert " 0 B " in rows[0]
+
+
+def test_more_ranks_than_matrices_warns(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Catches: a plan where most ranks own nothing, given without a word."""
+    path = tmp_path / "three.json"
+    path.write_text(json.dumps([{"name": f"w{i}", "shape": [8, 8]} for i in range(3)]))
+    assert cli.main(["plan", "--model", str(path), "--world", "8", "--json"]) == 0
+    out = capsys.readouterr()
+    json.loads(out.out)  # stdout stays one JSON object
+    assert out.err.startswith("canzona plan: warning: 8 ranks for 3 matrices")
+    assert "the other 5 own nothing" in out.err
+    assert cli.main(["plan", "--model", str(path), "--world", "3"]) == 0
+    assert capsys.readouterr().err == ""
 
 
 def test_model_from_json_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -96,6 +140,8 @@ def test_model_from_json_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]
         ["plan", "--model", "missing.json", "--world", "8"],
         ["plan", "--world", "8"],
         ["plan", "--model", "qwen3-8b", "--world", "8", "--frobnicate"],
+        ["plan", "--model", "qwen3-8b", "--world", "8", "--plot", "loads.txt"],
+        ["plan", "--model", "qwen3-8b", "--world", "8", "--plot", "loads"],
         ["launch"],
         [],
     ],
@@ -133,6 +179,22 @@ def test_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["plan", "--model", "qwen3-0.6b", "--world", "8", "--plot", str(target)]) == 0
     assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "plot written" in capsys.readouterr().out
+
+
+def test_plot_format_is_checked_before_planning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Catches: a plan computed (minutes on a large model) before a bad ``--plot`` fails."""
+
+    def no_planning(*args: object, **kwargs: object) -> None:
+        raise AssertionError("planned before checking --plot")
+
+    monkeypatch.setattr(cli, "compare_strategies", no_planning)
+    argv = ["plan", "--model", "qwen3-0.6b", "--world", "8", "--plot", str(tmp_path / "x.txt")]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and ".png" in err[0] and "x.txt" in err[0]
+    assert not (tmp_path / "x.txt").exists()
 
 
 def test_plot_without_matplotlib(
@@ -178,3 +240,45 @@ def test_plan_command_leaves_torch_unloaded() -> None:
 def test_module_entry_point() -> None:
     out = _run("plan", "--model", "qwen3-0.6b", "--world", "4")
     assert out.returncode == 0 and "canzona" in out.stdout and not out.stderr
+
+
+def test_split_choices_change_the_matrices(capsys: pytest.CaptureFixture[str]) -> None:
+    counts = {}
+    for split in ("none", "qkv", "heads"):
+        assert (
+            cli.main(["plan", "--model", "qwen3-8b", "--world", "8", "--split", split, "--json"])
+            == 0
+        )
+        counts[split] = json.loads(capsys.readouterr().out)["matrices"]
+    assert counts == {"none": 36 * 4, "qkv": 36 * 7, "heads": 36 * (32 + 8 + 8 + 32 + 3)}
+
+
+def test_moe_experts_stay_on_their_ranks(capsys: pytest.CaptureFixture[str]) -> None:
+    """qwen3-30b-a3b at world 8: 16 experts per rank, owned where they lie (pinned)."""
+    assert cli.main(["plan", "--model", "qwen3-30b-a3b", "--world", "8", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    owners = out["owners"]
+    assert owners["layers.0.mlp.experts.0.up_proj"] == 0
+    assert owners["layers.5.mlp.experts.127.down_proj"] == 7
+    assert "layers.0.mlp.gate" not in owners  # the router goes to AdamW
+
+
+def test_cost_table_from_calibrate(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    table = tmp_path / "cost.json"
+    argv = ["calibrate", "--model", "qwen3-0.6b", "--optimizer", "muon", "--out", str(table)]
+    assert cli.main([*argv, "--ns-dtype", "float32", "--budget", "2"]) == 0
+    assert "distinct shapes" in capsys.readouterr().out
+    body = json.loads(table.read_text())
+    model = body["models"]["0"]
+    assert model["base"]["name"] == "muon" and model["table"]  # some shapes were timed
+    assert all(s > 0 for _, _, s in model["table"])
+    assert (
+        cli.main(["plan", "--model", "qwen3-0.6b", "--world", "4", "--cost", str(table), "--json"])
+        == 0
+    )
+    planned = json.loads(capsys.readouterr().out)
+    assert planned["strategies"]["canzona"]["makespan_ratio"] >= 1.0
+    bad = tmp_path / "bad.json"
+    bad.write_text("[]")
+    assert cli.main(["plan", "--model", "qwen3-0.6b", "--world", "4", "--cost", str(bad)]) == 2
+    assert "not a canzona cost table" in capsys.readouterr().err

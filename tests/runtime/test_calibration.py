@@ -85,4 +85,4 @@ def test_the_plan_costs_each_groups_own_hyper_parameters(dist: Any) -> None:
 
 
 def test_calibration_cache_key_names_the_device() -> None:
-    assert calibrate_module._device_name(torch.device("cpu")).startswith("cpu:")
+    assert calibrate_module.device_name(torch.device("cpu")).startswith("cpu:")

@@ -16,7 +16,7 @@ if str(BENCH) not in sys.path:
 
 import exit_loop  # noqa: E402
 
-RUNS = 6  # 2-rank jobs; with pinned ranks the abort showed in 33-67% of runs (2 cores)
+RUNS = 8  # 2-rank jobs; before the fix, pinned ranks aborted in 33-67% of runs (2 cores)
 STEPS = 3  # the race sits after the last step: a few steps exercise it fully
 
 
@@ -29,7 +29,7 @@ def test_short_fsdp_jobs_exit_cleanly() -> None:
     destructor and the rank dies with ``terminate called without an active exception``
     (SIGABRT). A job that exits right after its last ``step()`` hits that in a few percent
     of runs; ranks pinned to one CPU each (main and worker threads on one core) in about
-    half, so that six runs catch it with high probability.
+    half, so that eight runs miss it with a probability below 1%.
     """
     results = exit_loop.run_jobs(RUNS, world=2, steps=STEPS, pin=True)
     failed = [r for r in results if not r.ok]

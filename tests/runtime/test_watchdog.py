@@ -73,6 +73,17 @@ def test_a_late_peer_is_reported_after_the_deadline() -> None:
     assert "closed" not in message
 
 
+def test_an_early_failure_is_not_reported_as_the_deadline() -> None:
+    """Catches: the process group's own (shorter) timeout reported as ``timeout_s`` passing."""
+    watchdog = Watchdog(None, 1, 2, 60.0)
+    error = "Timed out waiting 30000ms for recv operation to complete"
+    with pytest.raises(CollectiveTimeoutError) as info:
+        watchdog.wait(_Work(error), "the step's cross-rank check")
+    message = str(info.value)
+    assert "failed after 0.0s, before the 60s deadline, in the process group" in message
+    assert error in message and "did not complete within" not in message
+
+
 def _peer_leaves() -> tuple[str, str]:
     group = tdist.new_group(backend="gloo", timeout=timedelta(seconds=20))
     if tdist.get_rank() == 1:  # closes its connections of ``group``

@@ -3,10 +3,11 @@
 TorchTitan (0.3) builds the trainer's optimizer with ``config.optimizer.build(model_parts=...)``;
 ``config.optimizer`` is an ``OptimizersContainer.Config`` whose ``param_groups`` map FQN regexes
 to an ``optimizer_name`` and its kwargs, and groups naming the same optimizer share one
-instance. :class:`CanzonaOptimizersContainer` is that container with three more names,
-``"canzona.Muon"``, ``"canzona.Shampoo"`` and ``"canzona.SOAP"`` (torchtitan's own names keep
-working). Instance-wide structure (``plan``, ``pipeline``) travels the way torchtitan passes it
-to ``DistMuon``: in ``optimizer_factory_kwargs_by_name``. A job's config function writes::
+instance. :class:`CanzonaOptimizersContainer` is that container with four more names,
+``"canzona.Muon"``, ``"canzona.NorMuon"``, ``"canzona.Shampoo"`` and ``"canzona.SOAP"``
+(torchtitan's own names keep working; an unknown name raises an error listing them all).
+Instance-wide structure (``plan``, ``pipeline``) travels the way torchtitan passes it to
+``DistMuon``: in ``optimizer_factory_kwargs_by_name``. A job's config function writes::
 
     from canzona.integrations.torchtitan import canzona_optimizers
 
@@ -18,13 +19,16 @@ import it on first use (``ImportError`` naming the missing package otherwise).
 
 from __future__ import annotations
 
+import difflib
 import functools
-from collections.abc import Callable, Iterable, Mapping
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import canzona
 from canzona.optim import MatrixOptimizer
+from canzona.optim.groups import split_params
 from canzona.plan import PlanConfig
 from canzona.runtime import PipelineConfig
 
@@ -34,19 +38,47 @@ __all__ = [
     "CanzonaOptimizersContainer",
     "build_optimizer",
     "canzona_optimizers",
+    "resolve_name",
 ]
 
 #: ``optimizer_name`` values this route adds, and the canzona class each one builds.
 OPTIMIZER_NAMES: dict[str, str] = {
     "canzona.Muon": "Muon",
+    "canzona.NorMuon": "NorMuon",
     "canzona.Shampoo": "Shampoo",
     "canzona.SOAP": "SOAP",
 }
-_SHORT = {"muon": "canzona.Muon", "shampoo": "canzona.Shampoo", "soap": "canzona.SOAP"}
 
-#: Parameters that :func:`canzona_optimizers` sends to AdamW, by torchtitan's FQNs: token
-#: embeddings, the output head (``output`` in Llama, ``lm_head`` in Qwen3), every norm weight
-#: and every bias. Everything else must be a 2-D matrix or a 3-D stack of them.
+#: TorchTitan 0.3.0's own ``optimizer_name`` values (named in errors).
+TORCHTITAN_NAMES = ("Adam", "AdamW", "DistMuon")
+
+
+def resolve_name(name: str) -> str:
+    """The container name of a canzona optimizer: ``"muon"``, ``"Muon"`` -> ``"canzona.Muon"``.
+
+    Raises:
+        ValueError: For any other name, listing the valid ones.
+    """
+    key = name.removeprefix("canzona.").lower() if isinstance(name, str) else None
+    for full, cls in OPTIMIZER_NAMES.items():
+        if key == cls.lower():
+            return full
+    short = [n.lower() for n in OPTIMIZER_NAMES.values()]
+    raise ValueError(
+        f"unknown canzona optimizer {name!r}; {_choices(name, [*short, *OPTIMIZER_NAMES])}"
+    )
+
+
+def _choices(name: object, valid: Sequence[str]) -> str:
+    """'choose one of ...', after the closest valid name when one is close."""
+    close = difflib.get_close_matches(str(name), valid, n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return f"{hint}choose one of {', '.join(repr(n) for n in valid)}"
+
+
+#: FQNs that :func:`canzona_optimizers` sends to AdamW besides its routing by shape:
+#: token embeddings, the output head (``output`` in Llama, ``lm_head`` in Qwen3), every norm
+#: weight and every bias, by torchtitan's names.
 ADAMW_PATTERN = r"(?:^|\.)(?:tok_embeddings|output|lm_head)\.|norm\.weight$|\.bias$"
 
 #: The container class; defined (importing torchtitan) on first access.
@@ -67,7 +99,7 @@ def build_optimizer(
     """Build canzona optimizer ``name`` from torchtitan-style param groups.
 
     Args:
-        name: One of :data:`OPTIMIZER_NAMES`.
+        name: One of :data:`OPTIMIZER_NAMES` (or a short name, see :func:`resolve_name`).
         param_groups: Groups as torchtitan makes them: ``params``, ``param_names`` (FQNs,
             which name the matrices in canzona's plan) and the group's optimizer kwargs
             (``algorithm="adamw"`` routes a group to canzona's AdamW). ``fused`` and
@@ -77,14 +109,10 @@ def build_optimizer(
         **defaults: Constructor defaults for keys a group leaves out.
 
     Raises:
-        ValueError: For an unknown ``name``, or a group that breaks the optimizer's rules
-            (e.g. a 1-D parameter in a matrix group).
+        ValueError: For an unknown ``name`` (listing the valid ones), or a group that breaks
+            the optimizer's rules (e.g. a 1-D parameter in a matrix group).
     """
-    if name not in OPTIMIZER_NAMES:
-        raise ValueError(
-            f"unknown canzona optimizer {name!r}; choose one of {list(OPTIMIZER_NAMES)}"
-        )
-    cls = getattr(canzona, OPTIMIZER_NAMES[name])
+    cls = getattr(canzona, OPTIMIZER_NAMES[resolve_name(name)])
     groups = [
         {key: value for key, value in group.items() if key not in _IMPLEMENTATION_KEYS}
         for group in param_groups
@@ -112,13 +140,44 @@ def _container_class() -> Any:
 
         @dataclass(kw_only=True, slots=True)
         class Config(OptimizersContainer.Config):  # type: ignore[misc]
-            """``OptimizersContainer.Config`` whose ``build()`` makes this container."""
+            """``OptimizersContainer.Config`` whose ``build()`` makes this container.
+
+            Attributes:
+                route_by_shape: Before the optimizers are built, move every parameter that
+                    :func:`canzona.param_groups` sends to AdamW (not 2-D or 3-D, an
+                    embedding, the output head, a weight tied to an embedding) from a
+                    canzona matrix group to the first ``algorithm="adamw"`` group of the
+                    same optimizer. :func:`canzona_optimizers` turns it on.
+            """
+
+            route_by_shape: bool = False
+
+        def __init__(self, config: Any, *, model_parts: list[Any]) -> None:
+            self._route_by_shape = bool(getattr(config, "route_by_shape", False))
+            super().__init__(config, model_parts=model_parts)
+
+        def _build_param_groups(
+            self, model: Any, param_group_configs: list[Any], impl_kwargs: dict[str, Any]
+        ) -> tuple[dict[str, list[dict[str, Any]]], dict[str, list[str]]]:
+            if self._route_by_shape:
+                return _shape_routed_groups(model, param_group_configs, impl_kwargs)
+            groups: tuple[dict[str, list[dict[str, Any]]], dict[str, list[str]]]
+            groups = OptimizersContainer._build_param_groups(
+                model, param_group_configs, impl_kwargs
+            )
+            return groups
 
         @staticmethod
         def _resolve_optimizer_factory(name: str) -> Callable[..., Any]:
             if name in OPTIMIZER_NAMES:
                 return functools.partial(build_optimizer, name)
-            factory: Callable[..., Any] = OptimizersContainer._resolve_optimizer_factory(name)
+            try:
+                factory: Callable[..., Any] = OptimizersContainer._resolve_optimizer_factory(name)
+            except NotImplementedError as exc:
+                raise NotImplementedError(
+                    f"Optimizer {name!r} not added; "
+                    + _choices(name, [*OPTIMIZER_NAMES, *TORCHTITAN_NAMES])
+                ) from exc
             return factory
 
     CanzonaOptimizersContainer.__module__ = __name__
@@ -126,6 +185,78 @@ def _container_class() -> Any:
     CanzonaOptimizersContainer.Config.__module__ = __name__
     CanzonaOptimizersContainer.Config.__qualname__ = "CanzonaOptimizersContainer.Config"
     return CanzonaOptimizersContainer
+
+
+def _shape_routed_groups(
+    model: Any, configs: list[Any], impl_kwargs: dict[str, Any]
+) -> tuple[dict[str, list[dict[str, Any]]], dict[str, list[str]]]:
+    """TorchTitan's first-match grouping, then routing by shape for canzona's groups.
+
+    Every trainable parameter goes to the first ``ParamGroupConfig`` whose pattern matches
+    its FQN, as in TorchTitan. Then the parameters that :func:`canzona.param_groups` sends to
+    AdamW leave canzona's matrix groups for the first ``algorithm="adamw"`` group of the same
+    optimizer, and canzona's groups left empty are dropped.
+
+    Raises:
+        ValueError: When such a parameter has no AdamW group to go to, or a pattern of
+            another optimizer matches no parameter (as TorchTitan raises).
+    """
+    from torchtitan.components.checkpointer.utils import canonical_fqn
+
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    position = {id(p): k for k, (_, p) in enumerate(named)}
+    to_adamw = {id(p) for _, p in split_params(model)[1]}
+    members: list[list[tuple[str, Any]]] = [[] for _ in configs]
+    claimed: set[str] = set()
+    for members_i, config in zip(members, configs, strict=True):
+        pattern = re.compile(config.pattern)
+        for n, p in named:
+            if n not in claimed and pattern.search(n):
+                members_i.append((n, p))
+                claimed.add(n)
+
+    def is_adamw(config: Any) -> bool:
+        return bool(config.optimizer_kwargs.get("algorithm") == "adamw")
+
+    for i, config in enumerate(configs):
+        moved = [(n, p) for n, p in members[i] if id(p) in to_adamw]
+        if config.optimizer_name not in OPTIMIZER_NAMES or is_adamw(config) or not moved:
+            continue
+        target = next(
+            (
+                k
+                for k, c in enumerate(configs)
+                if c.optimizer_name == config.optimizer_name and is_adamw(c)
+            ),
+            None,
+        )
+        if target is None:
+            raise ValueError(
+                f"{config.optimizer_name}: parameters {[n for n, _ in moved][:5]} are not "
+                "matrices (or are embeddings or the output head) and need a param group with "
+                'optimizer_kwargs={"algorithm": "adamw", ...} for the same optimizer'
+            )
+        members[i] = [(n, p) for n, p in members[i] if id(p) not in to_adamw]
+        members[target] = sorted(members[target] + moved, key=lambda np: position[id(np[1])])
+    groups: dict[str, list[dict[str, Any]]] = {}
+    patterns: dict[str, list[str]] = {}
+    for members_i, config in zip(members, configs, strict=True):
+        if not members_i:
+            if config.optimizer_name in OPTIMIZER_NAMES:
+                continue
+            raise ValueError(
+                f"Optimizer param_groups pattern '{config.pattern}' matched no parameters"
+            )
+        groups.setdefault(config.optimizer_name, []).append(
+            {
+                "params": [p for _, p in members_i],
+                "param_names": [canonical_fqn(n) for n, _ in members_i],
+                **impl_kwargs,
+                **config.optimizer_kwargs,
+            }
+        )
+        patterns.setdefault(config.optimizer_name, []).append(config.pattern)
+    return groups, patterns
 
 
 def canzona_optimizers(
@@ -144,12 +275,16 @@ def canzona_optimizers(
 ) -> Any:
     """A ``CanzonaOptimizersContainer.Config``: one canzona optimizer for the whole model.
 
-    Parameters matching ``adamw_pattern`` form a group with ``algorithm="adamw"``; every
-    other parameter forms the matrix group. Both live in one canzona optimizer, so its
-    plan covers every matrix and the AdamW part runs element-wise on the shards.
+    Parameters are routed as :func:`canzona.param_groups` routes them: those that are not
+    2-D or 3-D, embeddings, the output head (modules named ``output`` or ``lm_head``) and
+    weights tied to an embedding form a group with ``algorithm="adamw"``, as do those whose
+    FQN matches ``adamw_pattern``; every other parameter forms the matrix group. Both live
+    in one canzona optimizer, so its plan covers every matrix and the AdamW part runs
+    element-wise on the shards.
 
     Args:
-        optimizer: ``"muon"``, ``"shampoo"`` or ``"soap"``.
+        optimizer: ``"muon"``, ``"normuon"``, ``"shampoo"`` or ``"soap"``, or the
+            container's name (``"canzona.Muon"``, ...).
         lr: Learning rate of the matrix group.
         adamw_lr: Learning rate of the AdamW group.
         weight_decay: Weight decay of the matrix group.
@@ -162,15 +297,13 @@ def canzona_optimizers(
         **kwargs: More hyper-parameters of the matrix group (e.g. ``momentum=0.9``).
 
     Raises:
-        ValueError: For an unknown ``optimizer``.
+        ValueError: For an unknown ``optimizer``, listing the valid names.
         ImportError: If torchtitan is not installed.
     """
-    if optimizer not in _SHORT:
-        raise ValueError(f"optimizer must be one of {list(_SHORT)}, got {optimizer!r}")
+    name = resolve_name(optimizer)
     container = _container_class()  # a clear ImportError when torchtitan is missing
     from torchtitan.components.optimizer import ParamGroupConfig
 
-    name = _SHORT[optimizer]
     adamw = {
         "algorithm": "adamw",
         "lr": adamw_lr,
@@ -187,6 +320,7 @@ def canzona_optimizers(
         optimizer_factory_kwargs_by_name={
             name: {"plan": plan or PlanConfig(), "pipeline": pipeline or PipelineConfig()}
         },
+        route_by_shape=True,
     )
 
 

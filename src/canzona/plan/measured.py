@@ -137,5 +137,5 @@ def load_cost_table(path: Path, *, key: str = "0") -> MeasuredCost:
             fit=(float(entry["fit"][0]), float(entry["fit"][1])),
             bytes_per_s=float(entry["bytes_per_s"]),
         )
-    except (OSError, KeyError, TypeError, ValueError, json.JSONDecodeError) as exc:
+    except (OSError, AttributeError, KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"{str(path)!r} is not a canzona cost table: {exc}") from None

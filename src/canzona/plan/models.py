@@ -6,7 +6,15 @@ from dataclasses import dataclass
 
 from canzona.plan.spec import MatrixSpec
 
-__all__ = ["MODELS", "CatalogueEntry", "ModelShape", "adamw_specs", "catalogue", "model_specs"]
+__all__ = [
+    "MODELS",
+    "SPLITS",
+    "CatalogueEntry",
+    "ModelShape",
+    "adamw_specs",
+    "catalogue",
+    "model_specs",
+]
 
 HEAD_DIM = 128
 QWEN3_VOCAB = 151936
@@ -75,14 +83,24 @@ class CatalogueEntry:
     adamw: bool = False
 
 
-def _attention(prefix: str, cfg: ModelShape, split_heads: bool) -> list[MatrixSpec]:
+SPLITS = ("none", "qkv", "heads")
+"""How a catalogued model's fused parameters become matrices (``canzona plan --split``)."""
+
+
+def _attention(prefix: str, cfg: ModelShape, split: str) -> list[MatrixSpec]:
     h, d = cfg.hidden, cfg.head_dim
-    if not split_heads:
+    q, kv = cfg.heads * d, cfg.kv_heads * d
+    if split == "none":  # a fused QKV projection updated as one matrix
         return [
-            MatrixSpec(f"{prefix}.q_proj", (cfg.heads * d, h)),
-            MatrixSpec(f"{prefix}.k_proj", (cfg.kv_heads * d, h)),
-            MatrixSpec(f"{prefix}.v_proj", (cfg.kv_heads * d, h)),
-            MatrixSpec(f"{prefix}.o_proj", (h, cfg.heads * d)),
+            MatrixSpec(f"{prefix}.qkv_proj", (q + 2 * kv, h)),
+            MatrixSpec(f"{prefix}.o_proj", (h, q)),
+        ]
+    if split == "qkv":
+        return [
+            MatrixSpec(f"{prefix}.q_proj", (q, h)),
+            MatrixSpec(f"{prefix}.k_proj", (kv, h)),
+            MatrixSpec(f"{prefix}.v_proj", (kv, h)),
+            MatrixSpec(f"{prefix}.o_proj", (h, q)),
         ]
     specs = [MatrixSpec(f"{prefix}.q_proj.{i}", (d, h)) for i in range(cfg.heads)]
     specs += [MatrixSpec(f"{prefix}.k_proj.{i}", (d, h)) for i in range(cfg.kv_heads)]
@@ -91,63 +109,91 @@ def _attention(prefix: str, cfg: ModelShape, split_heads: bool) -> list[MatrixSp
     return specs
 
 
-def _mlp(prefix: str, hidden: int, ffn: int) -> list[MatrixSpec]:
-    return [
-        MatrixSpec(f"{prefix}.gate_proj", (ffn, hidden)),
-        MatrixSpec(f"{prefix}.up_proj", (ffn, hidden)),
-        MatrixSpec(f"{prefix}.down_proj", (hidden, ffn)),
-    ]
+def _mlp(
+    prefix: str, hidden: int, ffn: int, split: str, holders: tuple[int, ...] | None = None
+) -> list[MatrixSpec]:
+    pinned = holders is not None
+    if split == "none":  # a fused gate/up projection updated as one matrix
+        up = [
+            MatrixSpec(f"{prefix}.gate_up_proj", (2 * ffn, hidden), holders=holders, pinned=pinned)
+        ]
+    else:
+        up = [
+            MatrixSpec(f"{prefix}.gate_proj", (ffn, hidden), holders=holders, pinned=pinned),
+            MatrixSpec(f"{prefix}.up_proj", (ffn, hidden), holders=holders, pinned=pinned),
+        ]
+    return [*up, MatrixSpec(f"{prefix}.down_proj", (hidden, ffn), holders=holders, pinned=pinned)]
 
 
-def catalogue(name: str, *, split_heads: bool = False) -> list[CatalogueEntry]:
+def _expert_holders(expert: int, experts: int, world: int | None) -> tuple[int, ...] | None:
+    """The rank holding an expert under expert parallelism over ``world`` ranks.
+
+    Experts go to ranks in equal contiguous chunks; None when they do not spread evenly.
+    """
+    if world is None or world > experts or experts % world:
+        return None
+    return (expert // (experts // world),)
+
+
+def catalogue(name: str, *, split: str = "qkv", world: int | None = None) -> list[CatalogueEntry]:
     """Every weight matrix of a catalogued model, in model order.
 
-    Per layer ``layers.{i}.self_attn.{q,k,v,o}_proj`` and ``layers.{i}.mlp.{gate,up,down}_proj``
-    (MoE: ``layers.{i}.mlp.gate`` (the router) and ``layers.{i}.mlp.experts.{e}.*`` as
-    individual 2-D matrices), plus ``embed_tokens`` and, for untied models, ``lm_head``
+    Per layer the attention projections and ``layers.{i}.mlp.{gate,up,down}_proj`` (MoE:
+    ``layers.{i}.mlp.gate`` (the router, routed to AdamW) and ``layers.{i}.mlp.experts.{e}.*``
+    as individual 2-D matrices), plus ``embed_tokens`` and, for untied models, ``lm_head``
     (both flagged for AdamW). Norm weights (1-D) are not matrices and are left out.
 
     Args:
         name: A key of ``MODELS``.
-        split_heads: Split each attention projection into one matrix per head.
+        split: ``"qkv"``: q, k, v, o, gate, up and down each one matrix (the checkpoint's
+            own parameters, or fused ones declared with ``canzona.Split``); ``"none"``: a
+            fused ``qkv_proj`` and ``gate_up_proj`` each updated as one matrix; ``"heads"``:
+            one matrix per attention head (q/k/v by rows, o by columns), gate and up apart.
+        world: With expert parallelism over this many ranks, each expert's matrices name the
+            rank that holds them (``MatrixSpec.holders``, pinned): they never travel.
 
     Raises:
-        ValueError: On an unknown model name.
+        ValueError: On an unknown model name or split.
     """
     cfg = MODELS.get(name)
     if cfg is None:
         raise ValueError(f"unknown model, expected one of {sorted(MODELS)}, got {name!r}")
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     entries = [CatalogueEntry(MatrixSpec("embed_tokens", (cfg.vocab, cfg.hidden)), adamw=True)]
     for i in range(cfg.layers):
         layer = f"layers.{i}"
-        specs = _attention(f"{layer}.self_attn", cfg, split_heads)
+        entries += [CatalogueEntry(s) for s in _attention(f"{layer}.self_attn", cfg, split)]
         if cfg.experts:
-            specs.append(MatrixSpec(f"{layer}.mlp.gate", (cfg.experts, cfg.hidden)))
+            router = MatrixSpec(f"{layer}.mlp.gate", (cfg.experts, cfg.hidden))
+            entries.append(CatalogueEntry(router, adamw=True))
             for e in range(cfg.experts):
-                specs += _mlp(f"{layer}.mlp.experts.{e}", cfg.hidden, cfg.expert_ffn)
+                holders = _expert_holders(e, cfg.experts, world)
+                specs = _mlp(f"{layer}.mlp.experts.{e}", cfg.hidden, cfg.expert_ffn, split, holders)
+                entries += [CatalogueEntry(s) for s in specs]
         else:
-            specs += _mlp(f"{layer}.mlp", cfg.hidden, cfg.ffn)
-        entries += [CatalogueEntry(s) for s in specs]
+            entries += [CatalogueEntry(s) for s in _mlp(f"{layer}.mlp", cfg.hidden, cfg.ffn, split)]
     if not cfg.tied:
         entries.append(CatalogueEntry(MatrixSpec("lm_head", (cfg.vocab, cfg.hidden)), adamw=True))
     return entries
 
 
 def model_specs(
-    name: str, *, split_heads: bool = False, include_adamw: bool = False
+    name: str, *, split: str = "qkv", include_adamw: bool = False, world: int | None = None
 ) -> list[MatrixSpec]:
     """The matrices of a catalogued model that the matrix optimizer updates.
 
     Args:
         name: A key of ``MODELS``.
-        split_heads: Split each attention projection into one matrix per head.
-        include_adamw: Also return the AdamW-routed embedding and LM head.
+        split: How fused parameters become matrices (see :func:`catalogue`).
+        include_adamw: Also return the AdamW-routed embedding, LM head and routers.
+        world: Expert parallelism over this many ranks (see :func:`catalogue`).
     """
     return [
-        e.spec for e in catalogue(name, split_heads=split_heads) if include_adamw or not e.adamw
+        e.spec for e in catalogue(name, split=split, world=world) if include_adamw or not e.adamw
     ]
 
 
 def adamw_specs(name: str) -> list[MatrixSpec]:
-    """The AdamW-routed parameters of a catalogued model (embedding, untied LM head)."""
+    """The AdamW-routed parameters of a catalogued model (embedding, untied LM head, routers)."""
     return [e.spec for e in catalogue(name) if e.adamw]

@@ -61,7 +61,8 @@ def shapes_of(items: Sequence[Item], table: StepTable, world: int) -> list[Shape
     return out
 
 
-def _device_name(device: torch.device) -> str:
+def device_name(device: torch.device) -> str:
+    """What the timings were taken on (part of their cache key)."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return f"{device.type}:{torch.get_num_threads()} threads"
@@ -108,7 +109,7 @@ def time_shape(
     total = 0.0
     for phase, weight in table.calibration[shape.key]:
         cache_key = (
-            _device_name(device),
+            device_name(device),
             torch.__version__,
             table.config,
             phase,
@@ -185,11 +186,13 @@ def calibrate(
     *,
     watchdog: Watchdog,
     device: torch.device,
+    budget_s: float = BUDGET_S,
+    shape_cap_s: float = SHAPE_CAP_S,
 ) -> GroupedCost:
     """Time the owner math of every shape (within a budget), agree on one table, fit the rest.
 
-    Every rank times the shapes it can within :data:`BUDGET_S` (cheapest first; a shape
-    whose predicted time exceeds :data:`SHAPE_CAP_S`, or whose math raises, is not timed
+    Every rank times the shapes it can within ``budget_s`` (cheapest first; a shape whose
+    predicted time exceeds ``shape_cap_s``, or whose math raises, is not timed
     there), in CPU time with one intra-op thread; one all-gather gives every rank each
     shape's median over the ranks, so every rank plans with identical numbers.
     Shapes no rank timed are predicted per param group from a log-log fit of time against
@@ -209,7 +212,7 @@ def calibrate(
     for i in order:
         s = shapes[i]
         work = bases[s.key].flops(MatrixSpec("s", (s.m, s.n))) * s.k
-        if spent > BUDGET_S or (rate and work * rate > SHAPE_CAP_S):
+        if spent > budget_s or (rate and work * rate > shape_cap_s):
             continue
         t0 = time.perf_counter()
         try:

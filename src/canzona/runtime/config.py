@@ -19,7 +19,11 @@ class UpdateFailedError(RuntimeError):
 
 
 class CollectiveTimeoutError(RuntimeError):
-    """A collective owned by the optimizer did not complete within the configured timeout."""
+    """A collective owned by the optimizer did not complete.
+
+    Its deadline passed, a peer rank closed its connection, or the process group failed it
+    first; the message says which.
+    """
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

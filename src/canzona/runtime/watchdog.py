@@ -124,10 +124,11 @@ class Watchdog:
         the latest handles leaves their release to this thread, later.
 
         Raises:
-            CollectiveTimeoutError: naming the collective and either the peer that closed
-                its connection (gloo fails the wait at once when a peer exits or crashes)
-                or, once the deadline passed, the ranks that have not reached it (where
-                the default store is reachable).
+            CollectiveTimeoutError: naming the collective and what ended the wait: a peer
+                that closed its connection (gloo fails the wait at once when a peer exits
+                or crashes), the process group failing it before the deadline, or the
+                deadline; the last two name the ranks that have not reached it (where the
+                default store is reachable).
         """
         if self.device is not None and torch.device(self.device).type != "cpu":
             # accelerator process groups (NCCL) enqueue the wait on the stream; a timed

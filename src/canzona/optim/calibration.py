@@ -1,0 +1,90 @@
+"""``canzona calibrate``: time a model's owner math on this machine into a cost table file."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from canzona.plan import GroupedCost, MatrixSpec, cost_model
+from canzona.plan.measured import MeasuredCost, save_cost_table
+from canzona.runtime import calibrate as runtime_calibrate
+from canzona.runtime.watchdog import Watchdog
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def _optimizer(name: str, device: torch.device, ns_dtype: torch.dtype) -> Any:
+    """An optimizer of class ``name`` with default hyper-parameters (one tiny matrix)."""
+    import canzona
+
+    p = nn.Parameter(torch.zeros(2, 2, device=device))
+    if name == "muon":
+        return canzona.Muon([p], ns_dtype=ns_dtype)
+    if name == "shampoo":
+        return canzona.Shampoo([p])
+    if name == "soap":
+        return canzona.SOAP([p])
+    raise ValueError(f"canzona calibrate times muon, shampoo or soap, got {name!r}")
+
+
+def calibrate_model(
+    specs: Sequence[MatrixSpec],
+    *,
+    optimizer: str,
+    out: Path,
+    device: str = "cpu",
+    ns_dtype: str = "bfloat16",
+    budget_s: float = 60.0,
+) -> dict[str, Any]:
+    """Time the owner math of every distinct shape of ``specs`` and write a cost table.
+
+    The timing is the runtime's own calibration (the optimizer's compute on random
+    payloads, every phase of its math weighted per step), one matrix at a time, within
+    ``budget_s``; shapes beyond it are predicted by the table's fit. The file feeds
+    ``canzona plan --cost``.
+
+    Returns:
+        A summary: shapes, how many were timed, seconds spent, the device.
+
+    Raises:
+        ValueError: for an unknown optimizer or dtype.
+    """
+    if ns_dtype not in _DTYPES:
+        raise ValueError(f"ns_dtype must be one of {sorted(_DTYPES)}, got {ns_dtype!r}")
+    dev = torch.device(device)
+    opt = _optimizer(optimizer, dev, _DTYPES[ns_dtype])
+    params, _, gids = opt._flat()
+    table = opt._step_table(params, gids)
+    payload = table.row(0).payload_dtype
+    shapes = sorted({(s.m, s.n) for s in specs})
+    wanted = [runtime_calibrate.Shape(0, m, n, 1, payload) for m, n in shapes]
+    base = cost_model(optimizer, **opt._cost_params(opt.param_groups[0]))
+    start = time.perf_counter()
+    cost: GroupedCost = runtime_calibrate.calibrate(
+        wanted,
+        table,
+        opt._directions,
+        {0: base},
+        watchdog=Watchdog(None, 0, 1, 600.0, device=dev),
+        device=dev,
+        budget_s=budget_s,
+        shape_cap_s=budget_s / 4,
+    )
+    seconds = time.perf_counter() - start
+    model = cost.models["0"]
+    assert isinstance(model, MeasuredCost)
+    timed = len(model.table)
+    meta = {
+        "optimizer": optimizer,
+        "ns_dtype": ns_dtype,
+        "device": runtime_calibrate.device_name(dev),
+        "torch": torch.__version__,
+        "seconds": seconds,
+    }
+    save_cost_table(out, cost, meta)
+    return {"shapes": len(shapes), "timed": timed, "seconds": seconds, "device": meta["device"]}
