@@ -245,3 +245,60 @@ def test_adamw_group_takes_any_shape() -> None:
         p.grad = torch.ones_like(p)
     opt.step()
     assert all(int(opt.state[p]["step"]) == 1 for p in params)
+
+
+class _Moe(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Module()
+        self.router.gate = nn.Linear(8, 4, bias=False)  # TorchTitan: moe.router.gate
+        self.gate = nn.Linear(8, 4, bias=False)  # Hugging Face: mlp.gate
+        self.gate_proj = nn.Linear(8, 16, bias=False)  # a SwiGLU gate: a matrix
+        self.qkv_proj = nn.Linear(8, 24, bias=True)
+        self.conv = nn.Conv2d(3, 4, 3)
+
+
+def test_routers_go_to_adamw_but_gate_projections_do_not() -> None:
+    groups = canzona.param_groups(_Moe())
+    matrix = [n for n, _ in groups[0]["params"]]
+    adamw = [n for n, _ in groups[-1]["params"]]
+    assert matrix == ["gate_proj.weight", "qkv_proj.weight"]
+    assert {"router.gate.weight", "gate.weight", "conv.weight"} <= set(adamw)
+
+
+def test_splits_make_one_group_per_declaration() -> None:
+    qkv = canzona.Split(dim=0, sizes=(8, 8, 8))
+    halves = canzona.Split(dim=0, size=8)
+    groups = canzona.param_groups(
+        _Moe(), split={"qkv_proj.weight": qkv, "gate_proj.weight": halves}, lr=0.02
+    )
+    by_split = {g.get("split"): [n for n, _ in g["params"]] for g in groups[:-1]}
+    assert by_split == {qkv: ["qkv_proj.weight"], halves: ["gate_proj.weight"]}
+    assert all(g["lr"] == 0.02 for g in groups[:-1])
+    canzona.Muon(groups)  # the optimizer accepts them
+
+
+def test_bad_split_declarations_name_the_culprit() -> None:
+    model = _Moe()
+    with pytest.raises(ValueError, match=r"'nothing\.\*' matches no parameter"):
+        canzona.param_groups(model, split={"nothing.*": canzona.Split(dim=0, size=2)})
+    with pytest.raises(ValueError, match=r"'qkv_proj\.bias'.*not a matrix"):
+        canzona.param_groups(model, split={"qkv_proj.*": canzona.Split(dim=0, size=8)})
+    with pytest.raises(ValueError, match=r"'qkv_proj\.weight': Split sizes \(8, 8\) sum to 16"):
+        canzona.param_groups(model, split={"qkv_proj.weight": canzona.Split(dim=0, sizes=(8, 8))})
+    with pytest.raises(ValueError, match=r"'gate_proj\.weight'.*not a multiple of Split size 5"):
+        canzona.param_groups(model, split={"gate_proj.weight": canzona.Split(dim=0, size=5)})
+    with pytest.raises(ValueError, match=r"must be a canzona\.Split"):
+        canzona.param_groups(model, split={"gate_proj.weight": (0, 8)})  # type: ignore[dict-item]
+    with pytest.raises(ValueError, match="exactly one of sizes= and size="):
+        canzona.Split(dim=0)
+    with pytest.raises(ValueError, match="dim must be 0"):
+        canzona.Split(dim=2, size=4)
+
+
+def test_flatten_sends_convolutions_to_the_matrix_algorithm() -> None:
+    groups = canzona.param_groups(_Moe(), flatten=True)
+    flat = [g for g in groups if g.get("flatten")]
+    assert [n for n, _ in flat[0]["params"]] == ["conv.weight"]
+    assert "conv.weight" not in [n for n, _ in groups[-1]["params"]]
+    canzona.Muon(groups)

@@ -28,7 +28,7 @@ from typing import Any
 
 import canzona
 from canzona.optim import MatrixOptimizer
-from canzona.optim.groups import split_params
+from canzona.optim.param_groups import split_params
 from canzona.plan import PlanConfig
 from canzona.runtime import PipelineConfig
 

@@ -1,0 +1,166 @@
+"""canzona.param_groups: route a model's parameters to the matrix algorithm or to AdamW."""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from torch import nn
+
+from canzona.plan import Split
+
+HEAD_NAMES = ("lm_head", "output")
+#: Modules whose weights route tokens to experts: AdamW by default, like the embedding.
+ROUTER_NAMES = ("router", "gate")
+
+NamedParams = list[tuple[str, nn.Parameter]]
+
+
+def _matches(name: str, patterns: Iterable[str]) -> bool:
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+def _embedding_head_and_router_ids(model: nn.Module) -> set[int]:
+    """Parameters of embeddings, the output head and MoE routers.
+
+    A router is a module named ``router`` or exactly ``gate`` (``moe.router.gate``,
+    ``mlp.gate``; not ``gate_proj``).
+    """
+    ids: set[int] = set()
+    for mod_name, module in model.named_modules():
+        parts = mod_name.split(".")
+        special = parts[-1] in HEAD_NAMES or any(p in ROUTER_NAMES for p in parts)
+        if isinstance(module, nn.Embedding | nn.EmbeddingBag) or special:
+            ids.update(id(p) for p in module.parameters(recurse=False))
+    return ids
+
+
+def split_params(
+    model: nn.Module, *, to_adamw: Iterable[str] = (), to_matrix: Iterable[str] = ()
+) -> tuple[NamedParams, NamedParams]:
+    """``model``'s named parameters routed as :func:`param_groups` routes them.
+
+    Returns:
+        (parameters for the matrix algorithm, parameters for AdamW), each in
+        ``model.named_parameters()`` order.
+
+    Raises:
+        ValueError: when a pattern forces a parameter that is not 2-D or 3-D to the
+            matrix algorithm.
+    """
+    to_adamw, to_matrix = tuple(to_adamw), tuple(to_matrix)
+    special = _embedding_head_and_router_ids(model)
+    matrix_params: NamedParams = []
+    adamw_params: NamedParams = []
+    for name, p in model.named_parameters():
+        if _matches(name, to_adamw):
+            adamw_params.append((name, p))
+        elif _matches(name, to_matrix):
+            if p.ndim not in (2, 3):
+                raise ValueError(
+                    f"parameter {name!r} is {p.ndim}-D and cannot use the matrix algorithm"
+                )
+            matrix_params.append((name, p))
+        elif p.ndim in (2, 3) and id(p) not in special:
+            matrix_params.append((name, p))
+        else:
+            adamw_params.append((name, p))
+    return matrix_params, adamw_params
+
+
+def param_groups(
+    model: nn.Module,
+    *,
+    to_adamw: Iterable[str] = (),
+    to_matrix: Iterable[str] = (),
+    adamw: Mapping[str, Any] | None = None,
+    split: Mapping[str, Split] | None = None,
+    flatten: bool = False,
+    **matrix: Any,
+) -> list[dict[str, Any]]:
+    """Split ``model``'s parameters into a matrix group and an AdamW group.
+
+    Matrix algorithm: 2-D weights and 3-D stacks of matrices (e.g. grouped experts).
+    AdamW: embeddings, the output head (modules named ``lm_head`` or ``output``, and
+    any weight tied to an embedding), MoE routers (modules named ``router``, or exactly
+    ``gate``), biases, norms and every other non-matrix parameter. Name patterns
+    (``fnmatch``, on ``model.named_parameters()`` names) override the routing. The groups
+    hold named parameters, so error messages and plans use the model's names.
+
+    ``split`` declares parameters that are several matrices (fused QKV or gate/up, one
+    matrix per head): each matching matrix parameter gets the pattern's
+    :class:`~canzona.Split` (the first matching pattern wins), in one matrix group per
+    distinct split with the other matrix group's entries.
+
+    The AdamW group has ``weight_decay=0.0`` unless ``adamw`` sets it: norms, biases,
+    embeddings and the head are not decayed by default. Its learning rate and the
+    matrix group's entries come from the optimizer's defaults unless given here.
+
+    Args:
+        model: The model (plain, FSDP2-wrapped or tensor parallel).
+        to_adamw: Name patterns forced to AdamW.
+        to_matrix: Name patterns forced to the matrix algorithm (must be 2-D or 3-D).
+        adamw: Extra entries of the AdamW group (e.g. ``{"lr": 3e-4}``;
+            ``{"weight_decay": 0.1}`` decays the whole group).
+        split: Name pattern -> how the matching matrices split into blocks.
+        flatten: Send weights of more than three dimensions (convolutions) to the matrix
+            algorithm as their ``(shape[0], rest)`` matricisation (their own group, with
+            ``flatten=True``); without it they go to AdamW.
+        **matrix: Extra entries of the matrix groups (e.g. ``lr=0.02``).
+
+    Returns:
+        Up to two param groups (empty groups are left out), ready for
+        :class:`canzona.Muon`, :class:`canzona.Shampoo` or :class:`canzona.SOAP`.
+
+    Raises:
+        ValueError: when a pattern forces a parameter that is not 2-D or 3-D to the
+            matrix algorithm; for a split pattern that matches no parameter, matches a
+            parameter that is not a matrix, or whose blocks do not tile the parameter's
+            dimension (naming the pattern or the parameter).
+    """
+    matrix_params, adamw_params = split_params(model, to_adamw=to_adamw, to_matrix=to_matrix)
+    if flatten:
+        nd = [(n, p) for n, p in adamw_params if p.ndim > 3 and not _matches(n, to_adamw)]
+        adamw_params = [(n, p) for n, p in adamw_params if p.ndim <= 3 or _matches(n, to_adamw)]
+    groups: list[dict[str, Any]] = []
+    plain, blocks = _split_groups(model, matrix_params, split or {})
+    if plain:
+        groups.append({"params": plain, **matrix})
+    groups += [{"params": ps, "split": sp, **matrix} for sp, ps in blocks]
+    if flatten and nd:
+        groups.append({"params": nd, "flatten": True, **matrix})
+    if adamw_params:
+        entries = {"weight_decay": 0.0, **(adamw or {}), "algorithm": "adamw"}
+        groups.append({"params": adamw_params, **entries})
+    return groups
+
+
+def _split_groups(
+    model: nn.Module, matrix_params: NamedParams, split: Mapping[str, Split]
+) -> tuple[NamedParams, list[tuple[Split, NamedParams]]]:
+    """The matrix parameters without a split, and per distinct split its parameters."""
+    for pattern, value in split.items():
+        if not isinstance(value, Split):
+            raise ValueError(f"split[{pattern!r}] must be a canzona.Split, got {value!r}")
+        hit = [n for n, _ in model.named_parameters() if fnmatch.fnmatchcase(n, pattern)]
+        if not hit:
+            raise ValueError(f"split pattern {pattern!r} matches no parameter of the model")
+    matrices = {n for n, _ in matrix_params}
+    for name, p in model.named_parameters():
+        for pattern in split:
+            if fnmatch.fnmatchcase(name, pattern) and name not in matrices:
+                raise ValueError(
+                    f"split pattern {pattern!r} matches parameter {name!r} ({tuple(p.shape)}), "
+                    "which is not a matrix the matrix algorithm updates"
+                )
+    plain: NamedParams = []
+    blocks: dict[Split, NamedParams] = {}
+    for name, p in matrix_params:
+        chosen = next((sp for pat, sp in split.items() if fnmatch.fnmatchcase(name, pat)), None)
+        if chosen is None:
+            plain.append((name, p))
+            continue
+        chosen.shapes(p.shape[-2], p.shape[-1], name=f"parameter {name!r}")
+        blocks.setdefault(chosen, []).append((name, p))
+    return plain, list(blocks.items())
