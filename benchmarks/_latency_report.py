@@ -86,7 +86,7 @@ def group_sync_factor(
     ]
     config = PlanConfig(strategy=strategy, capacity_mb=capacity_mb)
     plan = build_plan(specs, world, config, optimizer=optimizer)
-    loads = [g.rank_loads for g in plan.groups]
+    loads = [g.rank_loads for g in plan.micro_groups]
     totals = [sum(x) for x in zip(*loads, strict=True)]
     return float(sum(max(g) for g in loads) / max(totals))
 

@@ -106,7 +106,7 @@ def plan_facts(
     for s in specs:
         for r in ranks[s.name]:
             flops_load[r] += flops[s.name]
-    facts["micro_groups"] = len(plan.groups)
+    facts["micro_groups"] = len(plan.micro_groups)
     bound = lower_bound(list(flops.values()), world)
     facts["makespan_ratio_flops"] = max(flops_load) / bound if bound else 1.0
     if time_cost is not None:
@@ -121,7 +121,7 @@ def plan_facts(
                 predicted[it.unit[0]] += _seconds(time_cost, key, it.m, it.n)
         bound_s = lower_bound(list(secs.values()), world)
         groups = []
-        for g in plan.groups:
+        for g in plan.micro_groups:
             loads = [0.0] * world
             for name in g.names:
                 for r in ranks[name]:

@@ -144,7 +144,7 @@ def time_big_model(repeats: int) -> dict[str, Any]:
         "median_seconds": median,
         "end_to_end_seconds": sum(median.values()),
         "makespan_ratio": plan.assignment.makespan_ratio,
-        "micro_groups": len(plan.groups),
+        "micro_groups": len(plan.micro_groups),
         "digest": digest,
         "repeats": repeats,
     }

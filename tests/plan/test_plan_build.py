@@ -82,7 +82,7 @@ def test_digest_changes_with_owner_shape_group_and_config() -> None:
         config=plan.config,
         optimizer=plan.optimizer,
         assignment=other,
-        groups=tuple(regrouped),
+        micro_groups=tuple(regrouped),
     )
     assert changed_owner.digest() != plan.digest()
 
@@ -90,8 +90,8 @@ def test_digest_changes_with_owner_shape_group_and_config() -> None:
     assert build_plan(reshaped, 4, plan.config).digest() != plan.digest()
 
     coarse = micro_groups(specs, a, capacity_bytes=1 << 30)
-    assert len(coarse) != len(plan.groups)
-    changed_groups = dataclasses.replace(plan, groups=tuple(coarse))
+    assert len(coarse) != len(plan.micro_groups)
+    changed_groups = dataclasses.replace(plan, micro_groups=tuple(coarse))
     assert changed_groups.digest() != plan.digest()
 
     assert build_plan(specs, 4, dataclasses.replace(plan.config, alpha=0.5)).digest() != (
@@ -112,12 +112,12 @@ def test_plan_is_consistent(inst: tuple[list[MatrixSpec], int]) -> None:
         assert plan.owner(s.name) == plan.assignment.owner[s.name]
         assert plan.spec(s.name) is s
     summary = plan.summary()
-    assert summary["micro_groups"] == len(plan.groups)
+    assert summary["micro_groups"] == len(plan.micro_groups)
     assert summary["group_makespan"] >= summary["makespan"] * (1 - 1e-12)
     assert summary["makespan"] >= summary["lower_bound"] * (1 - 1e-12)
     reversed_plan = build_plan(specs[::-1], p, PlanConfig(capacity_mb=0.01))
     assert dict(reversed_plan.assignment.owner) == dict(plan.assignment.owner)
-    assert reversed_plan.groups == plan.groups
+    assert reversed_plan.micro_groups == plan.micro_groups
 
 
 def test_summary_of_a_real_model() -> None:
@@ -163,20 +163,20 @@ def test_plan_config_validation() -> None:
 
 def test_plan_rejects_inconsistent_parts() -> None:
     specs, plan = _small()
-    groups = plan.groups
+    groups = plan.micro_groups
     with pytest.raises(ValueError, match="missing"):
-        dataclasses.replace(plan, groups=groups[:-1])
+        dataclasses.replace(plan, micro_groups=groups[:-1])
     with pytest.raises(ValueError, match="repeated"):
         dataclasses.replace(
-            plan, groups=(*groups, dataclasses.replace(groups[0], index=len(groups)))
+            plan, micro_groups=(*groups, dataclasses.replace(groups[0], index=len(groups)))
         )
     with pytest.raises(ValueError, match="index"):
-        dataclasses.replace(plan, groups=(groups[1], groups[0], *groups[2:]))
+        dataclasses.replace(plan, micro_groups=(groups[1], groups[0], *groups[2:]))
     with pytest.raises(ValueError, match="does not match"):
         dataclasses.replace(plan, num_ranks=5)
     wrong = dataclasses.replace(groups[0], owners=tuple((o + 1) % 4 for o in groups[0].owners))
     with pytest.raises(ValueError, match="differs"):
-        dataclasses.replace(plan, groups=(wrong, *groups[1:]))
+        dataclasses.replace(plan, micro_groups=(wrong, *groups[1:]))
     restricted = [MatrixSpec("a", (4, 4), ranks=(1,)), MatrixSpec("b", (4, 4))]
     rplan = build_plan(restricted, 2)
     bad = dataclasses.replace(rplan.assignment, owner={"a": 0, "b": 1})
@@ -193,7 +193,7 @@ def test_every_strategy_builds_a_plan() -> None:
     for strategy in ("canzona", "numel", "round_robin", "count", "replicated"):
         plan = build_plan(specs, 8, PlanConfig(strategy=strategy, capacity_mb=64))
         assert plan.assignment.strategy == strategy
-        assert sum(len(g.names) for g in plan.groups) == len(specs)
+        assert sum(len(g.names) for g in plan.micro_groups) == len(specs)
 
 
 def test_plan_of_matrices_restricted_to_a_sub_mesh() -> None:
@@ -209,4 +209,4 @@ def test_largest_catalogued_model_plans_at_1024_ranks() -> None:
     plan = build_plan(specs, 1024)
     assert len(plan.assignment.owner) == len(specs) == 94 * 388
     assert plan.assignment.makespan_ratio < 1.05
-    assert sum(len(g.names) for g in plan.groups) == len(specs)
+    assert sum(len(g.names) for g in plan.micro_groups) == len(specs)

@@ -289,7 +289,7 @@ def _in_group(position: str) -> Failure:
     """The owner of the first matrix of the first, a middle or the last micro-group fails."""
 
     def arm(opt: Any) -> tuple[Any, tuple[int, ...]]:
-        groups = opt._runtime.plan.groups
+        groups = opt._runtime.plan.micro_groups
         assert len(groups) >= 3, f"{len(groups)} micro-groups: the case needs 3 or more"
         k = {"first": 0, "middle": len(groups) // 2, "last": len(groups) - 1}[position]
         target, owner = groups[k].names[0], groups[k].owners[0]
@@ -500,7 +500,7 @@ def _not_atomic(name: str) -> dict[str, Any]:
     opt.step()
     opt.zero_grad(set_to_none=True)
     before = snapshot(params, opt)
-    groups = opt._runtime.plan.groups
+    groups = opt._runtime.plan.micro_groups
     target, owner = groups[-1].names[0], groups[-1].owners[0]
     set_grads(params, grads[1])
     with failing_directions(type(opt), on_ranks((owner,), (target,))):

@@ -524,7 +524,7 @@ def _failure_with_groups_in_flight(overlap: bool, depth: int) -> dict[str, Any]:
     return {
         "kind": kind,
         "msg": msg,
-        "groups": len(opt._runtime.plan.groups),
+        "groups": len(opt._runtime.plan.micro_groups),
         "changed": sorted(n for n, p in params if not torch.equal(p.full_tensor(), fulls[n])),
         "state": len(opt.state),
     }

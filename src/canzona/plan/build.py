@@ -87,7 +87,7 @@ class Plan:
         config: How the plan was built.
         optimizer: The cost model (name and parameters) the loads are measured with.
         assignment: Owner of every matrix and per-rank loads.
-        groups: The micro-groups in schedule order.
+        micro_groups: The micro-groups in schedule order.
     """
 
     specs: tuple[MatrixSpec, ...]
@@ -95,12 +95,12 @@ class Plan:
     config: PlanConfig
     optimizer: CostModel
     assignment: Assignment
-    groups: tuple[MicroGroup, ...]
+    micro_groups: tuple[MicroGroup, ...]
     _index: dict[str, MatrixSpec] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "specs", tuple(self.specs))
-        object.__setattr__(self, "groups", tuple(self.groups))
+        object.__setattr__(self, "micro_groups", tuple(self.micro_groups))
         check_specs(self.specs, self.num_ranks)
         object.__setattr__(self, "_index", {s.name: s for s in self.specs})
         a = self.assignment
@@ -116,7 +116,7 @@ class Plan:
             if spec.ranks is not None and owner not in spec.ranks:
                 raise ValueError(f"owner of {spec.name!r} is not eligible, got {owner!r}")
         seen: set[str] = set()
-        for expected, group in enumerate(self.groups):
+        for expected, group in enumerate(self.micro_groups):
             if group.index != expected:
                 raise ValueError(f"group {expected} carries index {group.index!r}")
             for name, owner in zip(group.names, group.owners, strict=True):
@@ -167,7 +167,7 @@ class Plan:
                 for s in self.specs
             ],
             "owners": [self.assignment.owner[s.name] for s in self.specs],
-            "groups": [list(g.names) for g in self.groups],
+            "groups": [list(g.names) for g in self.micro_groups],
         }
 
     def digest(self) -> str:
@@ -199,8 +199,8 @@ class Plan:
             "makespan_ratio": a.makespan_ratio,
             "max_comm_bytes": max(a.comm_bytes, default=0),
             "comm_balance_ratio": a.comm_balance_ratio,
-            "micro_groups": len(self.groups),
-            "group_makespan": math.fsum(max(g.rank_loads, default=0.0) for g in self.groups),
+            "micro_groups": len(self.micro_groups),
+            "group_makespan": math.fsum(max(g.rank_loads, default=0.0) for g in self.micro_groups),
         }
 
 
@@ -244,5 +244,5 @@ def build_plan(
         config=config,
         optimizer=model,
         assignment=assignment,
-        groups=tuple(groups),
+        micro_groups=tuple(groups),
     )

@@ -107,7 +107,7 @@ def metrics(run: StrategyRun) -> dict[str, Any]:
         "makespan": a.makespan,
         "lower_bound": a.lower_bound,
         "max_recv_bytes_per_rank": max(recv_bytes(run), default=0),
-        "micro_groups": len(run.plan.groups),
+        "micro_groups": len(run.plan.micro_groups),
         "plan_seconds": run.seconds,
     }
 

@@ -372,7 +372,10 @@ class MatrixRuntime:
         chosen = set(matrix_active)
         by_name = {it.name: it for it in self.items}
         groups = (
-            [[by_name[n] for n in g.names if by_name[n].param in chosen] for g in self.plan.groups]
+            [
+                [by_name[n] for n in g.names if by_name[n].param in chosen]
+                for g in self.plan.micro_groups
+            ]
             if self.plan
             else []
         )

@@ -178,7 +178,7 @@ class Pipeline:
                 except Exception as exc:
                     run.fail("casting the payloads", exc)
             kept = run.local_batches()
-            if self.schedule.groups and self.group is not None:
+            if self.schedule.micro_groups and self.group is not None:
                 run.micro_groups()
             self._vote(run.failure, run.failed_ranks, names)
             start = time.perf_counter()
@@ -267,7 +267,7 @@ class _Run:
 
     # ------------------------------------------------------------------ groups
     def micro_groups(self) -> None:
-        groups = self.p.schedule.groups
+        groups = self.p.schedule.micro_groups
         self.stats.micro_groups = len(groups)
         lookahead = self.p.config.depth if self.p.config.overlap else 0
         gathers: dict[int, _Pending] = {}

@@ -173,7 +173,7 @@ class Schedule:
             its prepared payload (a view shaped like the parameter's local shard).
         local: Batches of matrices this rank holds whole and updates alone.
         local_kept: Deliveries of the local batches' results.
-        groups: The micro-groups with active matrices, in plan order.
+        micro_groups: The micro-groups with active matrices, in plan order.
         replicated: Every computing rank keeps its own fragment (no scatter).
     """
 
@@ -182,7 +182,7 @@ class Schedule:
     payload: dict[int, torch.Tensor]
     local: list[OwnerBatch]
     local_kept: list[tuple[Piece, Delivery]]
-    groups: list[GroupSchedule]
+    micro_groups: list[GroupSchedule]
     replicated: bool
 
     def acquire(self) -> None:
