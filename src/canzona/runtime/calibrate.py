@@ -24,7 +24,7 @@ SHAPE_CAP_S = 0.25
 MAX_BATCH = 8
 #: Bytes per rank of the all-to-all that measures the transfer rate.
 PROBE_BYTES = 1 << 22
-#: Timed calls per shape and phase (the fastest counts).
+#: Timed calls per shape and phase (their median counts).
 REPEATS = 5
 
 _CACHE: dict[tuple[object, ...], float] = {}
@@ -78,7 +78,7 @@ def _clock() -> Callable[[], float]:
 
 
 def _time_call(run: ComputeFn, batch: ComputeBatch, full: torch.Tensor) -> float:
-    """Seconds of one call (CUDA events on a GPU; the best of a few on a CPU)."""
+    """Seconds of one call (CUDA events on a GPU; the median of a few on a CPU)."""
     if full.device.type == "cuda":
         start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
         stop = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
@@ -90,16 +90,14 @@ def _time_call(run: ComputeFn, batch: ComputeBatch, full: torch.Tensor) -> float
         return float(start.elapsed_time(stop)) / 1e3
     clock = _clock()
     run(batch, full)  # warm-up (and primes owner-side state)
-    best = math.inf
-    spent = 0.0
+    times: list[float] = []
     for _ in range(REPEATS):
         t0 = clock()
         run(batch, full)
-        elapsed = clock() - t0
-        best, spent = min(best, elapsed), spent + elapsed
-        if spent > SHAPE_CAP_S:
+        times.append(clock() - t0)
+        if sum(times) > SHAPE_CAP_S:
             break
-    return best
+    return sorted(times)[len(times) // 2]
 
 
 def time_shape(
