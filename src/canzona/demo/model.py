@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from einops import rearrange
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -104,16 +105,16 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         """Attend causally over ``x`` of shape ``(batch, seq, dim)``."""
-        b, s, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(b, s, -1, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(b, s, -1, self.head_dim))
-        v = self.v_proj(x).view(b, s, -1, self.head_dim)
+        heads = "b s (h d) -> b s h d"  # the local heads (TP shards q/k/v by heads)
+        q = self.q_norm(rearrange(self.q_proj(x), heads, d=self.head_dim))
+        k = self.k_norm(rearrange(self.k_proj(x), heads, d=self.head_dim))
+        v = rearrange(self.v_proj(x), heads, d=self.head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        q, k, v = (rearrange(t, "b s h d -> b h s d") for t in (q, k, v))
         repeat = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        merged: Tensor = self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+        merged: Tensor = self.o_proj(rearrange(out, "b h s d -> b s (h d)"))
         return merged
 
 
