@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from canzona.plan import GroupedCost, MatrixSpec, cost_model
-from canzona.plan.assign import lower_bound
+from canzona.plan.assign import lower_bound, pinned_ranks
 from canzona.plan.measured import MeasuredCost
 
 
@@ -107,7 +107,8 @@ def plan_facts(
         for r in ranks[s.name]:
             flops_load[r] += flops[s.name]
     facts["micro_groups"] = len(plan.micro_groups)
-    bound = lower_bound(list(flops.values()), world)
+    pins = pinned_ranks(specs)
+    bound = lower_bound(list(flops.values()), world, pins)
     facts["makespan_ratio_flops"] = max(flops_load) / bound if bound else 1.0
     if time_cost is not None:
         secs = {s.name: s.batch * _seconds(time_cost, s.cost_key, s.m, s.n) for s in specs}
@@ -115,11 +116,15 @@ def plan_facts(
         for s in specs:
             for r in ranks[s.name]:
                 predicted[r] += secs[s.name]
+        costs, where = list(secs.values()), list(pins)
         for it in runtime.items:  # matrices a single rank holds and updates: never planned
             if it.is_local:
                 key = str(opt._table.row(it.param).batch_key)  # type: ignore[attr-defined]
-                predicted[it.unit[0]] += _seconds(time_cost, key, it.m, it.n)
-        bound_s = lower_bound(list(secs.values()), world)
+                seconds = _seconds(time_cost, key, it.m, it.n)
+                predicted[it.unit[0]] += seconds
+                costs.append(seconds)
+                where.append(it.unit[0])
+        bound_s = lower_bound(costs, world, where)
         groups = []
         for g in plan.micro_groups:
             loads = [0.0] * world

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -138,6 +139,44 @@ def test_lower_bound_terms() -> None:
     assert lower_bound([1.0] * 8, 4) == 2.0  # the mean
     assert lower_bound([10.0, 10.0, 10.0], 2) == 20.0  # k = 1: two of three on one rank
     assert lower_bound([5.0, 4.0, 3.0, 3.0, 3.0], 2) == 9.0
+
+
+def test_lower_bound_counts_what_is_pinned() -> None:
+    """Catches: pinned items treated as free (the bound then sits below what any assignment
+    reaches: 20 here, where one rank must carry two 10s on top of its pinned 4)."""
+    pinned = [None, None, None, 0, 1]
+    assert lower_bound([10.0, 10.0, 10.0, 4.0, 4.0], 2) == 20.0
+    assert lower_bound([10.0, 10.0, 10.0, 4.0, 4.0], 2, pinned) == 24.0
+    assert lower_bound([5.0, 1.0, 1.0], 2, [0, 0, None]) == 6.0  # all pinned to one rank
+    assert lower_bound([3.0, 3.0], 2, [0, 1]) == 3.0  # nothing free
+
+
+@FAST
+@given(
+    st.lists(st.floats(0.5, 10.0), min_size=1, max_size=7),
+    st.integers(2, 3),
+    st.data(),
+)
+def test_lower_bound_with_pins_never_exceeds_the_optimum(
+    costs: list[float], ranks: int, data: st.DataObject
+) -> None:
+    """Catches: a bound that adds the largest pinned load (or pinned loads twice): it must
+    stay at or below the best assignment that keeps every pinned item on its rank."""
+    pinned = data.draw(
+        st.lists(
+            st.one_of(st.none(), st.integers(0, ranks - 1)),
+            min_size=len(costs),
+            max_size=len(costs),
+        )
+    )
+    choices = [range(ranks) if r is None else (r,) for r in pinned]
+    best = math.inf
+    for owners in itertools.product(*choices):
+        loads = [0.0] * ranks
+        for c, r in zip(costs, owners, strict=True):
+            loads[r] += c
+        best = min(best, max(loads))
+    assert lower_bound(costs, ranks, pinned) <= best * (1 + 1e-12)
 
 
 def test_alpha_trades_communication_for_compute() -> None:

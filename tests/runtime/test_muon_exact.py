@@ -287,11 +287,11 @@ def test_fsdp_over_tp_strided_shards_world4(dist: Any) -> None:
         assert out["same"] == {"0.weight": True, "2.weight": True}, out
 
 
-BATCHED = {f"w{i}": (16, 24) for i in range(4)} | {f"t{i}": (32, 16) for i in range(2)}
+BATCHED = {f"w{i}": (32, 48) for i in range(4)} | {f"t{i}": (64, 32) for i in range(2)}
 
 
 def _batched_newton_schulz_case() -> dict[str, Any]:
-    """Same-shape matrices with sides >= 16: the owner runs Newton–Schulz on stacks."""
+    """Same-shape matrices with sides >= 32: the owner runs Newton–Schulz on stacks."""
     ns = importlib.import_module("canzona.updates.newton_schulz")
 
     fulls = full_tensors(BATCHED)
@@ -323,15 +323,15 @@ def _batched_newton_schulz_case() -> dict[str, Any]:
 
 
 def test_batched_newton_schulz_path_world2(dist: Any) -> None:
-    """The ``count`` strategy gives each of two ranks two of the four (16, 24) matrices (and
-    one (32, 16)): the owner runs Newton–Schulz on the (2, 16, 24) stack with batched
+    """The ``count`` strategy gives each of two ranks two of the four (32, 48) matrices (and
+    one (64, 32)): the owner runs Newton–Schulz on the (2, 32, 48) stack with batched
     kernels, and the result is still torch.optim.Muon's, bit for bit.
 
     Catches: batched kernels used where they round differently, a batch assembled in the
     wrong order (directions of one matrix applied to another), stacks never formed.
     """
     for out in dist(2).run(_batched_newton_schulz_case):
-        assert out["exact"] == {(16, 24): True, (32, 16): True}, out
-        assert out["stacks"] == [(2, 16, 24)], out
+        assert out["exact"] == {(32, 48): True, (64, 32): True}, out
+        assert out["stacks"] == [(2, 32, 48)], out
         assert out["calls"] == 3, out  # one stack per step on this rank
         assert all(out["same"].values()), out

@@ -55,6 +55,16 @@ def test_batched_equals_loop_bitwise(shape: tuple[int, int], dtype: torch.dtype)
     assert not uses_batched or min(shape) >= MIN_BATCHED_SIDE
 
 
+def test_side_16_bf16_stack_that_batched_kernels_round_differently() -> None:
+    """Catches: a minimum side of 16 (or any below 17). This (16, 16, 64) input passes the
+    probe's shape check yet rounds differently with batched bf16 kernels on torch 2.13's CPU
+    build; the default must run it matrix by matrix, as torch.optim.Muon does."""
+    x = _randn(16, 16, 64, seed=12)
+    loop = torch.stack([newton_schulz(m) for m in x])
+    assert torch.equal(newton_schulz(x), loop)
+    assert not batch_kernels_exact(16, 16, 64, dtype=torch.bfloat16)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_forced_batched_kernels_match_loop_above_min_side(dtype: torch.dtype) -> None:
     # The measured fact behind the default: at these sizes this backend's baddbmm/bmm and

@@ -29,7 +29,7 @@ from typing import Any
 import canzona
 from canzona.optim import MatrixOptimizer
 from canzona.optim.param_groups import split_params
-from canzona.plan import PlanConfig
+from canzona.plan import PlanConfig, Split
 from canzona.runtime import PipelineConfig
 
 __all__ = [
@@ -48,6 +48,9 @@ OPTIMIZER_NAMES: dict[str, str] = {
     "canzona.Shampoo": "Shampoo",
     "canzona.SOAP": "SOAP",
 }
+
+#: The param-group key of a :class:`canzona.Split`.
+SPLIT = "split"
 
 #: TorchTitan 0.3.0's own ``optimizer_name`` values (named in errors).
 TORCHTITAN_NAMES = ("Adam", "AdamW", "DistMuon")
@@ -242,6 +245,11 @@ def _shape_routed_groups(
     patterns: dict[str, list[str]] = {}
     for members_i, config in zip(members, configs, strict=True):
         if not members_i:
+            if config.optimizer_name in OPTIMIZER_NAMES and SPLIT in config.optimizer_kwargs:
+                raise ValueError(
+                    f"{config.optimizer_name}: the split pattern '{config.pattern}' matched no "
+                    "matrix parameter"
+                )
             if config.optimizer_name in OPTIMIZER_NAMES:
                 continue
             raise ValueError(
@@ -271,6 +279,7 @@ def canzona_optimizers(
     adamw_pattern: str = ADAMW_PATTERN,
     plan: PlanConfig | None = None,
     pipeline: PipelineConfig | None = None,
+    split: Mapping[str, Split] | None = None,
     **kwargs: Any,
 ) -> Any:
     """A ``CanzonaOptimizersContainer.Config``: one canzona optimizer for the whole model.
@@ -294,10 +303,15 @@ def canzona_optimizers(
         adamw_pattern: FQN regex of the AdamW group (``re.search``).
         plan: canzona's plan configuration (default: ``PlanConfig()``).
         pipeline: canzona's pipeline configuration (default: ``PipelineConfig()``).
+        split: FQN regex (``re.search``, like the container's patterns) -> how the matching
+            matrices split into blocks (:class:`canzona.Split`; e.g. one block per head of
+            a fused ``wqkv``). Each pattern is a matrix group of its own, placed before the
+            catch-all one (TorchTitan gives a parameter the first group that matches).
         **kwargs: More hyper-parameters of the matrix group (e.g. ``momentum=0.9``).
 
     Raises:
-        ValueError: For an unknown ``optimizer``, listing the valid names.
+        ValueError: For an unknown ``optimizer``, listing the valid names; at ``build``,
+            for a ``split`` pattern that matches no matrix parameter.
         ImportError: If torchtitan is not installed.
     """
     name = resolve_name(optimizer)
@@ -312,9 +326,16 @@ def canzona_optimizers(
         "adamw_eps": adamw_eps,
     }
     matrix = {"lr": lr, "weight_decay": weight_decay, **kwargs}
+    blocks = [
+        ParamGroupConfig(
+            pattern=pattern, optimizer_name=name, optimizer_kwargs={**matrix, SPLIT: how}
+        )
+        for pattern, how in (split or {}).items()
+    ]
     return container.Config(
         param_groups=[
             ParamGroupConfig(pattern=adamw_pattern, optimizer_name=name, optimizer_kwargs=adamw),
+            *blocks,
             ParamGroupConfig(pattern=r".*", optimizer_name=name, optimizer_kwargs=matrix),
         ],
         optimizer_factory_kwargs_by_name={

@@ -14,7 +14,7 @@ from canzona.plan.cost import CostModel, resolve_cost_model
 from canzona.plan.refine import objective, refine_owners
 from canzona.plan.spec import MatrixSpec, check_specs
 
-__all__ = ["STRATEGIES", "Assignment", "assign_owners", "lower_bound"]
+__all__ = ["STRATEGIES", "Assignment", "assign_owners", "lower_bound", "pinned_ranks"]
 
 #: Owner-assignment strategies, the first being the default.
 STRATEGIES = ("canzona", "numel", "round_robin", "count", "replicated")
@@ -97,25 +97,49 @@ class Assignment:
         return 1.0 if self.lower_bound == 0 else self.makespan / self.lower_bound
 
 
-def lower_bound(costs: Sequence[float], num_ranks: int) -> float:
-    """Classic makespan lower bound for identical machines.
+def lower_bound(
+    costs: Sequence[float], num_ranks: int, pinned: Sequence[int | None] | None = None
+) -> float:
+    """Classic makespan lower bound for identical machines, with items pinned to one rank.
 
-    The largest of the mean load ``total / num_ranks`` and, for every ``k >= 0`` with
-    ``k * num_ranks + 1 <= len(costs)``, the sum of the ``k + 1`` smallest among the
-    ``k * num_ranks + 1`` costliest items: by pigeonhole one rank receives ``k + 1`` of them
-    (``k = 0`` gives the costliest item). Eligibility is ignored, so it stays a valid bound.
+    The largest of the mean load ``total / num_ranks``, the largest load pinned to one rank,
+    and, for every ``k >= 0`` with ``k * num_ranks + 1`` free items, the sum of the ``k + 1``
+    smallest among the ``k * num_ranks + 1`` costliest free items plus the smallest pinned
+    load of a rank: by pigeonhole one rank receives ``k + 1`` of them on top of what is pinned
+    to it (``k = 0`` gives the costliest free item). ``pinned[i]`` is the only rank item ``i``
+    may go to (None: free); other eligibility is ignored, so it stays a valid bound.
     """
-    ordered = sorted(costs, reverse=True)
-    if not ordered:
+    fixed = [0.0] * num_ranks
+    free: list[float] = []
+    for i, cost in enumerate(costs):
+        rank = None if pinned is None else pinned[i]
+        if rank is None:
+            free.append(cost)
+        else:
+            fixed[rank] += cost
+    if not costs:
         return 0.0
-    best = max(math.fsum(ordered) / num_ranks, ordered[0])
+    best = max(math.fsum(costs) / num_ranks, max(fixed))
+    ordered = sorted(free, reverse=True)
+    if not ordered:
+        return best
+    floor = min(fixed)
+    best = max(best, ordered[0] + floor)
     prefix = list(itertools.accumulate(ordered, initial=0.0))
     k = 1
     while k * num_ranks + 1 <= len(ordered):
         hi = k * num_ranks + 1
-        best = max(best, prefix[hi] - prefix[hi - k - 1])
+        best = max(best, prefix[hi] - prefix[hi - k - 1] + floor)
         k += 1
     return best
+
+
+def pinned_ranks(specs: Sequence[MatrixSpec]) -> list[int | None]:
+    """Per spec, the one rank it is pinned to (None: it may move, or has several holders)."""
+    return [
+        s.holders[0] if s.pinned and s.holders is not None and len(s.holders) == 1 else None
+        for s in specs
+    ]
 
 
 def _lpt(
@@ -231,7 +255,7 @@ def assign_owners(
     # loaded holder; the refinement may still move it when that strictly lowers the makespan
     start_on = [s.holders if s.holders is not None else s.ranks for s in specs]
     total = math.fsum(flops)
-    bound = lower_bound(flops, num_ranks)
+    bound = lower_bound(flops, num_ranks, pinned_ranks(specs))
     restricted = {s.name: s.ranks for s in specs if s.ranks is not None}
 
     if strategy == "replicated":

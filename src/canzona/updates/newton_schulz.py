@@ -29,7 +29,7 @@ __all__ = [
 DEFAULT_NS_EPS = 1e-7
 
 # Below this smaller side the stack always runs matrix by matrix (see batch_kernels_exact).
-MIN_BATCHED_SIDE = 16
+MIN_BATCHED_SIDE = 32
 # (device type, device index, dtype, batch, rows, cols, cpu threads, schedule, norm scale)
 # -> probe passed?
 _BATCH_EXACT: dict[tuple[object, ...], bool] = {}
@@ -118,14 +118,17 @@ def batch_kernels_exact(
 
     * the smaller side must be at least :data:`MIN_BATCHED_SIDE`: with bf16 output a different
       fp32 accumulation order flips a bit only rarely, which a probe on a few hundred elements
-      would miss, and below this size no probe is trusted;
+      would miss, and below this size no probe is trusted. Measured on torch 2.13's CPU build:
+      bf16 stacks whose smaller side is 12 or 16 differ from the loop on 1-7% of random
+      inputs (the probe passes for them); none of 300 inputs per shape differed for sides 17
+      to 31, nor for larger shapes; 32 keeps a margin;
     * a probe: the first call for a key runs the full iteration on a seeded random stack both
       ways and compares them with :func:`torch.equal` (one host sync, once per key). Keys are
       device, dtype, ``(batch, rows, cols)``, on CPU the intra-op thread count, and the schedule
       and norm scale (BLAS may special-case some scalars, such as a zero ``beta``).
 
     On the reference CPU (AVX-512, MKL) the batched and per-matrix paths were found bitwise equal
-    for every shape with a side of at least 12 up to 512 x 1024 (fp32) and 96 x 256 (bf16).
+    for every shape with a side of at least 32 up to 512 x 1024 (fp32) and 96 x 256 (bf16).
 
     Args:
         batch: Number of matrices in the stack.
