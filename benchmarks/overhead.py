@@ -141,15 +141,25 @@ def _matrices(count: int, shape: tuple[int, int], seed: int) -> list[torch.Tenso
     return [torch.randn(shape, generator=gen) for _ in range(count)]
 
 
+#: Fields of ``last_step_stats`` in the step profile (seconds, except the counts).
+PHASES = ("total_s", "compute_s", "wait_s", "apply_s", "collectives", "batches")
+
+
 def _time_steps(
     opt: torch.optim.Optimizer,
     params: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],
     steps: int,
     distributed: bool,
+    phases: dict[str, float] | None = None,
 ) -> float:
-    """Median seconds of ``opt.step()`` (the slowest rank's when distributed)."""
+    """Median seconds of ``opt.step()`` (the slowest rank's when distributed).
+
+    With ``phases`` (a canzona optimizer), it receives this rank's median over the timed steps
+    of each :data:`PHASES` field of ``last_step_stats``.
+    """
     times = []
+    seen: dict[str, list[float]] = {k: [] for k in ("step_s", *PHASES)}
     for i in range(steps + 2):  # two warm-up steps (planning, first allocations)
         for p, g in zip(params, grads, strict=True):
             p.grad = g
@@ -157,11 +167,19 @@ def _time_steps(
             dist.barrier()
         start = time.perf_counter()
         opt.step()
-        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        mine = time.perf_counter() - start
+        elapsed = torch.tensor([mine], dtype=torch.float64)
         if distributed:
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         if i >= 2:
             times.append(float(elapsed))
+            stats = getattr(opt, "last_step_stats", None)
+            if phases is not None and stats is not None:
+                seen["step_s"].append(mine)
+                for k in PHASES:
+                    seen[k].append(float(getattr(stats, k)))
+    if phases is not None and all(seen.values()):
+        phases.update({k: statistics.median(v) for k, v in seen.items()})
     return statistics.median(times)
 
 
@@ -195,6 +213,7 @@ def _distributed_case(
     fulls, full_grads = _matrices(count, shape, 0), _matrices(count, shape, 1)
     times: dict[str, Any] = {}
     prints: dict[str, str] = {}
+    profile: dict[str, float] = {}
     makers: dict[str, Callable[[list[tuple[str, nn.Parameter]]], torch.optim.Optimizer]] = {
         "canzona": lambda ps: canzona.Muon(ps, **CANZONA_KW),
         "replicated": lambda ps: canzona.Muon(
@@ -214,13 +233,14 @@ def _distributed_case(
         try:
             opt = make(named)
             timed = min(steps, SLOW_STEPS.get(impl, steps))
-            times[impl] = _time_steps(opt, [p for _, p in named], grads, timed, True)
+            phases = profile if impl == "canzona" else None
+            times[impl] = _time_steps(opt, [p for _, p in named], grads, timed, True, phases)
         except Exception as exc:  # a peer that cannot run here is recorded, not fatal
             times[impl] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
             continue
         if impl in SAME_MATH and timed == steps:  # comparable with the one-process reference
             prints[impl] = _fingerprint([_local(p) for _, p in named])
-    return {"times": times, "fingerprints": prints}
+    return {"times": times, "fingerprints": prints, "profile": profile}
 
 
 def _one_process(
@@ -279,6 +299,8 @@ def run(preset: dict[str, Any]) -> dict[str, Any]:
                 else:
                     got = launch(_distributed_case, world, count, shape, preset["steps"], impls)[0]
                     row["times"] = got["times"]
+                    if got["profile"]:
+                        row["profile"] = got["profile"]  # rank 0's canzona step by phase
                     if world in reference:
                         row["same_as_one_process"] = {
                             impl: fp == reference[world] for impl, fp in got["fingerprints"].items()
@@ -388,6 +410,57 @@ def _same_rows(rows: Sequence[dict[str, Any]]) -> str:
     )
 
 
+def _render_profile(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """Where a ``canzona`` step goes at world 2 on 8x8 matrices (rank 0, ``last_step_stats``)."""
+    shown = sorted(
+        (r for r in rows if r["shape"] == "8x8" and r["world"] == 2 and "profile" in r),
+        key=lambda r: r["n"],
+    )
+    if not shown:
+        return []
+    body = []
+    for r in shown:
+        p = r["profile"]
+        before = p["step_s"] - p["total_s"]
+        rest = p["total_s"] - p["compute_s"] - p["wait_s"] - p["apply_s"]
+        body.append(
+            [
+                r["n"],
+                *(f"{x * 1e3:.2f}" for x in (p["step_s"], before, p["wait_s"])),
+                *(f"{x * 1e3:.2f}" for x in (p["compute_s"], p["apply_s"], rest)),
+                int(p["collectives"]),
+                int(p["batches"]),
+            ]
+        )
+    headers = [
+        "N",
+        "step (ms)",
+        "before the matrix phase (ms)",
+        "gather/scatter waits (ms)",
+        "owner math (ms)",
+        "apply (ms)",
+        "rest of the matrix phase (ms)",
+        "all-to-alls",
+        "batches",
+    ]
+    return [
+        "### Where a `canzona` step goes (world 2, 8x8, rank 0)",
+        "",
+        "Rank 0's medians over the timed steps (`optimizer.last_step_stats` and the step's own "
+        "time). *Before the matrix phase*: the step's table and payloads, the header check "
+        "(one small all-to-all that every rank's inputs and plan digest agree) and the AdamW "
+        "route; *gather/scatter waits*: blocked on the micro-groups' all-to-alls; *owner "
+        "math*: Newton–Schulz and momentum on the owners' batches; *apply*: writing the "
+        "directions into the local shards after the vote; *rest of the matrix phase*: "
+        "casting and packing the payloads, issuing the all-to-alls and the vote (a second "
+        "small all-to-all). The intercept of the fit (the fixed cost) is what remains at "
+        "N = 0 of these columns.",
+        "",
+        markdown_table(headers, body),
+        "",
+    ]
+
+
 def render(payload: dict[str, Any], plot: str | None) -> str:
     """The Markdown section of docs/benchmarks.md."""
     rows = payload["rows"]
@@ -442,6 +515,7 @@ def render(payload: dict[str, Any], plot: str | None) -> str:
         ),
         "",
     ]
+    lines += _render_profile(rows)
     tgt = [
         [t["target"], f"≤ {t['limit']:g}", f"{t['value']:.3g}", "met" if t["met"] else "**missed**"]
         for t in payload["targets"]
