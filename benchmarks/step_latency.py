@@ -51,6 +51,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _qwen
 import _structure
+from _latency_chart import draw_chart
 from _latency_checks import _ratio, format_bound, format_measured
 from _latency_ranks import (
     MUON_HP,
@@ -64,7 +65,7 @@ from _latency_ranks import (
     rank_body,
     single_body,
 )
-from _latency_report import draw_chart, evaluate_targets, explain, render
+from _latency_report import evaluate_targets, explain, render
 from _ranks import launch
 from kernels import cpu_description
 

@@ -1,0 +1,194 @@
+"""Report of ``overhead.py``: the Markdown section of ``docs/benchmarks.md`` and its plot."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from _report import markdown_table
+
+IMPLS = ("canzona", "replicated", "redistribute", "torchtitan", "torch_muon", "adamw_foreach")
+LABELS = {
+    "canzona": "`canzona.Muon`, `canzona` plan",
+    "replicated": "`canzona.Muon`, `replicated` plan",
+    "redistribute": "`DTensor.redistribute` Muon (every rank gathers every matrix)",
+    "torchtitan": "torchtitan 0.3.0 DistMuon",
+    "torch_muon": "one process: `torch.optim.Muon`",
+    "adamw_foreach": "one process: `AdamW(foreach=True)`",
+}
+#: Implementations with one collective per matrix (seconds per step at large N): timed steps.
+SLOW_STEPS = {"redistribute": 3}
+
+
+def _same_rows(rows: Sequence[dict[str, Any]]) -> str:
+    """Which distributed runs ended bitwise equal to the one-process ``canzona.Muon``."""
+    verdicts: dict[str, list[bool]] = {}
+    for r in rows:
+        for impl, same in r.get("same_as_one_process", {}).items():
+            verdicts.setdefault(impl, []).append(same)
+    if not verdicts:
+        return ""
+    parts = [f"{LABELS[impl]}: {sum(v)} of {len(v)} runs" for impl, v in sorted(verdicts.items())]
+    return (
+        "After the timed steps, rank 0's parameters equal the rows of the one-process "
+        "`canzona.Muon` (same matrices, gradients and steps) bit for bit in: "
+        + "; ".join(parts)
+        + "."
+    )
+
+
+def _render_profile(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """Where a ``canzona`` step goes at world 2 on 8x8 matrices (rank 0, ``last_step_stats``)."""
+    shown = sorted(
+        (r for r in rows if r["shape"] == "8x8" and r["world"] == 2 and "profile" in r),
+        key=lambda r: r["n"],
+    )
+    if not shown:
+        return []
+    body = []
+    for r in shown:
+        p = r["profile"]
+        before = p["step_s"] - p["total_s"]
+        rest = p["total_s"] - p["compute_s"] - p["wait_s"] - p["apply_s"]
+        body.append(
+            [
+                r["n"],
+                *(f"{x * 1e3:.2f}" for x in (p["step_s"], before, p["wait_s"])),
+                *(f"{x * 1e3:.2f}" for x in (p["compute_s"], p["apply_s"], rest)),
+                int(p["collectives"]),
+                int(p["batches"]),
+            ]
+        )
+    headers = [
+        "N",
+        "step (ms)",
+        "before the matrix phase (ms)",
+        "gather/scatter waits (ms)",
+        "owner math (ms)",
+        "apply (ms)",
+        "rest of the matrix phase (ms)",
+        "all-to-alls",
+        "batches",
+    ]
+    return [
+        "### Where a `canzona` step goes (world 2, 8x8, rank 0)",
+        "",
+        "Rank 0's medians over the timed steps (`optimizer.last_step_stats` and the step's own "
+        "time). *Before the matrix phase*: the step's table and payloads, the header check "
+        "(one small all-to-all that every rank's inputs and plan digest agree) and the AdamW "
+        "route; *gather/scatter waits*: blocked on the micro-groups' all-to-alls; *owner "
+        "math*: Newton–Schulz and momentum on the owners' batches; *apply*: writing the "
+        "directions into the local shards after the vote; *rest of the matrix phase*: "
+        "casting and packing the payloads, issuing the all-to-alls and the vote (a second "
+        "small all-to-all). The intercept of the fit (the fixed cost) is what remains at "
+        "N = 0 of these columns.",
+        "",
+        markdown_table(headers, body),
+        "",
+    ]
+
+
+def render(payload: dict[str, Any], plot: str | None) -> str:
+    """The Markdown section of docs/benchmarks.md."""
+    rows = payload["rows"]
+    impls = [i for i in IMPLS if any(i in r["times"] for r in rows)]
+    lines = [
+        "## Runtime overhead: step time against the number of matrices",
+        "",
+        f"`{payload['command']}` ({payload['mode']} mode, {payload['date']}, commit "
+        f"`{payload['commit']}`): N small fp32 matrices, Muon with one fp32 Newton–Schulz "
+        "iteration (almost no math), `Shard(0)` on a `(world,)` mesh of forked gloo ranks, one "
+        "thread per rank; median step time of the slowest rank over "
+        f"{payload['preset']['steps']} timed steps after 2 warm-up steps (the `redistribute` "
+        f"Muon, one collective per matrix: {SLOW_STEPS['redistribute']} steps). One-process "
+        "baselines run on the full matrices. Load average during the run: "
+        f"{payload['load_average']:.1f} on {payload['machine']['cpu_count']} cores (this "
+        "machine may be shared: numbers from a loaded machine are slower and noisier).",
+        "",
+    ]
+    for shape in sorted({r["shape"] for r in rows}):
+        headers = ["N", "world", *[LABELS[i] for i in impls]]
+        body = []
+        for r in sorted(
+            (r for r in rows if r["shape"] == shape), key=lambda r: (r["n"], r["world"])
+        ):
+            cells = [r["n"], r["world"]]
+            for impl in impls:
+                v = r["times"].get(impl)
+                cells.append(
+                    f"{v * 1e3:.2f} ms" if isinstance(v, float) else ("–" if v is None else "fails")
+                )
+            body.append(cells)
+        lines += [f"### {shape} matrices", "", markdown_table(headers, body), ""]
+    failures = sorted(
+        {(impl, v) for r in rows for impl, v in r["times"].items() if isinstance(v, str)}
+    )
+    if failures:
+        lines += ["Runs that fail, with the exact error:", ""]
+        lines += [f"- {LABELS[impl]}: `{why}`" for impl, why in failures]
+        lines.append("")
+    same = _same_rows(rows)
+    if same:
+        lines += [same, ""]
+    fit_rows = [
+        [f["shape"], f["world"], LABELS[f["impl"]], f"{f['fixed_ms']:.2f}", f"{f['slope_us']:.1f}"]
+        for f in payload["fits"]
+    ]
+    lines += [
+        "### Fit: time = fixed + slope × N",
+        "",
+        markdown_table(
+            ["shape", "world", "implementation", "fixed (ms)", "slope (µs / matrix)"], fit_rows
+        ),
+        "",
+    ]
+    lines += _render_profile(rows)
+    tgt = [
+        [t["target"], f"≤ {t['limit']:g}", f"{t['value']:.3g}", "met" if t["met"] else "**missed**"]
+        for t in payload["targets"]
+    ]
+    lines += [
+        "### Targets (world 2, 8x8)",
+        "",
+        markdown_table(["target", "limit", "measured", ""], tgt),
+        "",
+    ]
+    if plot:
+        lines += [f"![step time against N]({plot})", ""]
+    return "\n".join(lines)
+
+
+def draw(result: dict[str, Any], path: Path) -> bool:
+    """Step time against N, one panel per (shape, world); False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    rows = result["rows"]
+    panels = sorted({(r["shape"], r["world"]) for r in rows})
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
+    for ax, (shape, world) in zip(axes[0], panels, strict=True):
+        for impl in IMPLS:
+            pts = sorted(
+                (r["n"], r["times"][impl] * 1e3)
+                for r in rows
+                if (r["shape"], r["world"]) == (shape, world)
+                and isinstance(r["times"].get(impl), float)
+            )
+            if pts:
+                ax.plot(*zip(*pts, strict=True), marker="o", label=LABELS[impl].replace("`", ""))
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_title(f"{shape}, world {world}")
+        ax.set_xlabel("matrices N")
+        ax.set_ylabel("step time (ms)")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
