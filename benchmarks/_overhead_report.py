@@ -17,6 +17,8 @@ LABELS = {
     "torch_muon": "one process: `torch.optim.Muon`",
     "adamw_foreach": "one process: `AdamW(foreach=True)`",
 }
+#: Small all-to-alls timed per case for the collective's floor (``overhead.FLOOR_CALLS``).
+FLOOR_CALLS = 100
 #: Implementations with one collective per matrix (seconds per step at large N): timed steps.
 SLOW_STEPS = {"redistribute": 3}
 
@@ -51,6 +53,7 @@ def _render_profile(rows: Sequence[dict[str, Any]]) -> list[str]:
         p = r["profile"]
         before = p["step_s"] - p["total_s"]
         rest = p["total_s"] - p["compute_s"] - p["wait_s"] - p["apply_s"]
+        spread = [f"{p[k] * 1e3:.2f}" if k in p else "–" for k in ("skew_s", "from_last_s")]
         body.append(
             [
                 r["n"],
@@ -58,8 +61,19 @@ def _render_profile(rows: Sequence[dict[str, Any]]) -> list[str]:
                 *(f"{x * 1e3:.2f}" for x in (p["compute_s"], p["apply_s"], rest)),
                 int(p["collectives"]),
                 int(p["batches"]),
+                *spread,
             ]
         )
+    floors = [r["profile"]["all_to_all_s"] for r in shown if "all_to_all_s" in r["profile"]]
+    floor = (
+        f" One small all-to-all between these two processes takes {min(floors) * 1e3:.2f} to "
+        f"{max(floors) * 1e3:.2f} ms when both ranks enter it together (median of "
+        f"{FLOOR_CALLS} after a barrier, from the last rank's entry to the last rank's exit, "
+        "per row); a step makes three when nothing fails: the header check, the micro-group's "
+        "gather, and its scatter, which carries every rank's success flag (the vote)."
+        if floors
+        else ""
+    )
     headers = [
         "N",
         "step (ms)",
@@ -70,6 +84,8 @@ def _render_profile(rows: Sequence[dict[str, Any]]) -> list[str]:
         "rest of the matrix phase (ms)",
         "all-to-alls",
         "batches",
+        "ranks' start spread (ms)",
+        "from the last rank's start (ms)",
     ]
     return [
         "### Where a `canzona` step goes (world 2, 8x8, rank 0)",
@@ -80,9 +96,14 @@ def _render_profile(rows: Sequence[dict[str, Any]]) -> list[str]:
         "route; *gather/scatter waits*: blocked on the micro-groups' all-to-alls; *owner "
         "math*: Newton–Schulz and momentum on the owners' batches; *apply*: writing the "
         "directions into the local shards after the vote; *rest of the matrix phase*: "
-        "casting and packing the payloads, issuing the all-to-alls and the vote (a second "
-        "small all-to-all). The intercept of the fit (the fixed cost) is what remains at "
-        "N = 0 of these columns.",
+        "casting and packing the payloads, issuing the all-to-alls and reading the vote "
+        "(the status elements of the last scatter). *All-to-alls*: those of the matrix "
+        "phase (the header check is one more). *Ranks' start spread*: how far apart the "
+        "ranks entered `step()` after the barrier before it (the first rank in waits for "
+        "the last at the header check, and the step time, the slowest rank's, includes "
+        "it); *from the last rank's start*: from the last rank's entry to the last rank's "
+        "return. The intercept of the fit (the fixed cost) is what remains at N = 0 of "
+        "these columns." + floor,
         "",
         markdown_table(headers, body),
         "",

@@ -43,7 +43,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _peers
 import canzona
-from _overhead_report import IMPLS, SLOW_STEPS, draw, render
+from _overhead_report import FLOOR_CALLS, IMPLS, SLOW_STEPS, draw, render
 from _ranks import launch
 
 from _report import (
@@ -148,7 +148,7 @@ def _time_steps(
     of each :data:`PHASES` field of ``last_step_stats``.
     """
     times = []
-    seen: dict[str, list[float]] = {k: [] for k in ("step_s", *PHASES)}
+    seen: dict[str, list[float]] = {k: [] for k in ("step_s", "skew_s", "from_last_s", *PHASES)}
     for i in range(steps + 2):  # two warm-up steps (planning, first allocations)
         for p, g in zip(params, grads, strict=True):
             p.grad = g
@@ -156,20 +156,46 @@ def _time_steps(
             dist.barrier()
         start = time.perf_counter()
         opt.step()
-        mine = time.perf_counter() - start
-        elapsed = torch.tensor([mine], dtype=torch.float64)
-        if distributed:
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        end = time.perf_counter()
+        mine = end - start
+        # perf_counter is the machine's monotonic clock: comparable across the ranks
+        starts, ends = _gather_times(start, end) if distributed else ([start], [end])
         if i >= 2:
-            times.append(float(elapsed))
+            times.append(max(e - s for s, e in zip(starts, ends, strict=True)))
             stats = getattr(opt, "last_step_stats", None)
             if phases is not None and stats is not None:
                 seen["step_s"].append(mine)
+                seen["skew_s"].append(max(starts) - min(starts))
+                seen["from_last_s"].append(max(ends) - max(starts))
                 for k in PHASES:
                     seen[k].append(float(getattr(stats, k)))
     if phases is not None and all(seen.values()):
         phases.update({k: statistics.median(v) for k, v in seen.items()})
     return statistics.median(times)
+
+
+def _gather_times(start: float, end: float) -> tuple[list[float], list[float]]:
+    """Every rank's ``(start, end)`` of the same step, in rank order."""
+    out = [torch.zeros(2, dtype=torch.float64) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, torch.tensor([start, end], dtype=torch.float64))
+    return [float(t[0]) for t in out], [float(t[1]) for t in out]
+
+
+def _all_to_all_floor(world: int) -> float:
+    """Median seconds of one small all-to-all, from the last rank's entry to the last exit.
+
+    The latency of one of the step's small collectives when every rank enters it together:
+    what a step pays per collective before any host work or waiting for a peer.
+    """
+    inp, out = torch.zeros(4 * world), torch.empty(4 * world)
+    seen = []
+    for _ in range(FLOOR_CALLS + 5):
+        dist.barrier()
+        start = time.perf_counter()
+        dist.all_to_all_single(out, inp, async_op=True).wait()
+        starts, ends = _gather_times(start, time.perf_counter())
+        seen.append(max(ends) - max(starts))
+    return statistics.median(seen[5:])
 
 
 def _fingerprint(tensors: Sequence[torch.Tensor]) -> str:
@@ -229,6 +255,8 @@ def _distributed_case(
             continue
         if impl in SAME_MATH and timed == steps:  # comparable with the one-process reference
             prints[impl] = _fingerprint([_local(p) for _, p in named])
+    if profile:
+        profile["all_to_all_s"] = _all_to_all_floor(world)
     return {"times": times, "fingerprints": prints, "profile": profile}
 
 
