@@ -114,6 +114,16 @@ def render(payload: dict[str, Any], plot: str | None) -> str:
     """The Markdown section of docs/benchmarks.md."""
     rows = payload["rows"]
     impls = [i for i in IMPLS if any(i in r["times"] for r in rows)]
+    launches = int(payload["preset"].get("launches", 1))
+    spread = max(
+        (
+            max(v) / min(v) - 1
+            for r in rows
+            for v in r.get("launches", {}).values()
+            if len(v) > 1 and all(isinstance(x, float) for x in v)
+        ),
+        default=0.0,
+    )
     lines = [
         "## Runtime overhead: step time against the number of matrices",
         "",
@@ -122,8 +132,15 @@ def render(payload: dict[str, Any], plot: str | None) -> str:
         "iteration (almost no math), `Shard(0)` on a `(world,)` mesh of forked gloo ranks, one "
         "thread per rank; median step time of the slowest rank over "
         f"{payload['preset']['steps']} timed steps after 2 warm-up steps (the `redistribute` "
-        f"Muon, one collective per matrix: {SLOW_STEPS['redistribute']} steps). One-process "
-        "baselines run on the full matrices. Load average during the run: "
+        f"Muon, one collective per matrix: {SLOW_STEPS['redistribute']} steps)"
+        + (
+            f"; each case ran in {launches} launches (one-process baselines {launches} times) "
+            "and the table shows the median over them (the `redistribute` Muon: one launch); "
+            f"the launches of a case differ by up to {spread:.0%} here"
+            if launches > 1
+            else ""
+        )
+        + ". One-process baselines run on the full matrices. Load average during the run: "
         f"{payload['load_average']:.1f} on {payload['machine']['cpu_count']} cores (this "
         "machine may be shared: numbers from a loaded machine are slower and noisier).",
         "",
