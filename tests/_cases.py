@@ -141,3 +141,11 @@ def strategies() -> tuple[str, ...]:
 def plan(strategy: str = "canzona", **kw: Any) -> canzona.PlanConfig:
     """A PlanConfig."""
     return canzona.PlanConfig(strategy=strategy, **kw)
+
+
+#: Hyper-parameters of the optimizers with owner-held state in the state tests.
+OWNER_KW: dict[str, dict[str, Any]] = {
+    "Shampoo": {"lr": 0.01, "precondition_frequency": 2, "start_preconditioning_step": 2},
+    "SOAP": {"lr": 0.01, "precondition_frequency": 2},
+    "NorMuon": {"lr": 0.02, "beta2": 0.9, "ns_dtype": torch.float32},
+}

@@ -6,15 +6,8 @@ from typing import Any
 
 import pytest
 import torch
-from test_torchtitan import (
-    ADAMW_LR,
-    HAS_TRITON,
-    LR,
-    _doc_block,
-    _Plain,
-    requires_torchtitan,
-    tiny_qwen3,
-)
+from test_torchtitan import ADAMW_LR, HAS_TRITON, LR, requires_torchtitan, tiny_qwen3
+from test_torchtitan_routing import _doc_block, _Plain
 
 import canzona
 from canzona.integrations.torchtitan import canzona_optimizers

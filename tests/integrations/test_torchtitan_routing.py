@@ -1,0 +1,135 @@
+"""TorchTitan route: routing by shape, the container's names, and the documented examples."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_torchtitan import batches, requires_torchtitan, tiny_qwen3, train
+from torch import nn
+
+import canzona
+from canzona.integrations.torchtitan import OPTIMIZER_NAMES, canzona_optimizers, resolve_name
+
+
+class _Plain(nn.Module):
+    """No TorchTitan names: an embedding, a block with a LayerNorm, a head called ``proj``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.body = nn.Sequential(nn.Linear(8, 8, bias=False), nn.LayerNorm(8), nn.Linear(8, 8))
+        self.output = nn.Linear(8, 16, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.output(self.body(self.emb(tokens)))
+        return out
+
+
+@requires_torchtitan
+@pytest.mark.parametrize("name", ["muon", "canzona.Muon", "canzona.Shampoo", "soap"])
+def test_container_routes_by_shape_like_param_groups(name: str) -> None:
+    """Catches: routing by FQN only (a LayerNorm weight ``body.1.weight`` or an embedding
+    ``emb.weight`` sent to the matrix algorithm, which refuses it or orthogonalises a table)."""
+    model = _Plain()
+    opt = canzona_optimizers(name, lr=0.01, adamw_lr=1e-3).build(model_parts=[model])
+    (inner,) = opt.optimizers
+    assert type(inner).__name__ == OPTIMIZER_NAMES[resolve_name(name)]
+    routed = {g["algorithm"]: g["param_names"] for g in inner.param_groups}
+    matrix, adamw = (g["params"] for g in canzona.param_groups(model))
+    assert routed["adamw"] == [n for n, _ in adamw]
+    assert routed[inner.algorithm] == [n for n, _ in matrix] == ["body.0.weight", "body.2.weight"]
+    assert "body.1.weight" in routed["adamw"] and "emb.weight" in routed["adamw"]
+    tokens = torch.randint(0, 16, (2, 5))
+    for _ in range(2):
+        F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+@requires_torchtitan
+def test_container_name_typo_lists_the_valid_names() -> None:
+    """Catches: TorchTitan's bare ``Optimizer canzona.Muonn not added.``"""
+    from torchtitan.components.optimizer import ParamGroupConfig
+
+    from canzona.integrations.torchtitan import CanzonaOptimizersContainer
+
+    config = CanzonaOptimizersContainer.Config(
+        param_groups=[
+            ParamGroupConfig(pattern=".*", optimizer_name="canzona.Muonn", optimizer_kwargs={})
+        ]
+    )
+    with pytest.raises(NotImplementedError) as info:
+        config.build(model_parts=[_Plain()])
+    message = str(info.value)
+    assert "'canzona.Muonn' not added; did you mean 'canzona.Muon'?" in message
+    for name in (*OPTIMIZER_NAMES, "AdamW", "DistMuon"):
+        assert repr(name) in message
+
+
+@requires_torchtitan
+def test_hand_written_groups_keep_their_patterns() -> None:
+    """Catches: routing by shape applied where the job's own patterns should rule (it is
+    opt-in), and a shape-routed parameter with no AdamW group to go to passing silently."""
+    from torchtitan.components.optimizer import ParamGroupConfig
+
+    from canzona.integrations.torchtitan import CanzonaOptimizersContainer
+
+    groups = [
+        ParamGroupConfig(pattern=r"\.bias$", optimizer_name="AdamW", optimizer_kwargs={}),
+        ParamGroupConfig(pattern=".*", optimizer_name="canzona.Muon", optimizer_kwargs={}),
+    ]
+    with pytest.raises(ValueError, match=r"'emb\.weight' \(16, 8\) is 2-D|'body\.1\.weight'"):
+        CanzonaOptimizersContainer.Config(param_groups=groups).build(model_parts=[_Plain()])
+    routed = CanzonaOptimizersContainer.Config(param_groups=groups, route_by_shape=True)
+    with pytest.raises(ValueError, match=r"canzona\.Muon: parameters \['emb\.weight', "):
+        routed.build(model_parts=[_Plain()])
+
+
+def _doc_block(marker: str) -> str:
+    text = (Path(__file__).resolve().parents[2] / "docs" / "torchtitan.md").read_text()
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", text, re.DOTALL) if marker in b]
+    assert len(blocks) == 1, marker
+    return blocks[0]
+
+
+@requires_torchtitan
+def test_docs_in_code_example_runs() -> None:
+    """Catches: a documented example that no longer runs as written."""
+    exec(compile(_doc_block("build(model_parts=[model])"), "<torchtitan.md>", "exec"), {})
+
+
+TRAINER_PACKAGES = ("torchdata", "datasets", "tokenizers", "tensorboard", "PIL", "triton")
+
+
+@requires_torchtitan
+@pytest.mark.skipif(
+    any(importlib.util.find_spec(p) is None for p in TRAINER_PACKAGES),
+    reason="the job-config route needs TorchTitan's trainer packages (nox -s torchtitan)",
+)
+def test_docs_job_config_parses_and_trains(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Catches: a documented job config that does not import with the documented packages,
+    that TorchTitan's ``ConfigManager`` does not turn into this container, or whose
+    container does not train TorchTitan's model."""
+    from torchtitan.config import ConfigManager
+
+    job = tmp_path / "my_canzona_job"
+    job.mkdir()
+    (job / "__init__.py").write_text("")
+    (job / "config_registry.py").write_text(_doc_block("# my_job/config_registry.py"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    argv = ["--module", "my_canzona_job", "--config", "qwen3_debugmodel_canzona"]
+    config = ConfigManager().parse_args([*argv, "--optimizer.implementation", "for-loop"])
+    optimizer = config.optimizer
+    assert type(optimizer).__qualname__ == "CanzonaOptimizersContainer.Config"
+    assert optimizer.route_by_shape and optimizer.implementation == "for-loop"
+    assert {g.optimizer_name for g in optimizer.param_groups} == {"canzona.Muon"}
+    model = tiny_qwen3()
+    container = optimizer.build(model_parts=[model])
+    assert [type(o) for o in container.optimizers] == [canzona.Muon]
+    losses = train(model, container, batches())
+    assert losses[-1] < losses[0]
