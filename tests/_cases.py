@@ -149,3 +149,23 @@ OWNER_KW: dict[str, dict[str, Any]] = {
     "SOAP": {"lr": 0.01, "precondition_frequency": 2},
     "NorMuon": {"lr": 0.02, "beta2": 0.9, "ns_dtype": torch.float32},
 }
+
+
+def run_with_late_group(
+    params: list[tuple[str, torch.Tensor]],
+    grads: Sequence[dict[str, torch.Tensor]],
+    first: int,
+    **kw: Any,
+) -> dict[str, torch.Tensor]:
+    """Shampoo over ``params[:first]``; the rest joins by ``add_param_group`` at step 2.
+
+    Returns every parameter's full value after the steps.
+    """
+    opt = canzona.Shampoo(params[:first], **kw)
+    for step, g in enumerate(grads):
+        if step == 2:
+            opt.add_param_group({"params": params[first:]})
+        set_grads(params if step >= 2 else params[:first], g)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {n: full_of(p) for n, p in params}

@@ -20,6 +20,7 @@ from _cases import (
     full_of,
     full_tensors,
     grad_steps,
+    run_with_late_group,
     set_grads,
     sharded_params,
 )
@@ -194,14 +195,7 @@ def _local_then_distributed() -> dict[str, bool]:
     kw = {"lr": 0.01, "precondition_frequency": 1, "start_preconditioning_step": 1}
 
     def run(params: list[tuple[str, nn.Parameter]]) -> dict[str, torch.Tensor]:
-        opt = canzona.Shampoo(params[:1], **kw)
-        for step, g in enumerate(grads):
-            if step == 2:
-                opt.add_param_group({"params": params[1:]})
-            set_grads(params if step >= 2 else params[:1], g)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        return {n: full_of(p) for n, p in params}
+        return run_with_late_group(params, grads, 1, **kw)
 
     want = run([(n, nn.Parameter(t.clone())) for n, t in fulls.items()])
     sharded = sharded_params({"sharded": fulls["sharded"]}, mesh((2,)), {"sharded": (Shard(0),)})

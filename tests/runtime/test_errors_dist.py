@@ -14,7 +14,15 @@ from torch.distributed.tensor.placement_types import Partial, Shard
 
 import canzona
 
-from _cases import SHAPES, full_of, full_tensors, grad_steps, set_grads, sharded_params
+from _cases import (
+    SHAPES,
+    full_of,
+    full_tensors,
+    grad_steps,
+    run_with_late_group,
+    set_grads,
+    sharded_params,
+)
 from _dist import mesh
 
 TIMEOUT = 60  # per scenario; the errors below come within seconds
@@ -265,14 +273,7 @@ def _replan_after_add_param_group() -> dict[str, Any]:
     kw = {"lr": 0.01, "precondition_frequency": 2, "start_preconditioning_step": 1}
 
     def run(params: list[tuple[str, nn.Parameter]]) -> dict[str, torch.Tensor]:
-        opt = canzona.Shampoo(params[:2], **kw)
-        for step, g in enumerate(grads):
-            if step == 2:
-                opt.add_param_group({"params": params[2:]})
-            set_grads(params if step >= 2 else params[:2], g)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        return {n: full_of(p) for n, p in params}
+        return run_with_late_group(params, grads, 2, **kw)
 
     want = run([(n, nn.Parameter(t.clone())) for n, t in fulls.items()])
     got = run(sharded_params(fulls, mesh((4,)), {n: (Shard(0),) for n in shapes}))
