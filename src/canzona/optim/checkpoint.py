@@ -195,6 +195,24 @@ class CheckpointMixin:
         if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
             raise ValueError("state_dict must be a dict with 'state' and 'param_groups' entries")
         saved_groups = state_dict["param_groups"]
+        flat = self._validate_groups(saved_groups)
+        ids = {pid for group in saved_groups for pid in group["params"]}
+        for pid in state_dict["state"]:
+            if pid not in ids:
+                raise ValueError(f"state dict holds state for unknown parameter id {pid!r}")
+        order = [pid for group in saved_groups for pid in group["params"]]
+        for pos, pid in enumerate(order):
+            entry = state_dict["state"].get(pid)
+            if entry is not None:
+                self._validate_entry(entry, *flat[pos])
+
+    def _validate_groups(self, saved_groups: Any) -> list[tuple[Tensor, dict[str, Any], str]]:
+        """Check the saved param groups against this optimizer's.
+
+        Returns:
+            Per parameter, in order: the parameter, its group merged with the saved
+            hyper-parameters, and its label for messages.
+        """
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(
                 f"state_dict has {len(saved_groups)} param groups, the optimizer has "
@@ -227,36 +245,32 @@ class CheckpointMixin:
                 flat.append(
                     (p, {**mine, **{k: v for k, v in saved.items() if k != "params"}}, label)
                 )
-        ids = {pid for group in saved_groups for pid in group["params"]}
-        for pid in state_dict["state"]:
-            if pid not in ids:
-                raise ValueError(f"state dict holds state for unknown parameter id {pid!r}")
-        order = [pid for group in saved_groups for pid in group["params"]]
-        for pos, pid in enumerate(order):
-            entry = state_dict["state"].get(pid)
-            if entry is None:
-                continue
-            p, group, label = flat[pos]
-            expected = self._expected_keys(p, group)
-            missing = sorted(set(expected) - set(entry))
-            extra = sorted(set(entry) - set(expected))
-            if missing:
-                raise ValueError(f"state of parameter {label!r} is missing key {missing[0]!r}")
-            if extra:
-                raise ValueError(f"state of parameter {label!r} has unexpected key {extra[0]!r}")
-            for key, shape in expected.items():
-                if key == "step" and _is_number(entry[key]):
-                    continue  # a plain number (older checkpoints) loads as a tensor
-                got = _shape(entry[key])
-                if got is None:
-                    raise ValueError(f"state {key!r} of parameter {label!r} is not a tensor")
-                if key == "step":
-                    if entry[key].numel() != 1:
-                        raise ValueError(f"state 'step' of parameter {label!r} must hold one value")
-                elif got != shape:
-                    raise ValueError(
-                        f"state {key!r} of parameter {label!r} has shape {got}, expected {shape}"
-                    )
+        return flat
+
+    def _validate_entry(
+        self, entry: dict[str, Any], p: Tensor, group: dict[str, Any], label: str
+    ) -> None:
+        """Check one parameter's saved state: its keys, and each tensor's shape."""
+        expected = self._expected_keys(p, group)
+        missing = sorted(set(expected) - set(entry))
+        extra = sorted(set(entry) - set(expected))
+        if missing:
+            raise ValueError(f"state of parameter {label!r} is missing key {missing[0]!r}")
+        if extra:
+            raise ValueError(f"state of parameter {label!r} has unexpected key {extra[0]!r}")
+        for key, shape in expected.items():
+            if key == "step" and _is_number(entry[key]):
+                continue  # a plain number (older checkpoints) loads as a tensor
+            got = _shape(entry[key])
+            if got is None:
+                raise ValueError(f"state {key!r} of parameter {label!r} is not a tensor")
+            if key == "step":
+                if entry[key].numel() != 1:
+                    raise ValueError(f"state 'step' of parameter {label!r} must hold one value")
+            elif got != shape:
+                raise ValueError(
+                    f"state {key!r} of parameter {label!r} has shape {got}, expected {shape}"
+                )
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict; on any error nothing changes (collective on a distributed mesh).

@@ -198,6 +198,82 @@ def _count(specs: Sequence[MatrixSpec], num_ranks: int) -> list[int]:
     return owners
 
 
+def _replicated(
+    specs: Sequence[MatrixSpec],
+    num_ranks: int,
+    flops: Sequence[float],
+    nbytes: Sequence[int],
+    bound: float,
+    total: float,
+    restricted: Mapping[str, tuple[int, ...]],
+) -> Assignment:
+    """Every rank computes the unrestricted matrices; restricted ones only where eligible."""
+    extra: list[list[float]] = [[] for _ in range(num_ranks)]
+    received = [0] * num_ranks
+    common = [f for s, f in zip(specs, flops, strict=True) if s.ranks is None]
+    common_bytes = sum(b for s, b in zip(specs, nbytes, strict=True) if s.ranks is None)
+    for spec, f, b in zip(specs, flops, nbytes, strict=True):
+        for rank in spec.ranks or ():
+            extra[rank].append(f)
+            received[rank] += b
+    base = math.fsum(common)
+    return Assignment(
+        strategy="replicated",
+        num_ranks=num_ranks,
+        owner={s.name: s.ranks[0] if s.ranks else 0 for s in specs},
+        replicated=True,
+        loads=tuple(math.fsum([base, *x]) if x else base for x in extra),
+        comm_bytes=tuple(common_bytes + b for b in received),
+        lower_bound=bound,
+        total=total,
+        restricted=restricted,
+    )
+
+
+def _greedy(
+    specs: Sequence[MatrixSpec],
+    num_ranks: int,
+    strategy: str,
+    flops: Sequence[float],
+    nbytes: Sequence[int],
+    alpha: float,
+    refine: bool,
+) -> list[int]:
+    """Owners by LPT on element counts (``numel``) or the blended cost (``canzona``).
+
+    A held matrix starts on its least loaded holder (it moves no bytes there); a pinned one
+    is eligible on its holders only. ``canzona`` then refines, keeping the greedy result
+    unless the refinement is at least as good on the blended objective.
+    """
+    eligible = [s.holders if s.pinned else s.ranks for s in specs]
+    # data already in place starts there: the greedy places a held matrix on its least
+    # loaded holder; the refinement may still move it when that strictly lowers the makespan
+    start_on = [s.holders if s.holders is not None else s.ranks for s in specs]
+    if strategy == "numel":
+        costs = [float(s.numel) for s in specs]
+    else:
+        moved = [0 if s.holders is not None else b for s, b in zip(specs, nbytes, strict=True)]
+        total_bytes = math.fsum(moved)
+        total = math.fsum(flops)
+        w_bytes = (1.0 - alpha) / total_bytes if total_bytes else 0.0
+        w_flops = alpha / total if total else 0.0
+        costs = [w_bytes * b + w_flops * f for f, b in zip(flops, moved, strict=True)]
+    order = sorted(range(len(specs)), key=lambda i: (-costs[i], -nbytes[i], specs[i].name))
+    ordered_costs = [costs[i] for i in order]
+    ordered_elig = [eligible[i] for i in order]
+    ordered_start = [start_on[i] for i in order]
+    chosen = _lpt(range(len(order)), ordered_costs, ordered_start, num_ranks)
+    if strategy == "canzona" and refine:
+        refined = refine_owners(ordered_costs, ordered_elig, chosen, num_ranks)
+        before = objective(ordered_costs, chosen, num_ranks)
+        if objective(ordered_costs, refined, num_ranks) <= before:
+            chosen = refined
+    owners = [0] * len(specs)
+    for pos, i in enumerate(order):
+        owners[i] = chosen[pos]
+    return owners
+
+
 def assign_owners(
     specs: Sequence[MatrixSpec],
     num_ranks: int,
@@ -250,64 +326,18 @@ def assign_owners(
     model = resolve_cost_model(optimizer)
     flops = [model.flops(s) for s in specs]
     nbytes = [model.comm_bytes(s) for s in specs]
-    eligible = [s.holders if s.pinned else s.ranks for s in specs]
-    # data already in place starts there: the greedy places a held matrix on its least
-    # loaded holder; the refinement may still move it when that strictly lowers the makespan
-    start_on = [s.holders if s.holders is not None else s.ranks for s in specs]
     total = math.fsum(flops)
     bound = lower_bound(flops, num_ranks, pinned_ranks(specs))
     restricted = {s.name: s.ranks for s in specs if s.ranks is not None}
 
     if strategy == "replicated":
-        # every rank computes the unrestricted matrices; restricted ones only where eligible
-        extra: list[list[float]] = [[] for _ in range(num_ranks)]
-        received = [0] * num_ranks
-        common = [f for s, f in zip(specs, flops, strict=True) if s.ranks is None]
-        common_bytes = sum(b for s, b in zip(specs, nbytes, strict=True) if s.ranks is None)
-        for spec, f, b in zip(specs, flops, nbytes, strict=True):
-            for rank in spec.ranks or ():
-                extra[rank].append(f)
-                received[rank] += b
-        base = math.fsum(common)
-        return Assignment(
-            strategy=strategy,
-            num_ranks=num_ranks,
-            owner={s.name: s.ranks[0] if s.ranks else 0 for s in specs},
-            replicated=True,
-            loads=tuple(math.fsum([base, *x]) if x else base for x in extra),
-            comm_bytes=tuple(common_bytes + b for b in received),
-            lower_bound=bound,
-            total=total,
-            restricted=restricted,
-        )
-
+        return _replicated(specs, num_ranks, flops, nbytes, bound, total, restricted)
     if strategy == "round_robin":
         owners = _round_robin(specs, num_ranks)
     elif strategy == "count":
         owners = _count(specs, num_ranks)
     else:
-        if strategy == "numel":
-            costs = [float(s.numel) for s in specs]
-        else:
-            moved = [0 if s.holders is not None else b for s, b in zip(specs, nbytes, strict=True)]
-            total_bytes = math.fsum(moved)
-            w_bytes = (1.0 - alpha) / total_bytes if total_bytes else 0.0
-            w_flops = alpha / total if total else 0.0
-            costs = [w_bytes * b + w_flops * f for f, b in zip(flops, moved, strict=True)]
-        order = sorted(range(len(specs)), key=lambda i: (-costs[i], -nbytes[i], specs[i].name))
-        ordered_costs = [costs[i] for i in order]
-        ordered_elig = [eligible[i] for i in order]
-        ordered_start = [start_on[i] for i in order]
-        greedy = _lpt(range(len(order)), ordered_costs, ordered_start, num_ranks)
-        chosen = greedy
-        if strategy == "canzona" and refine:
-            refined = refine_owners(ordered_costs, ordered_elig, greedy, num_ranks)
-            before = objective(ordered_costs, greedy, num_ranks)
-            after = objective(ordered_costs, refined, num_ranks)
-            chosen = refined if after <= before else greedy
-        owners = [0] * len(specs)
-        for pos, i in enumerate(order):
-            owners[i] = chosen[pos]
+        owners = _greedy(specs, num_ranks, strategy, flops, nbytes, alpha, refine)
 
     per_rank: list[list[float]] = [[] for _ in range(num_ranks)]
     received = [0] * num_ranks

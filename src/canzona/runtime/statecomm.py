@@ -157,6 +157,9 @@ def _buffer_dtype(entries: Sequence[StateEntry]) -> torch.dtype:
     return torch.float64 if any(e.dtype == torch.float64 for e in entries) else torch.float32
 
 
+_Place = tuple[torch.Tensor, Item, StateEntry, ParamLayout]
+
+
 def export_state(
     snap: Snapshot,
     entries: Sequence[StateEntry],
@@ -186,9 +189,37 @@ def export_state(
             dtype=entry.dtype,
             device=snap.watchdog.device,
         )
+    sends, recv, places = _export_routes(snap, entries, get, locals_)
+    if snap.group is None:
+        received = {r: [t.reshape(-1) for t in ts] for r, ts in sends.items()}
+    else:
+        received = _all_to_all(snap, sends, recv, _buffer_dtype(entries))
+    for owner, targets in places.items():
+        for data, (local, item, entry, layout) in zip(
+            received.get(owner, []), targets, strict=True
+        ):
+            if item.lead is None:
+                local.copy_(data.view(local.shape))
+            else:
+                frag = _fragment(layout, entry, _coord(layout, item, snap.rank), dedup)
+                local[frag.position(item.lead)].copy_(data.view(entry.shape))
+    return {
+        (e.param, e.key): _checkpoint_tensor(snap, e, locals_[(e.param, e.key)], meshes)
+        for e in entries
+    }
+
+
+def _export_routes(
+    snap: Snapshot,
+    entries: Sequence[StateEntry],
+    get: Callable[[Item, str], torch.Tensor],
+    locals_: dict[StateKey, torch.Tensor],
+) -> tuple[dict[int, list[torch.Tensor]], dict[int, list[int]], dict[int, list[_Place]]]:
+    """What this rank sends to each rank, receives from each owner, and where it lands."""
+    dedup = snap.replica_dedup
     sends: dict[int, list[torch.Tensor]] = {}
     recv: dict[int, list[int]] = {}
-    places: dict[int, list[tuple[torch.Tensor, Item, StateEntry, ParamLayout]]] = {}
+    places: dict[int, list[_Place]] = {}
     for entry, layout, item in _walk(snap, entries):
         owner = snap.computing(item)[0] if snap.rank in item.unit else None
         if owner is None:
@@ -209,37 +240,26 @@ def export_state(
             places.setdefault(owner, []).append(
                 (locals_[(entry.param, entry.key)], item, entry, layout)
             )
-    if snap.group is None:
-        received = {r: [t.reshape(-1) for t in ts] for r, ts in sends.items()}
-    else:
-        received = _all_to_all(snap, sends, recv, _buffer_dtype(entries))
-    for owner, targets in places.items():
-        for data, (local, item, entry, layout) in zip(
-            received.get(owner, []), targets, strict=True
-        ):
-            if item.lead is None:
-                local.copy_(data.view(local.shape))
-            else:
-                frag = _fragment(layout, entry, _coord(layout, item, snap.rank), dedup)
-                local[frag.position(item.lead)].copy_(data.view(entry.shape))
-    out: dict[StateKey, torch.Tensor] = {}
-    for entry in entries:
-        local = locals_[(entry.param, entry.key)]
-        layout = snap.topology.layouts[entry.param]
-        mesh = meshes.get(entry.param)
-        if mesh is None:
-            out[(entry.param, entry.key)] = local
-            continue
-        shape = _global_shape(layout, entry)
-        out[(entry.param, entry.key)] = DTensor.from_local(
-            local,
-            device_mesh=mesh,  # type: ignore[arg-type]
-            placements=checkpoint_placements(layout, dedup),
-            run_check=False,
-            shape=torch.Size(shape),
-            stride=torch.empty(shape, device="meta").stride(),
-        )
-    return out
+    return sends, recv, places
+
+
+def _checkpoint_tensor(
+    snap: Snapshot, entry: StateEntry, local: torch.Tensor, meshes: dict[int, object]
+) -> torch.Tensor:
+    """This rank's part of an exported state: the tensor, or a DTensor on the param's mesh."""
+    mesh = meshes.get(entry.param)
+    if mesh is None:
+        return local
+    layout = snap.topology.layouts[entry.param]
+    shape = _global_shape(layout, entry)
+    return DTensor.from_local(
+        local,
+        device_mesh=mesh,  # type: ignore[arg-type]
+        placements=checkpoint_placements(layout, snap.replica_dedup),
+        run_check=False,
+        shape=torch.Size(shape),
+        stride=torch.empty(shape, device="meta").stride(),
+    )
 
 
 def import_state(
