@@ -169,3 +169,48 @@ def run_with_late_group(
         opt.step()
         opt.zero_grad(set_to_none=True)
     return {n: full_of(p) for n, p in params}
+
+
+def assert_bitwise(per_rank: Sequence[dict[str, Any]], reference: str) -> None:
+    """Every rank's ``{case: compare(...)}`` is bitwise; the failure names the ``reference``."""
+    for rank, results in enumerate(per_rank):
+        for case, comp in results.items():
+            bad = {n: rel for n, (eq, rel) in comp.items() if not eq}
+            assert not bad, f"rank {rank}, {case}: {reference}: {bad}"
+
+
+class ThreeLinears(nn.Module):
+    """``up`` (no bias), ``down`` (bias) and ``head`` (no bias), ReLUs between them."""
+
+    def __init__(self, width: int, hidden: int, out: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(width, hidden, bias=False)
+        self.down = nn.Linear(hidden, width, bias=True)
+        self.head = nn.Linear(width, out, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.head(torch.relu(self.down(torch.relu(self.up(x)))))
+        return out
+
+
+def three_linears(layout: str, width: int, hidden: int, out: int) -> nn.Module:
+    """A seeded :class:`ThreeLinears` in ``layout``: ``plain``, ``fsdp`` over every rank, or
+    ``fsdp_tp`` on a (2, 2) ``(dp, tp)`` mesh (up/down tensor parallel, head on dp only)."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    from _dist import mesh
+
+    torch.manual_seed(0)
+    model = ThreeLinears(width, hidden, out)
+    if layout == "fsdp_tp":
+        dm = mesh((2, 2), ("dp", "tp"))
+        parallelize_module(model, dm["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        fully_shard(model, mesh=dm["dp"])
+    elif layout == "fsdp":
+        fully_shard(model, mesh=mesh((torch.distributed.get_world_size(),), ("dp",)))
+    return model

@@ -12,7 +12,16 @@ from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 import canzona
 from canzona import Split
 
-from _cases import compare, full_tensors, grad_steps, plan, set_grads, sharded_params, strategies
+from _cases import (
+    assert_bitwise,
+    compare,
+    full_tensors,
+    grad_steps,
+    plan,
+    set_grads,
+    sharded_params,
+    strategies,
+)
 from _dist import mesh
 
 KW: dict[str, Any] = {"lr": 0.02, "weight_decay": 0.1, "momentum": 0.9}
@@ -100,11 +109,7 @@ def _case(
     return out
 
 
-def _assert_bitwise(per_rank: list[dict[str, Any]]) -> None:
-    for rank, results in enumerate(per_rank):
-        for case, comp in results.items():
-            bad = {n: rel for n, (eq, rel) in comp.items() if not eq}
-            assert not bad, f"rank {rank}, {case}: blocks not bitwise torch.optim.Muon: {bad}"
+BLOCKS_VS_TORCH = "blocks not bitwise torch.optim.Muon"
 
 
 def test_single_device_blocks_match_torch_muon() -> None:
@@ -135,7 +140,7 @@ ROWS = {n: (Shard(0),) if len(s) == 2 else (Shard(1),) for n, s in SHAPES.items(
     ids=["rows", "columns", "2d", "hsdp"],
 )
 def test_blocks_on_meshes_match_torch_muon(dist: Any, mesh_shape: Any, placements: Any) -> None:
-    _assert_bitwise(dist(4).run(_case, mesh_shape, placements))
+    assert_bitwise(dist(4).run(_case, mesh_shape, placements), BLOCKS_VS_TORCH)
 
 
 def _fsdp_tp_case() -> dict[str, bool]:

@@ -16,14 +16,11 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_state_dict,
 )
-from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import canzona
 
-from _cases import full_of, set_grads
-from _dist import mesh
+from _cases import full_of, set_grads, three_linears
 
 TIMEOUT = 120
 OPTIMIZERS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -37,27 +34,8 @@ OPTIMIZERS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.up = nn.Linear(12, 20, bias=False)
-        self.down = nn.Linear(20, 12, bias=True)
-        self.head = nn.Linear(12, 7, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.relu(self.down(torch.relu(self.up(x)))))
-
-
 def _model(layout: str) -> nn.Module:
-    torch.manual_seed(0)
-    model = Net()
-    if layout == "fsdp_tp":  # (2, 2): up/down tensor parallel, head on the dp sub-mesh only
-        dm = mesh((2, 2), ("dp", "tp"))
-        parallelize_module(model, dm["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
-        fully_shard(model, mesh=dm["dp"])
-    elif layout == "fsdp":
-        fully_shard(model, mesh=mesh((tdist.get_world_size(),), ("dp",)))
-    return model
+    return three_linears(layout, 12, 20, 7)
 
 
 def _grads(step: int) -> dict[str, torch.Tensor]:

@@ -19,12 +19,10 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import canzona
 
-from _cases import full_of
+from _cases import full_of, three_linears
 from _dist import mesh
 
 TIMEOUT = 120
@@ -36,28 +34,12 @@ TOLERANCE = {"fp32": 2e-6, "bf16": 3e-2}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.up = nn.Linear(D, 2 * D, bias=False)
-        self.down = nn.Linear(2 * D, D, bias=True)
-        self.head = nn.Linear(D, 16, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.relu(self.down(torch.relu(self.up(x)))))
-
-
 def _model(layout: str) -> tuple[nn.Module, int, int]:
     """The model in ``layout`` and this rank's (data-parallel index, data-parallel size)."""
-    torch.manual_seed(0)
-    model = Net()
-    if layout == "fsdp_tp":  # (2, 2): up/down tensor parallel, head on the dp sub-mesh only
-        dm = mesh((2, 2), ("dp", "tp"))
-        parallelize_module(model, dm["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
-        fully_shard(model, mesh=dm["dp"])
-        return model, dm["dp"].get_local_rank(), 2
+    model = three_linears(layout, D, 2 * D, 16)
+    if layout == "fsdp_tp":
+        return model, mesh((2, 2), ("dp", "tp"))["dp"].get_local_rank(), 2
     if layout == "fsdp":
-        fully_shard(model, mesh=mesh((tdist.get_world_size(),), ("dp",)))
         return model, tdist.get_rank(), tdist.get_world_size()
     return model, 0, 1
 
