@@ -42,8 +42,12 @@ def git_commit() -> str:
 
     With ``-dirty`` when ``src/`` differs from that commit (modified, staged or untracked
     files), so that a number is never attributed to code it was not measured on;
-    ``"unknown"`` outside a git checkout. Read-only: no index refresh is written.
+    ``"unknown"`` outside a git checkout (unless ``CANZONA_BENCH_COMMIT`` names the commit
+    a copy of the tree was taken from). Read-only: no index refresh is written.
     """
+    named = os.environ.get("CANZONA_BENCH_COMMIT")  # a copy of the tree without .git
+    if named:
+        return named
     git = ["git", "--no-optional-locks"]
     try:
         sha = subprocess.run(

@@ -6,7 +6,9 @@ Runs on one CUDA device (``benchmarks/gpu_check.sh`` wraps it, ≤ 5 minutes). M
 * batched Newton–Schulz (``canzona.updates.newton_schulz``) on stacks of Qwen3-8B and
   Qwen3-32B shapes: matrices/s and achieved TFLOP/s against that peak,
 * one optimizer step of ``canzona.Muon`` vs ``torch.optim.Muon`` on the matrices of a
-  Qwen3-1.7B-sized layer stack (single GPU, same gradients, same bf16 Newton–Schulz).
+  Qwen3-1.7B-sized layer stack (single GPU, same gradients, same bf16 Newton–Schulz),
+* the host cost per matrix: one step on N small (64x32) matrices for canzona.Muon,
+  torch.optim.Muon and ``AdamW(foreach=True)``, where the math is negligible on a GPU.
 
 Writes ``benchmarks/results/gpu_check.json`` (or ``--out``) and the ``gpu_check`` section of
 ``docs/benchmarks.md`` (unless ``--no-doc``).
@@ -94,6 +96,32 @@ def step_latency(layers: int) -> dict[str, Any]:
     return out
 
 
+HOST_COUNTS = (64, 256, 1024)
+HOST_KEYS = ("canzona.Muon", "torch.optim.Muon", "AdamW(foreach)")
+
+
+def host_cost() -> list[dict[str, Any]]:
+    """Step time on N small matrices (the math takes microseconds; the rest is the host)."""
+    rows = []
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for count in HOST_COUNTS:
+        fulls = [torch.randn(64, 32, device="cuda", generator=gen) for _ in range(count)]
+        row: dict[str, Any] = {"matrices": count}
+        for name, make in (
+            ("canzona.Muon", lambda ps: canzona.Muon(ps, lr=0.02)),
+            ("torch.optim.Muon", lambda ps: torch.optim.Muon(ps, lr=0.02)),
+            ("AdamW(foreach)", lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=True)),
+        ):
+            params = [torch.nn.Parameter(t.clone()) for t in fulls]
+            for p in params:
+                p.grad = torch.randn_like(p)
+            opt = make(params)
+            opt.step()
+            row[name] = _time(opt.step, 10)
+        rows.append(row)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=8, help="matrices per Newton–Schulz stack")
@@ -108,20 +136,36 @@ def main(argv: list[str] | None = None) -> int:
     peak = matmul_peak()
     ns = ns_throughput(peak, args.batch)
     step = step_latency(args.layers)
-    payload = {"gpu": name, "bf16_peak_tflops": peak / 1e12, "ns": ns, "step": step}
+    host = host_cost()
+    payload = {
+        "gpu": name,
+        "torch": torch.__version__,
+        "bf16_peak_tflops": peak / 1e12,
+        "ns": ns,
+        "step": step,
+        "host_cost": host,
+    }
     write_json("gpu_check", payload, out_dir=args.out)
     rows = [
         [r["shape"], r["batch"], r["matrices_per_s"], r["tflops"], r["fraction_of_peak"]]
         for r in ns
     ]
+    host_rows = [
+        [h["matrices"], *(h[k] * 1e3 for k in HOST_KEYS), h["canzona.Muon"] / h["AdamW(foreach)"]]
+        for h in host
+    ]
     md = (
         f"## GPU check ({name})\n\n`bash benchmarks/gpu_check.sh` (commit "
-        f"`{payload['commit']}`); bf16 matmul peak measured "
+        f"`{payload['commit']}`, torch {torch.__version__}); bf16 matmul peak measured "
         f"{peak / 1e12:.0f} TFLOP/s.\n\n"
         + markdown_table(["shape", "batch", "matrices/s", "TFLOP/s", "of peak"], rows)
         + f"\n\nOne step on {step['matrices']} matrices of Qwen3-1.7B shapes: canzona.Muon "
         f"{step['canzona.Muon'] * 1e3:.1f} ms vs torch.optim.Muon "
-        f"{step['torch.optim.Muon'] * 1e3:.1f} ms (ratio {step['ratio']:.2f}).\n"
+        f"{step['torch.optim.Muon'] * 1e3:.1f} ms (ratio {step['ratio']:.2f}).\n\n"
+        "Host cost: one step on N 64x32 matrices, one process, ms (the math is negligible "
+        "here; what remains is each optimizer's host work):\n\n"
+        + markdown_table(["N", *HOST_KEYS, "canzona / AdamW"], host_rows)
+        + "\n"
     )
     if not args.no_doc:
         update_section("gpu_check", md)

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
 
+import _gpu_ranks
 import canzona
 
 pytestmark = [
@@ -64,3 +68,35 @@ def test_a_healthy_step_does_not_synchronise_with_the_device() -> None:
             step()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def _distinct_shapes() -> list[list[int]]:
+    return sorted([list(s) for s in set(_gpu_ranks.SHAPES)])
+
+
+def test_a_distributed_step_synchronises_only_where_documented(tmp_path: Path) -> None:
+    """Two ranks on the GPU (gloo): bitwise torch.optim.Muon, CUDA-event calibration, 2 syncs.
+
+    The two host reads of a healthy step (docs/design.md, "Host synchronisation"): the
+    header's all-to-all (watchdog.py) and the vote on the last scatter (pipeline.py).
+    """
+    reports = _gpu_ranks.launch("gloo", 2, tmp_path)
+    print(json.dumps(reports))
+    for r in reports:
+        assert r["bitwise"] == [True] * len(_gpu_ranks.SHAPES)
+        assert r["syncs_per_step"] == [2, 2, 2], r["sync_sites"]
+        assert {site.split(":")[0] for site in r["sync_sites"]} == {"watchdog.py", "pipeline.py"}
+        assert "MeasuredCost" in r["cost_models"]
+        assert r["timed_shapes"] == _distinct_shapes()  # every shape timed with CUDA events
+        assert r["timed_on"] == [r["device"]]
+        assert r["bytes_sent"] > 0
+    assert reports[0]["timed_shapes"] == reports[1]["timed_shapes"]
+
+
+def test_one_rank_under_nccl(tmp_path: Path) -> None:
+    """The NCCL path (what GPU jobs run): bitwise, and no host sync beyond the documented two."""
+    (r,) = _gpu_ranks.launch("nccl", 1, tmp_path)
+    print(json.dumps(r))
+    assert r["bitwise"] == [True] * len(_gpu_ranks.SHAPES)
+    assert all(c <= 2 for c in r["syncs_per_step"]), r["sync_sites"]
+    assert {site.split(":")[0] for site in r["sync_sites"]} <= {"watchdog.py", "pipeline.py"}

@@ -380,6 +380,11 @@ class ScheduleBuilder:
             status=status,
             piece_bounds=[] if self.replicated else bounds,
             status_offsets=[] if self.replicated else flags,
+            status_index=(
+                torch.tensor(flags, dtype=torch.int64, device=self.device)
+                if status and not self.replicated
+                else None
+            ),
         )
 
     def _sends(

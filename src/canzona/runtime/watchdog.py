@@ -187,8 +187,11 @@ def gather_ints(values: list[int], *, watchdog: Watchdog, phase: int, what: str)
     times as long on loopback).
     """
     n, world = len(values), watchdog.world
-    mine = torch.tensor(values * world, dtype=torch.int64, device=watchdog.device)
-    out = torch.empty(world * n, dtype=torch.int64, device=watchdog.device)
+    mine = torch.tensor(values * world, dtype=torch.int64)
+    device = mine.device if watchdog.device is None else torch.device(watchdog.device)
+    if device.type != "cpu":  # from pinned memory the copy does not block the host
+        mine = mine.pin_memory().to(device, non_blocking=True)
+    out = torch.empty(world * n, dtype=torch.int64, device=device)
     watchdog.mark(phase, what)
     work = dist.all_to_all_single(out, mine, group=watchdog.group, async_op=True)
     watchdog.wait(work, what)

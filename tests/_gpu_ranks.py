@@ -1,0 +1,135 @@
+"""Ranks on one CUDA device for tests/runtime/test_gpu.py: spawned, each writes a JSON report.
+
+CUDA cannot be used in a forked child, so these ranks are spawned (the fork pool of
+``_dist.py`` serves the CPU tests). Several ranks share the one GPU of a test machine
+through gloo (whose collectives take CUDA tensors); one rank also runs under NCCL.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+
+import canzona
+from canzona.plan.measured import MeasuredCost
+from canzona.runtime import calibrate as calibrate_module
+
+# Four equal shapes (a batched stack on an owner) next to three distinct ones.
+SHAPES = ((64, 32),) * 4 + ((32, 96), (48, 48), (96, 64))
+SYNC_MESSAGE = "synchroniz"
+
+
+def launch(
+    backend: str, world: int, tmp: Path, device: str = "cuda", timeout: float = 240.0
+) -> list[dict[str, Any]]:
+    """Run :func:`_rank` on ``world`` spawned ranks; their reports in rank order.
+
+    ``device="cpu"`` runs the same steps without the sync count (a dry run of this file).
+    """
+    ctx = mp.get_context("spawn")
+    init = f"file://{tmp / 'init'}"
+    procs = [
+        ctx.Process(target=_rank, args=(r, world, backend, init, str(tmp), device))
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    codes = [p.exitcode for p in procs]
+    if codes != [0] * world:
+        logs = [(tmp / f"{r}.err").read_text() for r in range(world) if (tmp / f"{r}.err").exists()]
+        raise RuntimeError(f"{backend} ranks exited with {codes}:\n" + "\n".join(logs))
+    return [json.loads((tmp / f"{r}.json").read_text()) for r in range(world)]
+
+
+def _rank(rank: int, world: int, backend: str, init: str, out: str, device: str) -> None:
+    if not hasattr(dist, "all_gather_single"):  # torch < 2.13 (a GPU image's own torch)
+        dist.all_gather_single = dist.all_gather_into_tensor  # type: ignore[attr-defined]
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    dist.init_process_group(backend, init_method=init, rank=rank, world_size=world)
+    try:
+        report = _steps(rank, world, device)
+    except BaseException:
+        import traceback
+
+        Path(out, f"{rank}.err").write_text(f"--- rank {rank} ---\n{traceback.format_exc()}")
+        raise
+    finally:
+        dist.destroy_process_group()
+    Path(out, f"{rank}.json").write_text(json.dumps(report))
+
+
+def _steps(rank: int, world: int, device: str) -> dict[str, Any]:
+    """Four steps of canzona.Muon on Shard(0) DTensors next to torch.optim.Muon on the wholes.
+
+    Steps 2-4 run under ``torch.cuda.set_sync_debug_mode("warn")``; every warning it raises
+    on this thread is one host synchronisation, located at the line of ours that caused it.
+    """
+    mesh = init_device_mesh(device, (world,))
+    gen = torch.Generator(device=device).manual_seed(0)
+    cuda = device == "cuda"
+
+    def shard(t: torch.Tensor) -> DTensor:
+        return DTensor.from_local(
+            t.chunk(world, 0)[rank].clone(), mesh, [Shard(0)], run_check=False
+        )
+
+    fulls = [torch.randn(s, device=device, generator=gen) for s in SHAPES]
+    params = [nn.Parameter(shard(f)) for f in fulls]
+    ref = [nn.Parameter(f.clone()) for f in fulls]
+    bias = nn.Parameter(shard(torch.randn(8, device=device, generator=gen)))
+    opt = canzona.Muon([{"params": params}, {"params": [bias], "algorithm": "adamw"}], lr=0.02)
+    ref_opt = torch.optim.Muon(ref, lr=0.02)
+    counts: list[int] = []
+    sites: set[str] = set()
+    for step in range(4):
+        grads = [torch.randn(s, device=device, generator=gen) for s in SHAPES]
+        for p, q, g in zip(params, ref, grads, strict=True):
+            p.grad, q.grad = shard(g), g.clone()
+        bias.grad = shard(torch.randn(8, device=device, generator=gen))
+        ref_opt.step()
+        if cuda:
+            torch.cuda.synchronize()
+        if step == 0 or not cuda:  # planning, calibration and kernel probes read the device
+            opt.step()
+            continue
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                opt.step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        syncs = [w for w in caught if SYNC_MESSAGE in str(w.message)]
+        counts.append(len(syncs))
+        sites.update(f"{Path(w.filename).name}:{w.lineno}" for w in syncs)
+    if cuda:
+        torch.cuda.synchronize()
+    equal = [bool(torch.equal(p.full_tensor(), q)) for p, q in zip(params, ref, strict=True)]
+    models = opt._runtime.plan.optimizer.models.values()
+    return {
+        "syncs_per_step": counts,
+        "sync_sites": sorted(sites),
+        "bitwise": equal,
+        "cost_models": sorted({type(m).__name__ for m in models}),
+        "timed_shapes": sorted(
+            [list(k) for m in models if isinstance(m, MeasuredCost) for k, _ in m.table]
+        ),
+        "timed_on": sorted({str(k[0]) for k in calibrate_module._CACHE}),
+        "device": calibrate_module.device_name(torch.device(device)),
+        "bytes_sent": opt.last_step_stats.bytes_sent if opt.last_step_stats else -1,
+    }
