@@ -7,8 +7,10 @@ through gloo (whose collectives take CUDA tensors); one rank also runs under NCC
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import multiprocessing as mp
+import traceback
 import warnings
 from pathlib import Path
 from typing import Any
@@ -29,16 +31,22 @@ SYNC_MESSAGE = "synchroniz"
 
 
 def launch(
-    backend: str, world: int, tmp: Path, device: str = "cuda", timeout: float = 240.0
+    backend: str,
+    world: int,
+    tmp: Path,
+    device: str = "cuda",
+    timeout: float = 240.0,
+    count_syncs: bool = True,
 ) -> list[dict[str, Any]]:
     """Run :func:`_rank` on ``world`` spawned ranks; their reports in rank order.
 
-    ``device="cpu"`` runs the same steps without the sync count (a dry run of this file).
+    ``device="cpu"`` runs the same steps without the sync count (a dry run of this file), as
+    does ``count_syncs=False`` on the GPU.
     """
     ctx = mp.get_context("spawn")
     init = f"file://{tmp / 'init'}"
     procs = [
-        ctx.Process(target=_rank, args=(r, world, backend, init, str(tmp), device))
+        ctx.Process(target=_rank, args=(r, world, backend, init, str(tmp), device, count_syncs))
         for r in range(world)
     ]
     for p in procs:
@@ -50,30 +58,37 @@ def launch(
             p.kill()
     codes = [p.exitcode for p in procs]
     if codes != [0] * world:
-        logs = [(tmp / f"{r}.err").read_text() for r in range(world) if (tmp / f"{r}.err").exists()]
+        logs = [
+            f"--- rank {r} {kind} ---\n{(tmp / f'{r}.{kind}').read_text()}"
+            for r in range(world)
+            for kind in ("err", "progress", "fault")
+            if (tmp / f"{r}.{kind}").exists()
+        ]
         raise RuntimeError(f"{backend} ranks exited with {codes}:\n" + "\n".join(logs))
     return [json.loads((tmp / f"{r}.json").read_text()) for r in range(world)]
 
 
-def _rank(rank: int, world: int, backend: str, init: str, out: str, device: str) -> None:
+def _rank(
+    rank: int, world: int, backend: str, init: str, out: str, device: str, count_syncs: bool
+) -> None:
+    fault = Path(out, f"{rank}.fault").open("w")  # noqa: SIM115 (open until the process ends)
+    faulthandler.enable(fault)  # a crash in C++ still names the Python line
     if not hasattr(dist, "all_gather_single"):  # torch < 2.13 (a GPU image's own torch)
         dist.all_gather_single = dist.all_gather_into_tensor  # type: ignore[attr-defined]
     if device == "cuda":
         torch.cuda.set_device(0)
     dist.init_process_group(backend, init_method=init, rank=rank, world_size=world)
     try:
-        report = _steps(rank, world, device)
+        report = _steps(rank, world, device, count_syncs, Path(out, f"{rank}.progress"))
+        Path(out, f"{rank}.json").write_text(json.dumps(report))
     except BaseException:
-        import traceback
-
-        Path(out, f"{rank}.err").write_text(f"--- rank {rank} ---\n{traceback.format_exc()}")
+        Path(out, f"{rank}.err").write_text(traceback.format_exc())
         raise
     finally:
         dist.destroy_process_group()
-    Path(out, f"{rank}.json").write_text(json.dumps(report))
 
 
-def _steps(rank: int, world: int, device: str) -> dict[str, Any]:
+def _steps(rank: int, world: int, device: str, count_syncs: bool, progress: Path) -> dict[str, Any]:
     """Four steps of canzona.Muon on Shard(0) DTensors next to torch.optim.Muon on the wholes.
 
     Steps 2-4 run under ``torch.cuda.set_sync_debug_mode("warn")``; every warning it raises
@@ -82,6 +97,7 @@ def _steps(rank: int, world: int, device: str) -> dict[str, Any]:
     mesh = init_device_mesh(device, (world,))
     gen = torch.Generator(device=device).manual_seed(0)
     cuda = device == "cuda"
+    count_syncs = count_syncs and cuda
 
     def shard(t: torch.Tensor) -> DTensor:
         return DTensor.from_local(
@@ -95,6 +111,11 @@ def _steps(rank: int, world: int, device: str) -> dict[str, Any]:
     opt = canzona.Muon([{"params": params}, {"params": [bias], "algorithm": "adamw"}], lr=0.02)
     ref_opt = torch.optim.Muon(ref, lr=0.02)
     counts: list[int] = []
+
+    def mark(what: str) -> None:
+        with progress.open("a") as f:
+            f.write(what + "\n")
+
     sites: set[str] = set()
     for step in range(4):
         grads = [torch.randn(s, device=device, generator=gen) for s in SHAPES]
@@ -102,9 +123,10 @@ def _steps(rank: int, world: int, device: str) -> dict[str, Any]:
             p.grad, q.grad = shard(g), g.clone()
         bias.grad = shard(torch.randn(8, device=device, generator=gen))
         ref_opt.step()
+        mark(f"step {step}")
         if cuda:
             torch.cuda.synchronize()
-        if step == 0 or not cuda:  # planning, calibration and kernel probes read the device
+        if step == 0 or not count_syncs:  # planning, calibration and kernel probes read the device
             opt.step()
             continue
         with warnings.catch_warnings(record=True) as caught:
@@ -119,8 +141,14 @@ def _steps(rank: int, world: int, device: str) -> dict[str, Any]:
         sites.update(f"{Path(w.filename).name}:{w.lineno}" for w in syncs)
     if cuda:
         torch.cuda.synchronize()
-    equal = [bool(torch.equal(p.full_tensor(), q)) for p, q in zip(params, ref, strict=True)]
-    models = opt._runtime.plan.optimizer.models.values()
+    mark("steps done")
+    # each rank compares its own rows (no collective needed for the check)
+    equal = [
+        bool(torch.equal(p.to_local(), q.detach().chunk(world, 0)[rank]))
+        for p, q in zip(params, ref, strict=True)
+    ]
+    plan = opt._runtime.plan
+    models = list(plan.optimizer.models.values()) if plan is not None else []
     return {
         "syncs_per_step": counts,
         "sync_sites": sorted(sites),
@@ -131,5 +159,6 @@ def _steps(rank: int, world: int, device: str) -> dict[str, Any]:
         ),
         "timed_on": sorted({str(k[0]) for k in calibrate_module._CACHE}),
         "device": calibrate_module.device_name(torch.device(device)),
+        "planned": plan is not None,
         "bytes_sent": opt.last_step_stats.bytes_sent if opt.last_step_stats else -1,
     }
