@@ -27,7 +27,7 @@ from canzona.runtime import calibrate as calibrate_module
 
 # Four equal shapes (a batched stack on an owner) next to three distinct ones.
 SHAPES = ((64, 32),) * 4 + ((32, 96), (48, 48), (96, 64))
-SYNC_MESSAGE = "synchroniz"
+SYNC_MESSAGE = "called a synchronizing CUDA operation"  # set_sync_debug_mode("warn")
 
 
 def launch(
