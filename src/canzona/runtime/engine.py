@@ -86,6 +86,7 @@ class MatrixRuntime:
         self._layout_version = 0
         self._structure_key: tuple[object, ...] = ()
         self._structure_now = ""
+        self._config_now = ""
         self._planned = False
         self._plan_version = 0
         self._pipelines: dict[tuple[object, ...], Pipeline] = {}
@@ -260,13 +261,28 @@ class MatrixRuntime:
         compute: ComputeFn | None = None,
     ) -> tuple[Snapshot | None, bool, bool]:
         layouts = self.layouts(names, tensors)
-        config = repr(
-            (table.config, self.plan_config, self.config.overlap, self.config.depth, table.matrix)
+        # frozen configs and the table's version: the key costs nothing per matrix
+        key = (
+            self._layout_version,
+            table.version,
+            table.config,
+            self.plan_config,
+            self.config.overlap,
+            self.config.depth,
         )
-        if self._structure_key != (self._layout_version, table.version, config):
-            self._structure_key = (self._layout_version, table.version, config)
-            self._structure_now = structure_digest(layouts, config)
-        structure = self._structure_now
+        if self._structure_key != key:
+            self._structure_key = key
+            self._config_now = repr(
+                (
+                    table.config,
+                    self.plan_config,
+                    self.config.overlap,
+                    self.config.depth,
+                    table.matrix,
+                )
+            )
+            self._structure_now = structure_digest(layouts, self._config_now)
+        config, structure = self._config_now, self._structure_now
         needs_setup = not self._planned or structure != self._structure
         self.watchdog.tag = f"{self._instance}-{structure[:16]}"
         flagged = nonfinite
