@@ -370,7 +370,7 @@ class _Run:
     def _receive(self, pending: _Pending, g: GroupSchedule) -> None:
         self._wait(pending)
         out = pending.out
-        if g.status and g.status_index is not None:  # one host read per step: who failed
+        if g.status_index is not None:  # one host read per step: which ranks failed
             flags = out.index_select(0, g.status_index).tolist()
             self.failed_ranks = [r for r, f in enumerate(flags) if f != 0]
         for d in g.deliveries:

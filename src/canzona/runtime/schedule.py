@@ -379,7 +379,6 @@ class ScheduleBuilder:
             kept=kept,
             status=status,
             piece_bounds=[] if self.replicated else bounds,
-            status_offsets=[] if self.replicated else flags,
             status_index=(
                 torch.tensor(flags, dtype=torch.int64, device=self.device)
                 if status and not self.replicated

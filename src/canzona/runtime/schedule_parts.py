@@ -140,10 +140,9 @@ class GroupSchedule:
     With ``status`` (the step's last scatter), every segment of the scatter starts with one
     element saying whether its sender has failed so far in the step, so every rank learns
     every rank's outcome without another collective: ``piece_bounds[t]`` is where target
-    ``t``'s pieces start in ``scatter_pieces``; ``status_offsets[s]`` is where sender
-    ``s``'s flag sits in the receive buffer (``status_index``: the same offsets as an index
-    tensor on the buffers' device, built once so that reading the flags copies nothing to
-    the device).
+    ``t``'s pieces start in ``scatter_pieces``; ``status_index[s]`` is where sender ``s``'s
+    flag sits in the receive buffer (an index tensor on the buffers' device, built once so
+    that reading the flags copies nothing to the device).
     """
 
     index: int
@@ -160,7 +159,6 @@ class GroupSchedule:
     kept: list[tuple[Piece, Delivery]]
     status: bool = False
     piece_bounds: list[int] = field(default_factory=list)
-    status_offsets: list[int] = field(default_factory=list)
     status_index: torch.Tensor | None = None
 
 
