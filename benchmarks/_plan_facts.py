@@ -3,9 +3,10 @@
 The step-latency benchmark predicts each rank's owner time from the measured cost model of
 its ``canzona`` run (``PlanConfig(cost="measured")``: ``opt._runtime.plan.optimizer`` is a
 ``GroupedCost`` of ``MeasuredCost``, one per param group), for the plan of *every*
-strategy: a rank's prediction is the sum, over the matrices it computes, of the measured
-seconds of the owner math for that matrix's shape (transfer time left out: the measured
-``compute_s`` does not contain it). The same plans priced in the optimizer's closed-form
+strategy: a rank's prediction is the sum, over the batches it computes (per micro-group,
+param group and shape, as the runtime stacks them), of the measured seconds of one call on
+that many matrices (``predict_seconds``; transfer time left out: the measured ``compute_s``
+does not contain it). The same plans priced in the optimizer's closed-form
 FLOPs give the *planned makespan / lower bound* of the strategy tables.
 """
 
@@ -19,7 +20,7 @@ import torch
 
 from canzona.plan import GroupedCost, MatrixSpec, cost_model
 from canzona.plan.assign import lower_bound, pinned_ranks
-from canzona.plan.measured import MeasuredCost
+from canzona.plan.measured import MeasuredCost, predict_seconds
 
 
 def measured_cost(opt: torch.optim.Optimizer) -> GroupedCost | None:
@@ -112,26 +113,26 @@ def plan_facts(
     facts["makespan_ratio_flops"] = max(flops_load) / bound if bound else 1.0
     if time_cost is not None:
         secs = {s.name: s.batch * _seconds(time_cost, s.cost_key, s.m, s.n) for s in specs}
-        predicted = [0.0] * world
-        for s in specs:
-            for r in ranks[s.name]:
-                predicted[r] += secs[s.name]
+        rounds = [g.names for g in plan.micro_groups]
+        predicted = predict_seconds(specs, rounds, lambda n: ranks[n], time_cost, world)
         costs, where = list(secs.values()), list(pins)
+        local: dict[tuple[int, str, int, int], int] = {}
         for it in runtime.items:  # matrices a single rank holds and updates: never planned
             if it.is_local:
                 key = str(opt._table.row(it.param).batch_key)  # type: ignore[attr-defined]
-                seconds = _seconds(time_cost, key, it.m, it.n)
-                predicted[it.unit[0]] += seconds
-                costs.append(seconds)
+                costs.append(_seconds(time_cost, key, it.m, it.n))
                 where.append(it.unit[0])
+                at = (it.unit[0], key, it.m, it.n)
+                local[at] = local.get(at, 0) + 1
+        for (rank, key, m, n), k in local.items():  # one stacked call per group and shape
+            model = time_cost.models[key]
+            assert isinstance(model, MeasuredCost)
+            predicted[rank] += model.batch_seconds(m, n, k)
         bound_s = lower_bound(costs, world, where)
-        groups = []
-        for g in plan.micro_groups:
-            loads = [0.0] * world
-            for name in g.names:
-                for r in ranks[name]:
-                    loads[r] += secs[name]
-            groups.append(loads)
+        groups = [
+            predict_seconds(specs, [names], lambda n: ranks[n], time_cost, world)
+            for names in rounds
+        ]
         facts.update(
             predicted_s=predicted,
             lower_bound_s=bound_s,

@@ -375,3 +375,38 @@ def test_load_state_dict_errors_use_parameter_names(name: str) -> None:
     with pytest.raises(ValueError, match="parameter names differ, first at 'wide'"):
         opt.load_state_dict(renamed)
     assert_state_dicts_equal(opt.state_dict(), before)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("switch", ["to_adamw", "from_adamw"])
+def test_a_group_keeps_its_algorithm_once_it_has_state(name: str, switch: str) -> None:
+    """Catches: switching a param group's algorithm after its first step failing inside the
+    math (a KeyError on a missing buffer) or, worse, running with the wrong state; an error
+    that does not name the parameter and both algorithms; a refused step that changes a
+    parameter or the state."""
+    cls, kwargs = OPTIMIZERS[name]
+    weight = nn.Parameter(torch.randn(6, 4, generator=torch.Generator().manual_seed(0)))
+    start = "adamw" if switch == "from_adamw" else cls.algorithm
+    opt = cls([{"params": [("layer.weight", weight)], "algorithm": start}], **kwargs)
+    weight.grad = torch.ones_like(weight)
+    opt.step()
+    before = (weight.detach().clone(), copy.deepcopy(opt.state_dict()))
+    opt.param_groups[0]["algorithm"] = cls.algorithm if start == "adamw" else "adamw"
+    with pytest.raises(ValueError) as error:
+        opt.step()
+    message = str(error.value)
+    assert "param group 0" in message and "'layer.weight'" in message
+    assert f"has {start!r} state" in message
+    assert f"is now {opt.param_groups[0]['algorithm']!r}" in message
+    assert torch.equal(weight.detach(), before[0])
+    opt.param_groups[0]["algorithm"] = start
+    assert_state_dicts_equal(opt.state_dict(), before[1])
+    opt.step()  # switched back: the group steps again
+    loaded = cls([{"params": [("layer.weight", weight)], "algorithm": start}], **kwargs)
+    loaded.load_state_dict(opt.state_dict())
+    loaded.param_groups[0]["algorithm"] = opt.param_groups[0]["algorithm"] = other = (
+        cls.algorithm if start == "adamw" else "adamw"
+    )
+    for refusing in (opt, loaded):  # states created by a step or by load_state_dict
+        with pytest.raises(ValueError, match=f"is now {other!r}"):
+            refusing.step()

@@ -1,4 +1,4 @@
-"""MeasuredCost: seconds from a table, a fit for the rest, transfer time; a JSON round trip."""
+"""MeasuredCost: seconds from a table, a fit, transfer time, batch calls; a JSON round trip."""
 
 from __future__ import annotations
 
@@ -8,7 +8,14 @@ from pathlib import Path
 import pytest
 
 from canzona.plan import GroupedCost, MatrixSpec, MuonCost, assign_owners, build_plan
-from canzona.plan.measured import MeasuredCost, fit_loglog, load_cost_table, save_cost_table
+from canzona.plan.measured import (
+    MeasuredCost,
+    batch_line,
+    fit_loglog,
+    load_cost_table,
+    predict_seconds,
+    save_cost_table,
+)
 
 
 def test_fit_recovers_a_power_law() -> None:
@@ -59,9 +66,68 @@ def test_the_digest_covers_the_table() -> None:
     assert digest[0] != digest[1]
 
 
+def test_the_digest_covers_the_batch_lines() -> None:
+    specs = [MatrixSpec("w", (64, 64))]
+    table = (((64, 64), 1e-3),)
+    one = MeasuredCost(base=MuonCost(), table=table, batches=(((64, 64), 4e-4, 6e-4),))
+    two = MeasuredCost(base=MuonCost(), table=table, batches=(((64, 64), 5e-4, 5e-4),))
+    digest = [build_plan(specs, 2, optimizer=c).digest() for c in (one, two)]
+    assert digest[0] != digest[1]
+
+
+def test_a_line_through_two_batch_sizes() -> None:
+    assert batch_line((1, 3.0), (4, 6.0)) == (2.0, 1.0)  # fixed 2 s, 1 s per matrix
+    assert batch_line((4, 6.0), (1, 3.0)) == (2.0, 1.0)  # in either order
+    assert batch_line((1, 3.0), (2, 6.0)) == (0.0, 3.0)  # no fixed cost
+    assert batch_line((1, 3.0), (2, 2.9)) is None  # noise: a bigger batch is cheaper
+    assert batch_line((2, 3.0), (4, 7.0)) is None  # the line would start below zero
+    assert batch_line((2, 3.0), (2, 3.5)) is None  # one batch size
+
+
+def test_a_call_costs_its_fixed_part_once() -> None:
+    cost = MeasuredCost(
+        base=MuonCost(), table=(((64, 64), 2.0), ((32, 32), 1.5)), batches=(((64, 64), 1.0, 1.5),)
+    )
+    assert cost.batch_seconds(64, 64, 1) == 2.5
+    assert cost.batch_seconds(64, 64, 4) == 7.0
+    assert cost.batch_seconds(64, 64, 0) == 0.0
+    assert cost.batch_seconds(32, 32, 4) == 6.0  # no line: k times the table's seconds
+    assert cost.flops(MatrixSpec("w", (64, 64))) == 2.0  # the planner's price is unchanged
+    with pytest.raises(ValueError, match="batch seconds must be finite"):
+        MeasuredCost(base=MuonCost(), table=(), batches=(((8, 8), -1.0, 1.0),))
+
+
+def test_the_prediction_prices_the_batches_each_round_forms() -> None:
+    """Per micro-group and rank, one call per (param group, shape): fixed once per call."""
+    line = MeasuredCost(base=MuonCost(), table=(), batches=(((64, 64), 1.0, 2.0),))
+    other = MeasuredCost(base=MuonCost(), table=(((64, 64), 10.0),))
+    cost = GroupedCost({"0": line, "1": other})
+    specs = [
+        MatrixSpec("a", (64, 64), cost_key="0"),
+        MatrixSpec("b", (64, 64), cost_key="0"),
+        MatrixSpec("c", (64, 64), cost_key="0"),
+        MatrixSpec("s", (3, 64, 64), cost_key="0"),  # a stack: three matrices, one call
+        MatrixSpec("d", (64, 64), cost_key="1"),  # another param group: its own call
+    ]
+    owner = {"a": 0, "b": 0, "c": 0, "s": 1, "d": 0}
+    together = predict_seconds(specs, [["a", "b", "c", "s", "d"]], lambda n: (owner[n],), cost, 2)
+    assert together == [1.0 + 3 * 2.0 + 10.0, 1.0 + 3 * 2.0]
+    apart = predict_seconds(specs, [["a", "b"], ["c", "s", "d"]], lambda n: (owner[n],), cost, 2)
+    assert apart == [(1.0 + 2 * 2.0) + (1.0 + 2.0) + 10.0, 1.0 + 3 * 2.0]
+    every = predict_seconds(specs[:2], [["a", "b"]], lambda n: (0, 1), cost, 2)
+    assert every == [5.0, 5.0]  # replicated: every computing rank runs the call
+    flops = GroupedCost({"0": MuonCost()})
+    with pytest.raises(ValueError, match="needs measured costs"):
+        predict_seconds(specs[:1], [["a"]], lambda n: (0,), flops, 1)
+
+
 def test_save_and_load(tmp_path: Path) -> None:
     cost = MeasuredCost(
-        base=MuonCost(ns_steps=3), table=(((8, 16), 1.5e-4),), fit=(-20.0, 0.9), bytes_per_s=5e8
+        base=MuonCost(ns_steps=3),
+        table=(((8, 16), 1.5e-4),),
+        fit=(-20.0, 0.9),
+        bytes_per_s=5e8,
+        batches=(((8, 16), 5e-5, 1e-4),),
     )
     path = tmp_path / "table.json"
     save_cost_table(path, GroupedCost({"0": cost}), {"device": "cpu"})

@@ -144,6 +144,19 @@ def test_replicated_packs_in_cost_order() -> None:
     assert groups[0].balance_ratio == 1.0
 
 
+def test_replicated_oversized_matrix_forms_its_own_group() -> None:
+    """Catches: a matrix restricted to other ranks packed next to one that alone exceeds the
+    capacity on its ranks (the group must then hold the oversized matrix only)."""
+    specs = [
+        MatrixSpec("big", (8, 8), ranks=(1,)),  # 256 B, only on rank 1
+        MatrixSpec("small", (2, 8), ranks=(0,)),  # 64 B, only on rank 0
+        MatrixSpec("tiny", (2, 8), ranks=(0,)),
+    ]
+    a = assign_owners(specs, 2, strategy="replicated")
+    groups = micro_groups(specs, a, capacity_bytes=128)
+    assert [g.names for g in groups] == [("big",), ("small", "tiny")]
+
+
 def test_micro_groups_validation() -> None:
     specs = [MatrixSpec("w", (2, 2))]
     a = assign_owners(specs, 2)

@@ -20,10 +20,13 @@ SHAPES = {"a": (16, 16), "b": (16, 16), "c": (24, 8), "d": (8, 24)}
 def _calibrated(cost: str) -> dict[str, Any]:
     params = sharded_params(full_tensors(SHAPES), mesh((2,)), {n: (Shard(0),) for n in SHAPES})
     calls: list[str | None] = []
+    sizes: set[tuple[int, int, int]] = set()
     original = canzona.Muon._directions
 
     def spy(self: Any, batch: Any, full: torch.Tensor) -> torch.Tensor:
         calls.append(batch.calibrate)
+        if batch.calibrate is not None:
+            sizes.add(tuple(full.shape))
         return original(self, batch, full)
 
     canzona.Muon._directions = spy  # type: ignore[method-assign]
@@ -45,6 +48,8 @@ def _calibrated(cost: str) -> dict[str, Any]:
         "timed_calls": first,
         "calls_after_cache": second,
         "shapes": sorted(tuple(k) for m in measured for k, _ in m.table),
+        "timed_sizes": sorted(sizes),
+        "lines": sorted(tuple(k) for m in measured for k, _, _ in m.batches),
     }
 
 
@@ -56,6 +61,10 @@ def test_measured_costs_are_agreed_and_cached(dist: Any) -> None:
         assert o["shapes"] == [(8, 24), (16, 16), (24, 8)]  # every distinct shape timed
         assert o["timed_calls"] > 0
         assert o["calls_after_cache"] == 0  # the same settings and shapes: no timing again
+        # two ranks, one matrix of each shape per rank: timed alone, then two at a time,
+        # which splits a call into a fixed part and a part per matrix
+        assert o["timed_sizes"] == [(k, m, n) for k in (1, 2) for m, n in o["shapes"]]
+        assert set(o["lines"]) <= set(o["shapes"])
 
 
 def test_flops_on_request(dist: Any) -> None:

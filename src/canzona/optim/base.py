@@ -118,6 +118,7 @@ class MatrixOptimizer(CopyMixin, CheckpointMixin, Optimizer):
         self._work: tuple[tuple[object, ...], dict[int, Tensor], StepWork] | None = None
         self._state_generation = 0
         self._steps_without_grads = 0
+        self._algorithms: dict[int, str] = {}  # per param group, the algorithm of its state
         self.last_step_stats: StepStats | None = None
 
     def _new_runtime(self) -> MatrixRuntime:
@@ -330,6 +331,8 @@ class MatrixOptimizer(CopyMixin, CheckpointMixin, Optimizer):
             with torch.enable_grad():
                 loss = closure()
         params, names, gids = self._flat()
+        if self._algorithms:
+            self._check_algorithms(params, names, gids)
         table = self._step_table(params, gids)
         has_grad = [p.grad is not None for p in params]
         failure: Failure | None = None
@@ -428,6 +431,7 @@ class MatrixOptimizer(CopyMixin, CheckpointMixin, Optimizer):
                 txn.created(self.state, p)
                 self._init_state(p, state, self.param_groups[gids[i]], i in matrix)
                 created = True
+                self._algorithms.setdefault(gids[i], self.param_groups[gids[i]]["algorithm"])
         if created:
             self._state_generation += 1
         work = build_work(
@@ -457,6 +461,31 @@ class MatrixOptimizer(CopyMixin, CheckpointMixin, Optimizer):
                 if len(w.prepared) != len(grads):
                     grads = [grads[k] for k in w.prepared]
                 self._prepare_group(group, w, grads, txn)
+
+    def _check_algorithms(self, params: list[Tensor], names: list[str], gids: list[int]) -> None:
+        """Refuse a step whose param group changed algorithm after its state was created.
+
+        Raises:
+            ValueError: naming the group, a parameter with state and both algorithms (every
+                rank raises it, before any collective).
+        """
+        for gid, seen in list(self._algorithms.items()):
+            now = self.param_groups[gid]["algorithm"]
+            if now == seen:
+                continue
+            held = [
+                n
+                for p, n, g in zip(params, names, gids, strict=True)
+                if g == gid and "step" in self.state.get(p, {})
+            ]
+            if not held:  # its states were rolled back: nothing to keep consistent
+                self._algorithms[gid] = now
+                continue
+            raise ValueError(
+                f"param group {gid} has {seen!r} state (parameter {held[0]!r}), but its "
+                f"algorithm is now {now!r}: a param group keeps its algorithm once it has "
+                "state (build a new optimizer to switch)"
+            )
 
     def _init_state(
         self, p: Tensor, state: dict[str, Any], group: dict[str, Any], is_matrix: bool

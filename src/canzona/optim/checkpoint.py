@@ -66,6 +66,7 @@ class CheckpointMixin:
     _owner: OwnerState
     _runtime: Any
     _state_generation: int
+    _algorithms: dict[int, str]
 
     def _flat(self) -> tuple[list[Tensor], list[str], list[int]]:
         raise NotImplementedError
@@ -332,3 +333,6 @@ class CheckpointMixin:
             self._owner.load(snapshot(self._runtime), entries, owner_values)
         else:
             self._owner.clear()
+        self._algorithms = {  # the loaded states are of these (validated) algorithms
+            g: group["algorithm"] for g, group in enumerate(self.param_groups)
+        }

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -12,7 +12,15 @@ from typing import Any
 from canzona.plan.cost import CostModel, GroupedCost, cost_model, cost_model_params
 from canzona.plan.spec import MatrixSpec
 
-__all__ = ["TABLE_FORMAT", "MeasuredCost", "fit_loglog", "load_cost_table", "save_cost_table"]
+__all__ = [
+    "TABLE_FORMAT",
+    "MeasuredCost",
+    "batch_line",
+    "fit_loglog",
+    "load_cost_table",
+    "predict_seconds",
+    "save_cost_table",
+]
 
 #: Version of the JSON written by :func:`save_cost_table` (``canzona calibrate``).
 TABLE_FORMAT = 1
@@ -35,6 +43,22 @@ def fit_loglog(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
     return (my - slope * mx, slope)
 
 
+def batch_line(a: tuple[int, float], b: tuple[int, float]) -> tuple[float, float] | None:
+    """``(fixed, per_matrix)`` of the line through two timings ``(k, seconds of one call)``.
+
+    None when the points do not give a line with both parts non-negative (equal batch
+    sizes, or timing noise that makes a bigger batch cheaper).
+    """
+    (k1, t1), (k2, t2) = sorted((a, b))
+    if k1 == k2 or k1 <= 0:
+        return None
+    per = (t2 - t1) / (k2 - k1)
+    fixed = t1 - k1 * per
+    if not (per >= 0 and fixed >= 0 and math.isfinite(per) and math.isfinite(fixed)):
+        return None
+    return (fixed, per)
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MeasuredCost:
     """Seconds on the owner per matrix, measured on the device the job runs on.
@@ -51,6 +75,10 @@ class MeasuredCost:
         fit: ``(a, b)`` of ``log seconds = a + b log FLOPs``.
         bytes_per_s: Measured transfer rate (0: transfers not counted).
         name: The optimizer's name.
+        batches: ``((m, n), fixed, per_matrix)`` for every shape timed at two batch sizes:
+            one call on ``k`` stacked matrices takes ``fixed + k * per_matrix`` seconds
+            (:meth:`batch_seconds`). ``table`` prices a matrix at the batch an owner is
+            expected to stack; this prices the batches a plan actually forms.
     """
 
     base: CostModel
@@ -58,7 +86,11 @@ class MeasuredCost:
     fit: tuple[float, float] = (0.0, 1.0)
     bytes_per_s: float = 0.0
     name: str = field(default="")
+    batches: tuple[tuple[tuple[int, int], float, float], ...] = ()
     _index: dict[tuple[int, int], float] = field(init=False, repr=False, compare=False)
+    _lines: dict[tuple[int, int], tuple[float, float]] = field(
+        init=False, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         if not isinstance(self.base, CostModel):
@@ -70,7 +102,14 @@ class MeasuredCost:
             index[(int(m), int(n))] = float(seconds)
         if not (self.bytes_per_s >= 0 and math.isfinite(self.bytes_per_s)):
             raise ValueError(f"bytes_per_s must be finite and >= 0, got {self.bytes_per_s!r}")
+        lines: dict[tuple[int, int], tuple[float, float]] = {}
+        for (m, n), fixed, per in self.batches:
+            for value in (fixed, per):
+                if not (isinstance(value, int | float) and value >= 0 and math.isfinite(value)):
+                    raise ValueError(f"batch seconds must be finite and >= 0, got {value!r}")
+            lines[(int(m), int(n))] = (float(fixed), float(per))
         object.__setattr__(self, "_index", index)
+        object.__setattr__(self, "_lines", lines)
         if not self.name:
             object.__setattr__(self, "name", self.base.name)
 
@@ -82,6 +121,18 @@ class MeasuredCost:
         work = self.base.flops(MatrixSpec("fit", (m, n)))
         a, b = self.fit
         return math.exp(a + b * math.log(work)) if work > 0 else 0.0
+
+    def batch_seconds(self, m: int, n: int, k: int) -> float:
+        """The owner's time for one call on ``k`` stacked ``m x n`` matrices.
+
+        ``fixed + k * per_matrix`` where the shape was timed at two batch sizes, else ``k``
+        times :meth:`seconds`.
+        """
+        line = self._lines.get((m, n))
+        if line is None:
+            return k * self.seconds(m, n)
+        fixed, per = line
+        return fixed + k * per if k > 0 else 0.0
 
     def flops(self, spec: MatrixSpec) -> float:
         """Seconds: the math of every matrix of the spec plus the payload's transfer time."""
@@ -103,7 +154,44 @@ class MeasuredCost:
             "table": [[m, n, s] for (m, n), s in sorted(self._index.items())],
             "fit": list(self.fit),
             "bytes_per_s": self.bytes_per_s,
+            "batches": [[m, n, f, g] for (m, n), (f, g) in sorted(self._lines.items())],
         }
+
+
+def predict_seconds(
+    specs: Sequence[MatrixSpec],
+    groups: Sequence[Sequence[str]],
+    computing_ranks: Callable[[str], Sequence[int]],
+    cost: MeasuredCost | GroupedCost,
+    num_ranks: int,
+) -> list[float]:
+    """Per rank, the predicted seconds of its owner math, batch by batch.
+
+    The runtime stacks, per micro-group and computing rank, the matrices of one param group
+    (``cost_key``), shape and payload size into one call; each such batch of ``k`` matrices
+    costs :meth:`MeasuredCost.batch_seconds`. Transfer time is left out.
+
+    Args:
+        specs: The planned matrices.
+        groups: The names of each micro-group (or any partition into rounds).
+        computing_ranks: The ranks that compute a matrix (its owner, or all when replicated).
+        cost: The measured model the plan was priced with (per ``cost_key`` when grouped).
+        num_ranks: Number of ranks.
+    """
+    by_name = {s.name: s for s in specs}
+    out = [0.0] * num_ranks
+    for names in groups:
+        counts: dict[tuple[int, str | None, int, int, int], list[MatrixSpec]] = {}
+        for name in names:
+            s = by_name[name]
+            for r in computing_ranks(name):
+                counts.setdefault((r, s.cost_key, s.m, s.n, s.itemsize), []).append(s)
+        for (r, _, m, n, _), batch in counts.items():
+            model = cost._model(batch[0]) if isinstance(cost, GroupedCost) else cost
+            if not isinstance(model, MeasuredCost):
+                raise ValueError(f"predict_seconds needs measured costs, got {model!r}")
+            out[r] += model.batch_seconds(m, n, sum(s.batch for s in batch))
+    return out
 
 
 def save_cost_table(path: Path, cost: MeasuredCost | GroupedCost, meta: Mapping[str, Any]) -> None:
@@ -136,6 +224,9 @@ def load_cost_table(path: Path, *, key: str = "0") -> MeasuredCost:
             table=tuple(((int(m), int(n)), float(s)) for m, n, s in entry["table"]),
             fit=(float(entry["fit"][0]), float(entry["fit"][1])),
             bytes_per_s=float(entry["bytes_per_s"]),
+            batches=tuple(
+                ((int(m), int(n)), float(f), float(g)) for m, n, f, g in entry.get("batches", ())
+            ),
         )
     except (OSError, AttributeError, KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"{str(path)!r} is not a canzona cost table: {exc}") from None

@@ -156,6 +156,10 @@ def _replicated_groups(
             for r in ranks:
                 extra[r] += memory[i]
                 top_extra = max(top_extra, extra[r])
+        if common + top_extra > capacity:  # an oversized matrix: a group of its own
+            groups.append(chosen)
+            chosen, common, top_extra = [], 0, 0
+            extra = [0] * assignment.num_ranks
     if chosen:
         groups.append(chosen)
     return groups
