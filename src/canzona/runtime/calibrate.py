@@ -26,6 +26,9 @@ MAX_BATCH = 8
 PROBE_BYTES = 1 << 22
 #: Timed calls per shape and phase (their median counts).
 REPEATS = 5
+#: Timed calls of a long computation (see :data:`SHORT_CALL_S`): its noise is relatively
+#: small, and the budget they leave times more shapes instead of fitting them.
+LONG_REPEATS = 3
 
 #: Bytes a CPU calibration touches before each timed call (more than the caches hold).
 EVICT_BYTES = 32 << 20
@@ -110,10 +113,10 @@ def _time_call(run: ComputeFn, batch: ComputeBatch, full: torch.Tensor) -> float
     clock = _clock()
     t0 = clock()
     run(batch, full)  # warm-up (and primes owner-side state)
-    evict = clock() - t0 < SHORT_CALL_S
+    short = clock() - t0 < SHORT_CALL_S
     times: list[float] = []
-    for _ in range(REPEATS):
-        if evict:
+    for _ in range(REPEATS if short else LONG_REPEATS):
+        if short:
             _evict_caches()
         t0 = clock()
         run(batch, full)
