@@ -85,6 +85,8 @@ PRESETS: dict[str, dict[str, Any]] = {
             "w128": _qwen.ModelConfig(name="qwen3-like width 128", widths=(128,) * 2),
         },
         "steps": 10,
+        # a 10 ms step: 10 of them last 0.1 s, inside one burst of this machine's noise
+        "min_steps": {"w128": 60},
         "diagnostics": {
             "muon": ("canzona_unchecked", "canzona_one_group", "canzona_not_atomic"),
             "depth": DEPTH,
@@ -310,7 +312,7 @@ def plan_cases(args: argparse.Namespace, preset: dict[str, Any]) -> list[Case]:
                 model=model,
                 mesh=mesh,
                 world=world,
-                steps=steps,
+                steps=steps if args.steps else max(steps, preset.get("min_steps", {}).get(key, 0)),
                 capacity_mb=capacity,
                 peers=peers if with_peers else (),
                 diagnostics=tuple(diagnostics),

@@ -123,7 +123,7 @@ def _time_call(run: ComputeFn, batch: ComputeBatch, full: torch.Tensor) -> float
         times.append(clock() - t0)
         if sum(times) > SHAPE_CAP_S:
             break
-    return sorted(times)[len(times) // 2]
+    return _median(sorted(times))
 
 
 def time_shape(
@@ -162,7 +162,7 @@ def time_shape(
 
 
 def _median_over_ranks(timed: list[float], watchdog: Watchdog, device: torch.device) -> list[float]:
-    """Per shape, the median of the ranks that timed it (-1 when none did).
+    """Per timing, the median of the ranks that took it (-1 when none did).
 
     One all-gather; the same numbers on every rank.
     """
@@ -173,8 +173,14 @@ def _median_over_ranks(timed: list[float], watchdog: Watchdog, device: torch.dev
     out = []
     for i in range(len(timed)):
         values = sorted(row[i] for row in table if row[i] >= 0)
-        out.append(values[len(values) // 2] if values else -1.0)
+        out.append(_median(values) if values else -1.0)
     return out
+
+
+def _median(values: list[float]) -> float:
+    """The median of sorted values (the mean of the middle two for an even count)."""
+    half = len(values) // 2
+    return values[half] if len(values) % 2 else (values[half - 1] + values[half]) / 2
 
 
 def measure_transfer(watchdog: Watchdog, device: torch.device) -> float:
