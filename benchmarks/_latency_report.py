@@ -355,7 +355,8 @@ def render(payload: dict[str, Any]) -> str:
         f"`{payload.get('commit') or 'not recorded'}`): {payload['cpu']}, "
         f"{m['cpu_count']} cores, torch {m['torch']}, gloo, one intra-op thread per rank "
         f"(`OMP_NUM_THREADS={m['omp_num_threads']}`), {payload['steps']} timed steps after "
-        f"{payload['warmup']} warm-up steps; {payload['bench_seconds']:.0f} s in all.",
+        f"{payload['warmup']} warm-up steps{_more_steps(payload)}; "
+        f"{payload['bench_seconds']:.0f} s in all.",
         "Each case forks its ranks once and runs every strategy (and, for Muon, every peer) "
         "from the same initial weights on the same gradients. A step's time is the slowest "
         "rank's `optimizer.step()` after a barrier; the table gives the median and the range "
@@ -451,6 +452,14 @@ PINNED = (
     "experts per rank), so only the o-projection blocks and the three dense MLP matrices are "
     "placed freely; with three MLP matrices on two ranks one rank holds two of them."
 )
+
+
+def _more_steps(payload: dict[str, Any]) -> str:
+    """Models timed over more steps than the rest (short steps), e.g. " (w128: 60)"."""
+    more = {
+        c["model"]: c["steps"] for c in payload["cases"] if c.get("steps", 0) > payload["steps"]
+    }
+    return " (" + ", ".join(f"{k}: {v}" for k, v in sorted(more.items())) + ")" if more else ""
 
 
 def _group_factor(payload: dict[str, Any], case: dict[str, Any], strategy: str) -> float:

@@ -95,3 +95,11 @@ def test_the_plan_costs_each_groups_own_hyper_parameters(dist: Any) -> None:
 
 def test_calibration_cache_key_names_the_device() -> None:
     assert calibrate_module.device_name(torch.device("cpu")).startswith("cpu:")
+
+
+def test_the_agreed_timing_is_the_true_median() -> None:
+    """Catches: the upper of the two middle timings taken for the median of an even count
+    (with two ranks that is the slower rank's, a bias toward the noisier one)."""
+    assert calibrate_module._median([1.0, 3.0]) == 2.0
+    assert calibrate_module._median([1.0, 2.0, 9.0]) == 2.0
+    assert calibrate_module._median([1.0, 2.0, 4.0, 9.0]) == 3.0
