@@ -407,6 +407,7 @@ def test_a_group_keeps_its_algorithm_once_it_has_state(name: str, switch: str) -
     loaded.param_groups[0]["algorithm"] = opt.param_groups[0]["algorithm"] = other = (
         cls.algorithm if start == "adamw" else "adamw"
     )
-    for refusing in (opt, loaded):  # states created by a step or by load_state_dict
+    copied = copy.deepcopy(opt)
+    for refusing in (opt, loaded, copied):  # states from a step, load_state_dict, a copy
         with pytest.raises(ValueError, match=f"is now {other!r}"):
             refusing.step()

@@ -13,9 +13,10 @@ class CopyMixin:
     """``__getstate__``/``__setstate__`` for :class:`~canzona.optim.base.MatrixOptimizer`.
 
     ``torch.optim.Optimizer.__getstate__`` keeps only ``defaults``, ``state`` and
-    ``param_groups``; a canzona optimizer also needs its configurations, ``skipped_steps``
-    and its owner-held states, and rebuilds its runtime (process group, plan, schedules,
-    buffers) at the copy's next step, collectively on a mesh.
+    ``param_groups``; a canzona optimizer also needs its configurations, ``skipped_steps``,
+    its owner-held states and the algorithm each param group's state belongs to, and
+    rebuilds its runtime (process group, plan, schedules, buffers) at the copy's next step,
+    collectively on a mesh.
     """
 
     # provided by MatrixOptimizer
@@ -24,6 +25,7 @@ class CopyMixin:
     skipped_steps: int
     defaults: dict[str, Any]
     _owner: OwnerState
+    _algorithms: dict[int, str]
 
     def _reset(self, owner: OwnerState) -> None:
         raise NotImplementedError
@@ -49,6 +51,7 @@ class CopyMixin:
         state["pipeline_config"] = self.pipeline_config
         state["skipped_steps"] = self.skipped_steps
         state["owner_states"] = self._owner.states
+        state["algorithms"] = dict(self._algorithms)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -64,6 +67,7 @@ class CopyMixin:
             return
         state = dict(state)
         owner_states = state.pop("owner_states", {})
+        algorithms = state.pop("algorithms", {})
         torch_default = "differentiable" not in state["defaults"]
         super().__setstate__(state)  # type: ignore[misc]
         if torch_default:  # torch.optim adds it; a later param group would then carry it
@@ -74,3 +78,4 @@ class CopyMixin:
         owner = OwnerState(self._fresh_item_state)
         owner.states = owner_states
         self._reset(owner)
+        self._algorithms = algorithms
