@@ -266,6 +266,59 @@ def test_watchdog_names_the_rank_that_never_arrived(dist: Any) -> None:
         assert "did not complete within 2s" in msg
 
 
+def _storage_bytes(opt: torch.optim.Optimizer) -> list[tuple[bool, int]]:
+    """Per cached pipeline: retired, and the smallest storage of its step buffers (bytes)."""
+    pipelines = opt._runtime._pipelines.values()  # type: ignore[attr-defined]
+    return [
+        (p.retired, min(b.tensor.untyped_storage().nbytes() for b in p.schedule.buffers))
+        for p in pipelines
+    ]
+
+
+def _timeout_with_gathers_in_flight() -> dict[str, Any]:
+    group = tdist.new_group(backend="gloo", timeout=timedelta(seconds=20))
+    params = _params(tuple(SHAPES))  # 10 matrices for 4 ranks
+    opt = canzona.Muon(
+        params,
+        lr=0.02,
+        plan=canzona.PlanConfig(capacity_mb=0.0005),  # one matrix per rank and micro-group
+        pipeline=canzona.PipelineConfig(process_group=group, timeout_s=2.0, check_every_step=False),
+    )
+    for _, p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()  # every rank: plans, and leaves its buffers released
+    out: dict[str, Any] = {
+        "groups": opt.last_step_stats.micro_groups,  # type: ignore[attr-defined]
+        "after_step": _storage_bytes(opt),
+    }
+    if tdist.get_rank() == 1:
+        return out
+    out["outcome"] = _outcome(opt.step)
+    out["after_timeout"] = _storage_bytes(opt)
+    return out
+
+
+def test_a_timeout_never_frees_buffers_a_collective_may_still_use(dist: Any) -> None:
+    """Catches: freeing the step buffers while gathers issued ahead are still in flight.
+
+    Rank 1 skips the second step: the others time out waiting for the first gather while
+    the next micro-group's gather (issued ahead, depth 1) still holds the step buffers.
+    Those must stay allocated, and the pipeline retired so the next step builds new ones.
+    """
+    out = dist(4).run(_timeout_with_gathers_in_flight, timeout=TIMEOUT)
+    for rank in range(4):
+        assert out[rank]["groups"] >= 2
+        assert out[rank]["after_step"] == [(False, 0)]  # released between healthy steps
+    assert "outcome" not in out[1]
+    for rank in (0, 2, 3):
+        kind, msg = out[rank]["outcome"]
+        assert kind == "CollectiveTimeoutError", msg
+        assert "the gather of micro-group 0" in msg
+        [(retired, held)] = out[rank]["after_timeout"]
+        assert retired
+        assert held > 0
+
+
 def _replan_after_add_param_group() -> dict[str, Any]:
     shapes = {n: SHAPES[n] for n in ("square", "tall", "wide")}
     fulls = full_tensors(shapes)

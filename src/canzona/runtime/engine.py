@@ -382,7 +382,7 @@ class MatrixRuntime:
         matrix_active = tuple(p for p in table.matrix if p in active)
         key = (self._plan_version, table.version, matrix_active)
         pipeline = self._pipelines.get(key)
-        if pipeline is not None:
+        if pipeline is not None and not pipeline.retired:
             return pipeline
         assert self.topology is not None
         chosen = set(matrix_active)
@@ -422,7 +422,7 @@ class MatrixRuntime:
             watchdog=self.watchdog,
             device=self.device,
         )
-        if len(self._pipelines) >= _SCHEDULES:
+        if key not in self._pipelines and len(self._pipelines) >= _SCHEDULES:
             self._pipelines.pop(next(iter(self._pipelines)))
         self._pipelines[key] = pipeline
         return pipeline

@@ -138,6 +138,10 @@ class Pipeline:
         self.config = config
         self.watchdog = watchdog
         self.device = device
+        #: A step left collectives in flight (it raised while waiting): the step buffers
+        #: may still be read or written by them, so they are never freed or reused; the
+        #: runtime builds a new pipeline for the next step.
+        self.retired = False
 
     # ------------------------------------------------------------------ step
     def run(
@@ -185,7 +189,10 @@ class Pipeline:
             _apply(kept + run.received, table, tensors, apply)
             run.stats.apply_s = time.perf_counter() - start
         finally:
-            self.schedule.release()
+            if run.in_flight:  # a collective may still use the buffers: never free them
+                self.retired = True
+            else:
+                self.schedule.release()
         run.stats.total_s = time.perf_counter() - t0
         return run.stats
 
@@ -229,6 +236,7 @@ class _Run:
         self.stats = StepStats(rank=pipeline.rank)
         self.received: list[tuple[torch.Tensor, Delivery]] = []
         self.failed_ranks: list[int] | None = None  # from the last scatter's status
+        self.in_flight = 0  # all-to-alls issued and not yet waited for
 
     def fail(self, where: str, exc: BaseException, params: Sequence[int] = ()) -> None:
         if self.failure is None:
@@ -305,6 +313,7 @@ class _Run:
         work = dist.all_to_all_single(
             out, inp, out_splits, in_splits, group=self.p.group, async_op=True
         )
+        self.in_flight += 1
         stats = self.stats
         stats.collectives += 1
         size = out.element_size()
@@ -317,6 +326,7 @@ class _Run:
         start = time.perf_counter()
         self.p.watchdog.wait(pending.work, f"the {pending.what} of micro-group {pending.group}")
         pending.work = None  # drop the handle as soon as it completed
+        self.in_flight -= 1
         self.stats.wait_s += time.perf_counter() - start
 
     def _gather(self, g: GroupSchedule) -> _Pending:
