@@ -10,7 +10,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from canzona.plan.cost import CostModel, resolve_cost_model
+from canzona.plan.consolidate import CallCosts, consolidate_owners
+from canzona.plan.cost import CostModel, GroupedCost, resolve_cost_model
+from canzona.plan.measured import MeasuredCost
 from canzona.plan.refine import objective, refine_owners
 from canzona.plan.spec import MatrixSpec, check_specs
 
@@ -230,6 +232,43 @@ def _replicated(
     )
 
 
+def call_parts(model: CostModel, spec: MatrixSpec) -> tuple[float, float]:
+    """``(fixed part of one stacked call on the spec's class, the spec's own cost)``.
+
+    Measured models split a call (:meth:`MeasuredCost.call_parts`); others give ``(0, flops)``.
+    """
+    if isinstance(model, GroupedCost):
+        model = model.model_of(spec)
+    if isinstance(model, MeasuredCost):
+        return model.call_parts(spec)
+    return 0.0, model.flops(spec)
+
+
+def _call_class(spec: MatrixSpec) -> tuple[str | None, int, int, int]:
+    """What the runtime stacks into one call: param group (cost key), shape, payload size."""
+    return spec.cost_key, spec.m, spec.n, spec.itemsize
+
+
+def _stack_sizes(
+    specs: Sequence[MatrixSpec], memory: Sequence[int], capacity: int | None
+) -> list[int]:
+    """Per matrix, how many of its class one micro-group holds per rank.
+
+    The capacity over the class's largest bytes in flight (at least 1); every matrix of the
+    instance when the capacity is unlimited (None).
+    """
+    largest: dict[tuple[str | None, int, int, int], int] = {}
+    for spec, nbytes in zip(specs, memory, strict=True):
+        key = _call_class(spec)
+        largest[key] = max(largest.get(key, 0), nbytes)
+    everything = max(1, len(specs))
+    out = []
+    for spec in specs:
+        size = largest[_call_class(spec)]
+        out.append(everything if capacity is None or size <= 0 else max(1, capacity // size))
+    return out
+
+
 def _greedy(
     specs: Sequence[MatrixSpec],
     num_ranks: int,
@@ -238,12 +277,17 @@ def _greedy(
     nbytes: Sequence[int],
     alpha: float,
     refine: bool,
+    parts: Sequence[tuple[float, float]] = (),
+    memory: Sequence[int] = (),
+    capacity: int | None = None,
 ) -> list[int]:
     """Owners by LPT on element counts (``numel``) or the blended cost (``canzona``).
 
     A held matrix starts on its least loaded holder (it moves no bytes there); a pinned one
     is eligible on its holders only. ``canzona`` then refines, keeping the greedy result
-    unless the refinement is at least as good on the blended objective.
+    unless the refinement is at least as good on the blended objective; where ``parts``
+    gives calls a fixed part (measured costs), it then gathers same-class matrices on
+    fewer owners without raising the makespan (``consolidate_owners``).
     """
     eligible = [s.holders if s.pinned else s.ranks for s in specs]
     # data already in place starts there: the greedy places a held matrix on its least
@@ -268,6 +312,15 @@ def _greedy(
         before = objective(ordered_costs, chosen, num_ranks)
         if objective(ordered_costs, refined, num_ranks) <= before:
             chosen = refined
+        if any(fixed > 0 for fixed, _ in parts):
+            calls = CallCosts(
+                costs=[w_bytes * moved[i] + w_flops * parts[i][1] for i in order],
+                fixed=[w_flops * parts[i][0] for i in order],
+                classes=[_call_class(specs[i]) for i in order],
+                stack=_stack_sizes([specs[i] for i in order], [memory[i] for i in order], capacity),
+            )
+            movable = [() if specs[i].holders is not None else specs[i].ranks for i in order]
+            chosen = consolidate_owners(calls, movable, chosen, num_ranks)
     owners = [0] * len(specs)
     for pos, i in enumerate(order):
         owners[i] = chosen[pos]
@@ -282,6 +335,7 @@ def assign_owners(
     optimizer: str | CostModel = "muon",
     alpha: float = 1.0,
     refine: bool = True,
+    capacity_bytes: int | None = None,
 ) -> Assignment:
     """Give every matrix an owner rank that computes its update.
 
@@ -297,7 +351,11 @@ def assign_owners(
       ``(-cost, -bytes, name)`` (deterministic and independent of the input order), each matrix
       whole to the least-loaded eligible rank (ties to the lowest rank); then, if ``refine``,
       local search (:func:`~canzona.plan.refine.refine_owners`). The result is never worse than
-      plain LPT on the blended objective.
+      plain LPT on the blended objective. Where the cost model measured a fixed part per
+      call (:class:`~canzona.plan.MeasuredCost` with batch lines), owners are then
+      consolidated: same-class matrices gathered on fewer ranks and rebalanced, pricing one
+      fixed part per call (:func:`~canzona.plan.consolidate.consolidate_owners`), never
+      raising that makespan.
     * ``numel``: the same greedy on element counts, without refinement.
     * ``round_robin``: matrices in the given order dealt to eligible ranks in turn.
     * ``count``: within each same-shape batch, matrices dealt in order from rank 0, so that
@@ -310,7 +368,10 @@ def assign_owners(
         strategy: One of ``STRATEGIES``.
         optimizer: A cost model or the name of a built-in one.
         alpha: Weight of compute against communication in the blended cost, in [0, 1].
-        refine: Run the refinement pass (``canzona`` only).
+        refine: Run the refinement and consolidation passes (``canzona`` only).
+        capacity_bytes: Bytes in flight per rank and micro-group (None: unlimited), which
+            bounds how many matrices of a class one call stacks (``canzona`` with measured
+            costs, whose calls have a fixed part).
 
     Returns:
         The assignment with per-rank FLOPs and bytes.
@@ -337,7 +398,13 @@ def assign_owners(
     elif strategy == "count":
         owners = _count(specs, num_ranks)
     else:
-        owners = _greedy(specs, num_ranks, strategy, flops, nbytes, alpha, refine)
+        parts, memory = [], []
+        if strategy == "canzona":
+            parts = [call_parts(model, s) for s in specs]
+            memory = [model.memory_bytes(s) for s in specs]
+        owners = _greedy(
+            specs, num_ranks, strategy, flops, nbytes, alpha, refine, parts, memory, capacity_bytes
+        )
 
     per_rank: list[list[float]] = [[] for _ in range(num_ranks)]
     received = [0] * num_ranks

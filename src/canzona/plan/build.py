@@ -32,7 +32,8 @@ class PlanConfig:
         strategy: Owner-assignment strategy, one of ``STRATEGIES``.
         alpha: Weight of compute against communication in the ``canzona`` cost, in [0, 1].
         capacity_mb: Bytes in flight allowed per rank and micro-group, in mebibytes.
-        refine: Run the local-search refinement after the greedy assignment.
+        refine: Run the local searches after the greedy assignment (the refinement, and the
+            consolidation of calls where costs are measured).
         replica_dedup: Read by the runtime: over ``Replicate`` mesh dimensions, compute each
             matrix once and broadcast (True) or once per replica group (False).
         cost: Read by the runtime: ``"measured"`` times the owner math on the device at the
@@ -236,6 +237,7 @@ def build_plan(
         optimizer=model,
         alpha=config.alpha,
         refine=config.refine,
+        capacity_bytes=config.capacity_bytes,
     )
     groups = micro_groups(specs, assignment, capacity_bytes=config.capacity_bytes, optimizer=model)
     return Plan(

@@ -262,7 +262,8 @@ class GroupedCost:
             if not isinstance(key, str) or not isinstance(model, CostModel):
                 raise ValueError(f"GroupedCost maps str keys to cost models, got {key!r}")
 
-    def _model(self, spec: MatrixSpec) -> CostModel:
+    def model_of(self, spec: MatrixSpec) -> CostModel:
+        """The model that prices ``spec`` (its ``cost_key``'s); ValueError for an unknown key."""
         model = self.models.get(spec.cost_key) if spec.cost_key is not None else None
         if model is None:
             raise ValueError(
@@ -273,15 +274,15 @@ class GroupedCost:
 
     def flops(self, spec: MatrixSpec) -> float:
         """The FLOPs of the spec's own model."""
-        return self._model(spec).flops(spec)
+        return self.model_of(spec).flops(spec)
 
     def comm_bytes(self, spec: MatrixSpec) -> int:
         """The bytes of the spec's own model."""
-        return self._model(spec).comm_bytes(spec)
+        return self.model_of(spec).comm_bytes(spec)
 
     def memory_bytes(self, spec: MatrixSpec) -> int:
         """The bytes in flight of the spec's own model."""
-        return self._model(spec).memory_bytes(spec)
+        return self.model_of(spec).memory_bytes(spec)
 
     def params(self) -> dict[str, Any]:
         """Every model's name and parameters (what the plan digest covers)."""

@@ -134,6 +134,19 @@ class MeasuredCost:
         fixed, per = line
         return fixed + k * per if k > 0 else 0.0
 
+    def call_parts(self, spec: MatrixSpec) -> tuple[float, float]:
+        """``(fixed, own)`` seconds: a call's fixed part and the spec's own part of it.
+
+        The fixed part is the batch line's for the spec's shape; the own part prices its
+        matrices at the line's price per matrix, plus the payload's transfer time. Without a
+        batch line: ``(0, flops(spec))``.
+        """
+        line = self._lines.get((spec.m, spec.n))
+        if line is None:
+            return 0.0, self.flops(spec)
+        transfer = spec.nbytes / self.bytes_per_s if self.bytes_per_s else 0.0
+        return line[0], spec.batch * line[1] + transfer
+
     def flops(self, spec: MatrixSpec) -> float:
         """Seconds: the math of every matrix of the spec plus the payload's transfer time."""
         transfer = spec.nbytes / self.bytes_per_s if self.bytes_per_s else 0.0
@@ -187,7 +200,7 @@ def predict_seconds(
             for r in computing_ranks(name):
                 counts.setdefault((r, s.cost_key, s.m, s.n, s.itemsize), []).append(s)
         for (r, _, m, n, _), batch in counts.items():
-            model = cost._model(batch[0]) if isinstance(cost, GroupedCost) else cost
+            model = cost.model_of(batch[0]) if isinstance(cost, GroupedCost) else cost
             if not isinstance(model, MeasuredCost):
                 raise ValueError(f"predict_seconds needs measured costs, got {model!r}")
             out[r] += model.batch_seconds(m, n, sum(s.batch for s in batch))
