@@ -1,4 +1,4 @@
-"""The one place that launches ranks: a persistent pool of forked gloo processes for tests.
+"""Tests' ranks: a persistent pool of forked gloo processes, warmed up by ``canzona.launch``.
 
 A :class:`DistPool` forks ``world_size`` workers from the pytest process once; each joins a real
 gloo default process group and then serves scenarios until the pool is closed. A scenario is a
@@ -63,12 +63,12 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import _dist_worker
 from _dist_worker import _PARENT_ENDS, OUTPUT_LIMIT, _worker_main
+from canzona.launch import prepare_parent
 
 __all__ = ["DistPool", "PoolFailure", "RankError", "RankTimeout", "mesh"]
 
@@ -342,10 +342,9 @@ def _prepare_parent() -> None:
             "the pytest process holds a default process group (a test did not call"
             " destroy_process_group()); DistPool forks its ranks from a process without one"
         )
-    torch.set_num_threads(1)
     if os.getpid() != _warmed_up_pid:
         began = time.perf_counter()
-        _warm_up()
+        prepare_parent()  # the launcher's checks and warm-up, once per process
         warm_up_seconds = time.perf_counter() - began
         _warmed_up_pid = os.getpid()
     threads = _thread_count()
@@ -356,27 +355,6 @@ def _prepare_parent() -> None:
             RuntimeWarning,
             stacklevel=4,
         )
-
-
-def _warm_up() -> None:
-    """One DTensor op and one FSDP2 step on a ``fake`` process group, destroyed afterwards.
-
-    Forked ranks then inherit torch's lazily imported modules and registered ops: measured on
-    2 cores, the first DTensor op of a fresh 4-rank pool drops from ~2.3 s to ~0.03 s.
-    """
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    dist.init_process_group("fake", rank=0, world_size=2)
-    try:
-        cpu_mesh = init_device_mesh("cpu", (2,))
-        x = distribute_tensor(torch.randn(4, 4, requires_grad=True), cpu_mesh, [Shard(0)])
-        (x @ x.T).full_tensor().sum().backward()
-        model = torch.nn.Linear(4, 4)
-        fully_shard(model, mesh=cpu_mesh)
-        model(torch.randn(2, 4)).sum().backward()
-    finally:
-        dist.destroy_process_group()
 
 
 def _thread_count() -> int:

@@ -20,8 +20,8 @@ from canzona.cli import main as canzona_main
 from canzona.demo import main
 from canzona.demo.cli import NS_COEFFICIENTS, Progress
 from canzona.demo.cli import OPTIMIZERS as CLI_OPTIMIZERS
-from canzona.demo.launch import RankFailure, run_ranks
 from canzona.demo.train import OPTIMIZERS, DemoSettings, run_demo
+from canzona.launch import RankFailure, run_ranks
 from canzona.updates import NS_SCHEDULES
 
 # How close FSDP×TP (world 4) and FSDP (world 2) stay to one process over the first 4 steps, in

@@ -226,7 +226,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except _UsageError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
-    from canzona.demo.launch import RankFailure, limit_threads
+    from canzona.launch import RankFailure, limit_threads
 
     limit_threads()  # before anything imports torch
     from canzona.demo.train import DemoSettings, describe, run_demo

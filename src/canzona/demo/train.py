@@ -354,7 +354,7 @@ def run_demo(settings: DemoSettings, on_progress: Report) -> dict[str, Any]:
     Raises:
         RankFailure: If a rank fails.
     """
-    from canzona.demo.launch import run_ranks
+    from canzona.launch import run_ranks
 
     corpus = Corpus(settings.corpus_bytes)  # once, inherited by the forked ranks
     if settings.world == 1:

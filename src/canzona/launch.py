@@ -1,11 +1,15 @@
-"""Start the demo's ranks: forked CPU processes joined in a gloo process group on loopback.
+"""Run a job on forked CPU ranks joined in a gloo process group: the demo's, benchmarks', tests'.
 
 Forking from a process that already imported torch starts a rank in well under a second
 (spawning one costs several seconds of imports each). Two conditions keep forked ranks
 healthy: the parent runs one OpenMP thread (``OMP_NUM_THREADS=1`` before torch is imported;
 a child forked after a multi-threaded OpenMP pool has run can hang in its first parallel
-kernel), and the parent holds no process group when it forks. The parent warms torch's
-lazy imports up once on a ``fake`` process group, so the ranks inherit them.
+kernel), and the parent holds no process group when it forks. :func:`prepare_parent` checks
+the second and warms torch's lazy imports up once per process on a ``fake`` process group,
+so the ranks inherit them (measured on 2 cores: a fresh rank's first DTensor op drops from
+~2.3 s to ~0.03 s).
+
+    results = run_ranks(4, job)  # job(progress) on every rank; results in rank order
 """
 
 from __future__ import annotations
@@ -27,16 +31,20 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-__all__ = ["RankFailure", "run_ranks"]
+__all__ = ["RankFailure", "limit_threads", "prepare_parent", "run_ranks"]
 
 Job = Callable[[Callable[[dict[str, Any]], None]], Any]
 """A rank's work: called with a progress callback, returns a picklable result."""
 
 PG_TIMEOUT = timedelta(seconds=120)
+#: Seconds the other ranks get to report their own failure once one rank failed.
+FAILURE_GRACE_S = 2.0
+
+_warmed_up_pid: int | None = None
 
 
 class RankFailure(RuntimeError):
-    """A rank raised, died or did not finish in time; the message names it and why."""
+    """A rank raised, died or did not finish in time; the message names each and why."""
 
 
 def limit_threads() -> None:
@@ -50,6 +58,24 @@ def limit_threads() -> None:
     import torch
 
     torch.set_num_threads(1)
+
+
+def prepare_parent() -> None:
+    """Make this process safe to fork ranks from; warm torch up in it once.
+
+    Raises:
+        RuntimeError: If this process holds a default process group.
+    """
+    global _warmed_up_pid
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        raise RuntimeError("ranks are forked from a process without a default process group")
+    torch.set_num_threads(1)
+    if os.getpid() != _warmed_up_pid:
+        _warm_up()
+        _warmed_up_pid = os.getpid()
 
 
 def _warm_up() -> None:
@@ -114,7 +140,7 @@ def _loopback() -> None:
 def run_ranks(
     world: int,
     job: Job,
-    on_progress: Callable[[dict[str, Any]], None],
+    on_progress: Callable[[dict[str, Any]], None] | None = None,
     *,
     timeout_s: float | None = None,
 ) -> list[Any]:
@@ -122,24 +148,21 @@ def run_ranks(
 
     Args:
         world: Number of ranks.
-        job: What each rank runs (it inherits everything by fork: no pickling of ``job``).
+        job: What each rank runs, with a progress callback (it inherits everything by fork:
+            no pickling of ``job``; ``torch.distributed.get_rank()`` tells a rank apart).
         on_progress: Called in this process with each progress payload a rank sends.
         timeout_s: Deadline for the whole job (None: none; a rank stuck in a collective
             still fails after the process group's timeout).
 
     Raises:
-        RankFailure: If a rank raised, died, or the deadline passed; the other ranks are
+        RankFailure: If a rank raised, died, or the deadline passed, with every failing
+            rank's account (the others get ``FAILURE_GRACE_S`` to report); every rank is
             stopped first.
     """
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        raise RuntimeError("run_ranks forks its ranks from a process without a process group")
-    limit_threads()
+    prepare_parent()
     _loopback()
-    _warm_up()
     ctx = mp.get_context("fork")
-    with tempfile.TemporaryDirectory(prefix="canzona-demo-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="canzona-ranks-") as tmp:
         procs: list[BaseProcess] = []
         conns: list[Connection] = []
         try:
@@ -148,7 +171,7 @@ def run_ranks(
                 proc = ctx.Process(
                     target=_rank_main,
                     args=(rank, world, os.path.join(tmp, "store"), child_end, job),
-                    name=f"canzona-demo-rank{rank}",
+                    name=f"canzona-rank{rank}",
                     daemon=True,
                 )
                 proc.start()
@@ -156,7 +179,7 @@ def run_ranks(
                 procs.append(proc)
                 conns.append(parent_end)
             deadline = math.inf if timeout_s is None else time.monotonic() + timeout_s
-            return _collect(procs, conns, on_progress, deadline)
+            return _collect(procs, conns, on_progress or (lambda _: None), deadline)
         finally:
             for started in procs:
                 if started.is_alive() and started.pid is not None:
@@ -174,29 +197,37 @@ def _collect(
     deadline: float,
 ) -> list[Any]:
     results: dict[int, Any] = {}
+    failed: dict[int, str] = {}
     pending = set(range(len(procs)))
     while pending:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            raise RankFailure(f"rank(s) {sorted(pending)} did not finish in time")
+            break
         waitables: list[Any] = [conns[r] for r in pending] + [procs[r].sentinel for r in pending]
         ready = set(wait(waitables, timeout=None if math.isinf(remaining) else remaining))
         for rank in sorted(pending):
-            conn = conns[rank]
-            if conn not in ready and procs[rank].sentinel not in ready:
+            if conns[rank] not in ready and procs[rank].sentinel not in ready:
                 continue
             try:
-                kind, body = pickle.loads(conn.recv_bytes())
+                kind, body = pickle.loads(conns[rank].recv_bytes())
             except (EOFError, OSError):
                 procs[rank].join(timeout=1.0)
-                raise RankFailure(
-                    f"rank {rank} died (exit code {procs[rank].exitcode}) without a result"
-                ) from None
+                failed[rank] = f"died (exit code {procs[rank].exitcode}) without a result"
+                pending.discard(rank)
+                continue
             if kind == "progress":
                 on_progress(body)
             elif kind == "done":
                 results[rank] = body
                 pending.discard(rank)
             else:
-                raise RankFailure(f"rank {rank} failed:\n{body.rstrip()}")
+                failed[rank] = body.rstrip()
+                pending.discard(rank)
+        if failed:  # the others are probably blocked in a collective
+            deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
+    if failed or pending:
+        lines = [f"rank {r} failed:\n{t}" for r, t in sorted(failed.items())]
+        why = "stopped after another rank failed" if failed else "did not finish in time"
+        lines += [f"rank {r} {why}" for r in sorted(pending)]
+        raise RankFailure("\n".join(lines))
     return [results[r] for r in range(len(procs))]
