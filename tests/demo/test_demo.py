@@ -12,7 +12,6 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -21,7 +20,6 @@ from canzona.demo import main
 from canzona.demo.cli import NS_COEFFICIENTS, Progress
 from canzona.demo.cli import OPTIMIZERS as CLI_OPTIMIZERS
 from canzona.demo.train import OPTIMIZERS, DemoSettings, run_demo
-from canzona.launch import RankFailure, run_ranks
 from canzona.updates import NS_SCHEDULES
 
 # How close FSDP×TP (world 4) and FSDP (world 2) stay to one process over the first 4 steps, in
@@ -200,30 +198,6 @@ def test_importing_the_demo_loads_no_torch() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
-
-
-def _fail_on_rank_1(progress: Any) -> int:
-    import torch.distributed as dist
-
-    if dist.get_rank() == 1:
-        raise RuntimeError("rank one breaks")
-    progress({"seen": dist.get_rank()})
-    return dist.get_rank()
-
-
-def _ok(progress: Any) -> int:
-    import torch.distributed as dist
-
-    progress({"rank": dist.get_rank()})
-    return dist.get_rank() * 10
-
-
-def test_launcher_returns_results_and_reports_a_failing_rank() -> None:
-    seen: list[dict[str, Any]] = []
-    assert run_ranks(2, _ok, seen.append) == [0, 10]
-    assert sorted(p["rank"] for p in seen) == [0, 1]
-    with pytest.raises(RankFailure, match=r"(?s)rank 1 failed:.*RuntimeError: rank one breaks"):
-        run_ranks(2, _fail_on_rank_1, lambda _: None)
 
 
 class _Terminal(io.StringIO):
