@@ -32,15 +32,14 @@ def _fail_on_rank_1(progress: Any) -> int:
 
 def test_a_failing_rank_is_named_with_its_traceback_and_the_others_stopped() -> None:
     """Catches: a failure reported without the rank's traceback, or a launcher that waits
-    for a rank that will not finish once another one failed."""
-    began = time.monotonic()
+    for a rank that will not finish once another one failed (rank 0 would then end its
+    sleep and fail at the closing barrier with an error of its own)."""
     with pytest.raises(RankFailure) as info:
         run_ranks(2, _fail_on_rank_1)
     text = str(info.value)
     assert text.startswith("rank 1 failed:\nTraceback")
     assert "RuntimeError: rank one breaks" in text
     assert text.endswith("\nrank 0 stopped after another rank failed")
-    assert time.monotonic() - began < 30
 
 
 def _dies_on_rank_0(progress: Any) -> int:
@@ -60,7 +59,5 @@ def _sleeps(progress: Any) -> int:
 
 
 def test_a_deadline_stops_every_rank() -> None:
-    began = time.monotonic()
     with pytest.raises(RankFailure, match="rank 0 did not finish in time\nrank 1 did not finish"):
         run_ranks(2, _sleeps, timeout_s=1.0)
-    assert time.monotonic() - began < 20

