@@ -12,13 +12,15 @@ them elsewhere, as ``run_all.py --quick`` does).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
-from canzona.plan import STRATEGIES, assign_owners, build_plan
+from canzona.plan import STRATEGIES, GroupedCost, MatrixSpec, MuonCost, assign_owners, build_plan
+from canzona.plan.measured import MeasuredCost
 from canzona.plan.models import model_specs
 from canzona.plan.report import compare_strategies
 
@@ -183,6 +185,52 @@ def time_big_model(repeats: int) -> dict[str, Any]:
     }
 
 
+#: Models split per head, as the runtime's measured costs see them: every call pays a fixed
+#: part, so the plan's last pass gathers same-shape matrices (``plan/consolidate.py``).
+PRICED_CALLS = (("qwen3-32b", 256), ("qwen3-235b-a22b", 1024))
+FIXED_S, SECONDS_PER_FLOP = 2e-5, 1e-12  # a GPU-like call: 20 us, then 1 TFLOP/s
+
+
+def _priced(specs: list[MatrixSpec]) -> GroupedCost:
+    """A measured table for ``specs``: ``FIXED_S`` per call plus the FLOPs at a fixed rate."""
+    base = MuonCost()
+    shapes = sorted({(s.m, s.n) for s in specs})
+    per = {mn: SECONDS_PER_FLOP * base.flops(MatrixSpec("s", mn)) for mn in shapes}
+    cost = MeasuredCost(
+        base=base,
+        table=tuple((mn, FIXED_S + per[mn]) for mn in shapes),
+        batches=tuple((mn, FIXED_S, per[mn]) for mn in shapes),
+    )
+    return GroupedCost(models={"0": cost})
+
+
+def time_priced_calls(repeats: int) -> list[dict[str, Any]]:
+    """``build_plan`` with calls priced (fixed part + per matrix), per head, median seconds."""
+    out = []
+    for name, world in PRICED_CALLS:
+        specs = [
+            dataclasses.replace(s, cost_key="0")
+            for s in model_specs(name, split="heads", world=world)
+        ]
+        cost = _priced(specs)
+        seconds = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            plan = build_plan(specs, world, optimizer=cost)
+            seconds.append(time.perf_counter() - t0)
+        out.append(
+            {
+                "model": name,
+                "world": world,
+                "matrices": len(specs),
+                "build_plan_seconds": statistics.median(seconds),
+                "calls": len({(plan.assignment.owner[s.name], s.shape) for s in specs}),
+                "repeats": repeats,
+            }
+        )
+    return out
+
+
 def draw_plot(path: Path) -> Path | None:
     try:
         from canzona.cli import plot_loads
@@ -207,6 +255,7 @@ def _mark(ok: bool) -> str:
 
 def render(payload: dict[str, Any]) -> str:
     grid, summary, big = payload["grid"], payload["summary"], payload["big_model"]
+    priced = payload["priced_calls"]
     lines = [
         "## Plan quality",
         "",
@@ -290,6 +339,18 @@ def render(payload: dict[str, Any]) -> str:
         f"micro-groups) + `digest()` ({big['median_seconds']['digest']:.2f} s). Refinement "
         f"improved on plain LPT in {all_['canzona_better_than_lpt']} of "
         f"{payload['cells']} cells.",
+        "",
+        "With calls priced (the runtime's measured costs: a fixed part per stacked call, "
+        f"here {FIXED_S * 1e6:.0f} µs plus {SECONDS_PER_FLOP * 1e12:.0f} ps per FLOP), "
+        "`build_plan` ends with the pass that gathers same-shape matrices on fewer owners "
+        "(`plan/consolidate.py`, bounded by a work budget); median of "
+        f"{priced[0]['repeats']} runs, models split per head: "
+        + "; ".join(
+            f"{r['model']} ({r['matrices']} matrices) @ {r['world']}: "
+            f"{r['build_plan_seconds']:.2f} s"
+            for r in priced
+        )
+        + ".",
         "",
         "Where `canzona` stays above 1.0 the lower bound, not the assignment, is usually "
         "loose: whole matrices cannot be split, so a few large matrices per rank force a "
@@ -390,6 +451,12 @@ def main(argv: list[str] | None = None) -> int:
     cells = run_grid(grid)
     big = time_big_model(repeats=3 if args.full else 1)
     print(f"{BIG_MODEL} @ {BIG_WORLD}: {big['end_to_end_seconds']:.2f} s end to end")
+    priced = time_priced_calls(repeats=3 if args.full else 1)
+    for row in priced:
+        print(
+            f"{row['model']} per head @ {row['world']}, calls priced: "
+            f"{row['build_plan_seconds']:.2f} s"
+        )
     plot = draw_plot(args.plot or PLOT_PATH)
     payload: dict[str, Any] = {
         "mode": name,
@@ -399,6 +466,7 @@ def main(argv: list[str] | None = None) -> int:
         "targets": {"mean": TARGET_MEAN, "worst": TARGET_WORST, "seconds": TARGET_SECONDS},
         "summary": aggregate(cells),
         "big_model": big,
+        "priced_calls": priced,
         "refinement_showcase": refinement_showcase(),
         "splits": split_table(name),
         "plot": str(plot) if plot else None,
