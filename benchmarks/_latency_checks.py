@@ -24,6 +24,7 @@ TIME_TARGETS = {"prediction_error": 0.05, "balance_time": 1.05, "calibration_s":
 STRUCTURE_TARGET = 0.85
 BASELINES = ("replicated", "round_robin", "count", "numel")
 ATOMIC = ("canzona", "canzona_not_atomic")
+BUFFERS = ("canzona", "canzona_free_buffers")
 DEPTH = ("canzona", "canzona_depth2", "canzona_depth3", "canzona_one_group")
 DEPTH_LABELS = {
     "canzona": "depth 1 (default)",
@@ -459,27 +460,32 @@ def render_structure(cases: list[dict[str, Any]], labels: dict[str, str], layers
     return "\n\n".join(parts)
 
 
+def _pair(c: dict[str, Any], pair: tuple[str, str]) -> list[str] | None:
+    """Step times of two runs of a case: each median, the ratio of medians, per round."""
+    a, b = (c["runs"].get(k, {}) for k in pair)
+    if "step_s" not in a or "step_s" not in b:
+        return None
+    per_round = [x / y for x, y in zip(a["steps_s"], b["steps_s"], strict=False)]
+    return [
+        c["case"],
+        _ms(a["step_s"]),
+        _ms(b["step_s"]),
+        _ratio(a["step_s"] / b["step_s"]),
+        _ratio(_median(per_round)),
+    ]
+
+
 def render_atomic(cases: list[dict[str, Any]]) -> str:
     """Step time with and without the copies that make a failed step change nothing."""
     rows = []
     for c in cases:
-        a, b = (c["runs"].get(k, {}) for k in ATOMIC)
-        if "step_s" not in a or "step_s" not in b:
+        row = _pair(c, ATOMIC)
+        if row is None:
             continue
-        backup, params = a.get("backup_bytes", []), c.get("param_bytes", [])
+        backup = c["runs"]["canzona"].get("backup_bytes", [])
+        params = c.get("param_bytes", [])
         share = "/".join(f"{x / y:.2f}" for x, y in zip(backup, params, strict=False) if y)
-        rows.append(
-            [
-                c["case"],
-                _ms(a["step_s"]),
-                _ms(b["step_s"]),
-                _ratio(a["step_s"] / b["step_s"]),
-                _ratio(_median([x / y for x, y in zip(a["steps_s"], b["steps_s"], strict=False)])),
-                _mib(backup),
-                _mib(params),
-                share or "–",
-            ]
-        )
+        rows.append([*row, _mib(backup), _mib(params), share or "–"])
     if not rows:
         return ""
     return "\n\n".join(
@@ -501,6 +507,32 @@ def render_atomic(cases: list[dict[str, Any]]) -> str:
                     "backup MiB per rank",
                     "parameter MiB per rank",
                     "backup / parameters",
+                ],
+                rows,
+            ),
+        ]
+    )
+
+
+def render_buffers(cases: list[dict[str, Any]]) -> str:
+    """Step time with the step buffers kept between steps (the CPU default) and freed."""
+    rows = [row for c in cases if (row := _pair(c, BUFFERS)) is not None]
+    if not rows:
+        return ""
+    return "\n\n".join(
+        [
+            "### Step buffers kept between steps",
+            "On the CPU, `PipelineConfig(keep_buffers=None)` (the default) keeps the step's flat "
+            "buffers (payloads and, with `atomic`, the state copies) allocated between steps; "
+            "`keep_buffers=False` frees them after each step, as the default does on "
+            "accelerators, and the next step faults their pages in again.",
+            markdown_table(
+                [
+                    "case",
+                    "step ms, kept (default)",
+                    "step ms, `keep_buffers=False`",
+                    "ratio of medians",
+                    "median of per-round ratios",
                 ],
                 rows,
             ),

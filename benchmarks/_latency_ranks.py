@@ -45,6 +45,7 @@ VARIANTS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "canzona_depth2": ({}, {"depth": 2}),
     "canzona_depth3": ({}, {"depth": 3}),
     "canzona_not_atomic": ({}, {"atomic": False}),
+    "canzona_free_buffers": ({}, {"keep_buffers": False}),
 }
 WARMUP = 2
 SLOW_PEER_STEPS = 3  # timed steps of the peers in _peers.SLOW (seconds per step)

@@ -23,6 +23,7 @@ from _latency_checks import (
     note,
     ratio_row,
     render_atomic,
+    render_buffers,
     render_depth,
     render_prediction,
     render_structure,
@@ -42,6 +43,7 @@ DIAGNOSTICS = (
     "canzona_depth2",
     "canzona_depth3",
     "canzona_not_atomic",
+    "canzona_free_buffers",
 )
 LABELS = {
     "replicated": "`replicated` (synchronous baseline)",
@@ -55,6 +57,7 @@ LABELS = {
     "canzona_depth2": "`canzona`, pipeline depth 2 (diagnostic)",
     "canzona_depth3": "`canzona`, pipeline depth 3 (diagnostic)",
     "canzona_not_atomic": "`canzona`, `atomic=False` (diagnostic)",
+    "canzona_free_buffers": "`canzona`, `keep_buffers=False` (diagnostic)",
 }
 TARGETS = {
     "muon_w4_vs_replicated": 0.35,
@@ -413,6 +416,7 @@ def render(payload: dict[str, Any]) -> str:
         render_prediction(cases, LABELS),
         render_structure(cases, LABELS, structure),
         render_atomic(cases),
+        render_buffers(cases),
         render_depth(cases),
     ):
         if extra:

@@ -88,9 +88,14 @@ PRESETS: dict[str, dict[str, Any]] = {
         # a 10 ms step: 10 of them last 0.1 s, inside one burst of this machine's noise
         "min_steps": {"w128": 60},
         "diagnostics": {
-            "muon": ("canzona_unchecked", "canzona_one_group", "canzona_not_atomic"),
+            "muon": (
+                "canzona_unchecked",
+                "canzona_one_group",
+                "canzona_not_atomic",
+                "canzona_free_buffers",
+            ),
             "depth": DEPTH,
-            "precond": ("canzona_not_atomic",),
+            "precond": ("canzona_not_atomic", "canzona_free_buffers"),
         },
         "peers": (
             "torchtitan",
@@ -127,7 +132,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "steps": 2,
         "diagnostics": {
             "depth": (*DEPTH, "canzona_not_atomic"),
-            "precond": ("canzona_not_atomic",),
+            "precond": ("canzona_not_atomic", "canzona_free_buffers"),
         },
         "peers": ("full_tensor",),
     },

@@ -178,6 +178,11 @@ def test_step_latency_tiny_fsdp_tp_shampoo(tmp_path: Path) -> None:
     assert runs["canzona_not_atomic"]["identical"] is True
     assert sum(runs["canzona"]["backup_bytes"]) > sum(shampoo["param_bytes"])
     assert runs["canzona_not_atomic"]["backup_bytes"] == [0] * 4
+    # buffers freed after each step instead of kept: the same parameters, and a table row
+    assert runs["canzona_free_buffers"]["identical"] is True
+    section = _section(tmp_path / "b.md", "step_latency")
+    assert "### Step buffers kept between steps" in section
+    assert "| shampoo/small/fsdp/w4 |" in section.split("### Step buffers kept")[1]
 
 
 def test_train_step_tiny(tmp_path: Path) -> None:

@@ -411,3 +411,29 @@ def test_a_group_keeps_its_algorithm_once_it_has_state(name: str, switch: str) -
     for refusing in (opt, loaded, copied):  # states from a step, load_state_dict, a copy
         with pytest.raises(ValueError, match=f"is now {other!r}"):
             refusing.step()
+
+
+# ------------------------------------------------------------------ pipeline configuration
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"timeout_s": 0.0}, "timeout_s must be > 0, got 0.0"),
+        ({"depth": 0}, "depth must be an int >= 1, got 0"),
+        ({"overlap": 1}, "overlap must be a bool, got 1"),
+        ({"atomic": None}, "atomic must be a bool, got None"),
+        ({"keep_buffers": "yes"}, "keep_buffers must be a bool or None, got 'yes'"),
+    ],
+)
+def test_bad_pipeline_config(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(match)):
+        canzona.PipelineConfig(**kwargs)
+
+
+def test_step_buffers_are_kept_on_the_cpu_and_freed_on_accelerators_by_default() -> None:
+    """Catches: a default that frees CPU buffers, or an explicit setting the device overrides."""
+    default = canzona.PipelineConfig()
+    assert (default.keeps_buffers("cpu"), default.keeps_buffers("cuda")) == (True, False)
+    kept = canzona.PipelineConfig(keep_buffers=True)
+    freed = canzona.PipelineConfig(keep_buffers=False)
+    assert (kept.keeps_buffers("cpu"), kept.keeps_buffers("cuda")) == (True, True)
+    assert (freed.keeps_buffers("cpu"), freed.keeps_buffers("cuda")) == (False, False)

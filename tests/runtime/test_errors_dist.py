@@ -282,11 +282,13 @@ def _timeout_with_gathers_in_flight() -> dict[str, Any]:
         params,
         lr=0.02,
         plan=canzona.PlanConfig(capacity_mb=0.0005),  # one matrix per rank and micro-group
-        pipeline=canzona.PipelineConfig(process_group=group, timeout_s=2.0, check_every_step=False),
+        pipeline=canzona.PipelineConfig(
+            process_group=group, timeout_s=2.0, check_every_step=False, keep_buffers=False
+        ),
     )
     for _, p in params:
         p.grad = torch.ones_like(p)
-    opt.step()  # every rank: plans, and leaves its buffers released
+    opt.step()  # every rank: plans, and leaves its buffers released (keep_buffers=False)
     out: dict[str, Any] = {
         "groups": opt.last_step_stats.micro_groups,  # type: ignore[attr-defined]
         "after_step": _storage_bytes(opt),

@@ -17,6 +17,7 @@ from _cases import (
     SHAPES,
     assert_bitwise,
     compare,
+    full_of,
     full_tensors,
     grad_steps,
     plan,
@@ -334,3 +335,69 @@ def test_batched_newton_schulz_path_world2(dist: Any) -> None:
         assert out["stacks"] == [(2, 32, 48)], out
         assert out["calls"] == 3, out  # one stack per step on this rank
         assert all(out["same"].values()), out
+
+
+def _held_bytes(opt: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes this rank's step buffers and state copies hold (between steps: what is kept)."""
+    pipelines = opt._runtime._pipelines.values()  # type: ignore[attr-defined]
+    work = opt._work[2]  # type: ignore[attr-defined]
+    backups = [w.cache["backup"] for w in work.groups if "backup" in w.cache]
+    return {
+        "schedules": sum(
+            b.tensor.untyped_storage().nbytes() for p in pipelines for b in p.schedule.buffers
+        ),
+        "backups": sum(
+            buf.tensor.untyped_storage().nbytes() for b in backups for buf, _, _ in b._parts
+        ),
+        "backup_groups": len(backups),
+    }
+
+
+def _buffer_policies_case() -> dict[str, Any]:
+    """Every ``keep_buffers`` setting: what stays allocated between steps, and the results."""
+    fulls = full_tensors(SHAPES)
+    grads = grad_steps(SHAPES, 3)
+    want = reference_muon(fulls, grads, **KW)
+    vectors = {"bias": torch.linspace(-1.0, 1.0, 10)}
+    vector_grads = [{"bias": torch.full((10,), 0.1 * (k + 1))} for k in range(3)]
+    dm = mesh((2,))
+    out: dict[str, Any] = {}
+    for keep in (None, True, False):
+        params = sharded_params(fulls, dm, ALL_ROWS)
+        bias = sharded_params(vectors, dm, {"bias": (Shard(0),)})
+        opt = canzona.Muon(
+            [{"params": params}, {"params": bias, "algorithm": "adamw", "lr": 1e-3}],
+            **KW,
+            plan=plan(capacity_mb=1e-4),  # several micro-groups, several step buffers
+            pipeline=canzona.PipelineConfig(keep_buffers=keep),
+        )
+        held = []
+        for g, vg in zip(grads, vector_grads, strict=True):
+            set_grads(params + bias, g | vg)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            held.append(_held_bytes(opt))
+        got = {n: full_of(p) for n, p in params + bias}
+        out[str(keep)] = {"same": compare(got, want), "held": held, "bias": got["bias"]}
+    return out
+
+
+def test_step_buffers_kept_on_cpu_by_default_and_freed_when_asked(dist: Any) -> None:
+    """``keep_buffers``: None keeps the step buffers and the state copies (Muon's momentum,
+    the AdamW moments) allocated between steps on the CPU, True keeps them, False frees
+    them after every step; all three are bitwise equal to torch.optim.Muon (and to each
+    other on the AdamW-routed bias).
+
+    Catches: the flag ignored (either way), a kept buffer whose stale contents leak into
+    the next step, copies allocated before the first step that takes them.
+    """
+    for out in dist(2).run(_buffer_policies_case):
+        for keep in ("None", "True", "False"):
+            assert all(eq for eq, _ in out[keep]["same"].values()), (keep, out[keep]["same"])
+            assert torch.equal(out[keep]["bias"], out["False"]["bias"]), keep
+            for held in out[keep]["held"]:
+                assert held["backup_groups"] == 2, held  # the Muon group and the AdamW group
+                if keep == "False":
+                    assert held["schedules"] == 0 and held["backups"] == 0, held
+                else:
+                    assert held["schedules"] > 0 and held["backups"] > 0, (keep, held)

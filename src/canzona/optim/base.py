@@ -498,6 +498,11 @@ class MatrixOptimizer(CopyMixin, CheckpointMixin, Optimizer):
             self._init_storage_state(p, state, group)
             self._add_owner_placeholders(p, state, group)
 
+    def _backup(self, tensors: list[Tensor]) -> Backup:
+        """A :class:`Backup` of ``tensors``, kept between steps as the pipeline config says."""
+        keep = bool(tensors) and self.pipeline_config.keeps_buffers(tensors[0].device.type)
+        return Backup(tensors, keep=keep)
+
     def _adamw_moments(self, w: GroupWork, grads: list[Tensor], txn: StepTransaction) -> None:
         """AdamW's moment updates of one group (before the vote; saved for a rollback)."""
         if "exp_avgs" not in w.cache:
@@ -505,7 +510,7 @@ class MatrixOptimizer(CopyMixin, CheckpointMixin, Optimizer):
             w.cache["exp_avgs"] = [local_tensor(s["exp_avg"]) for s in states]
             w.cache["exp_avg_sqs"] = [local_tensor(s["exp_avg_sq"]) for s in states]
             w.cache["locals"] = [local_tensor(p) for p in w.params]
-            w.cache["backup"] = Backup(w.cache["exp_avgs"] + w.cache["exp_avg_sqs"])
+            w.cache["backup"] = self._backup(w.cache["exp_avgs"] + w.cache["exp_avg_sqs"])
         txn.save(w.cache["backup"])
         betas = tuple(self.param_groups[w.gid]["adamw_betas"])
         adamw_moments_(grads, w.cache["exp_avgs"], w.cache["exp_avg_sqs"], betas=betas)

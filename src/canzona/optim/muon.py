@@ -13,7 +13,7 @@ from torch import Tensor
 
 from canzona.optim.base import MatrixOptimizer, scalar
 from canzona.optim.prepare import GroupWork
-from canzona.optim.transaction import Backup, StepTransaction
+from canzona.optim.transaction import StepTransaction
 from canzona.plan import PlanConfig
 from canzona.runtime import ApplyBatch, ComputeBatch, PipelineConfig, local_tensor
 from canzona.updates import (
@@ -218,7 +218,7 @@ class Muon(MatrixOptimizer):
             params = [work.params[k] for k in work.prepared]
             bufs = [local_tensor(self.state[p]["momentum_buffer"]) for p in params]
             work.cache["bufs"] = bufs
-            work.cache["backup"] = Backup(bufs)
+            work.cache["backup"] = self._backup(bufs)
         txn.save(work.cache["backup"])
         muon_prepare_batch_(
             work.cache["bufs"],

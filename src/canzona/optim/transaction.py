@@ -16,13 +16,15 @@ class Backup:
 
     Built once for a list of state tensors that a step changes in place (e.g. the
     momentum buffers of a param group); each step then copies them with one foreach op
-    per dtype. The memory is held only between :meth:`take` and :meth:`drop`.
+    per dtype. The memory is held from the first :meth:`take`; unless ``keep``, only until
+    the next :meth:`drop`.
 
     Args:
         tensors: The tensors (any shapes and dtypes, one device).
+        keep: Hold the copies' memory between steps (see :class:`FlatBuffer`).
     """
 
-    def __init__(self, tensors: Sequence[Tensor]) -> None:
+    def __init__(self, tensors: Sequence[Tensor], *, keep: bool = False) -> None:
         by_dtype: dict[torch.dtype, list[Tensor]] = {}
         for t in tensors:
             if t.numel():
@@ -34,7 +36,8 @@ class Backup:
             for t in ts:
                 views.append(buf.view(offset, t.shape))
                 offset += t.numel()
-            buf.release()
+            buf.release()  # nothing to hold before the first take
+            buf.keep = keep
             self._parts.append((buf, ts, views))
 
     @property
@@ -54,7 +57,7 @@ class Backup:
             torch._foreach_copy_(ts, views)
 
     def drop(self) -> None:
-        """Free the copies' memory."""
+        """Free the copies' memory (unless kept)."""
         for buf, _, _ in self._parts:
             buf.release()
 

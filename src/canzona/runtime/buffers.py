@@ -1,4 +1,4 @@
-"""Flat step buffers whose views live across steps while their memory lives only inside a step."""
+"""Flat step buffers whose views live across steps and whose memory may be freed between them."""
 
 from __future__ import annotations
 
@@ -12,22 +12,27 @@ __all__ = ["FlatBuffer", "Selector"]
 
 
 class FlatBuffer:
-    """One 1-D tensor with views cut once, whose storage is allocated only during a step.
+    """One 1-D tensor with views cut once, whose storage may be freed between steps.
 
     Views into a tensor keep pointing at its storage when the storage is resized, so the
     views (and any list of them) are cut once per plan, while the storage is allocated (a
-    new buffer is), after which :meth:`release` gives the
-    memory back between steps (forward and backward can use it) and :meth:`acquire`
-    allocates it again at the next step. The contents do not survive a release.
+    new buffer is). Unless the buffer is kept, :meth:`release` then gives the memory back
+    between steps (forward and backward can use it) and :meth:`acquire` allocates it again
+    at the next step; a kept buffer holds its memory from :meth:`acquire` on. The contents
+    are undefined at every :meth:`acquire`.
 
     Args:
         numel: Number of elements.
         dtype: Element dtype.
         device: Device.
+        keep: Hold the memory between steps (:meth:`release` leaves it allocated).
     """
 
-    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, numel: int, dtype: torch.dtype, device: torch.device, *, keep: bool = False
+    ) -> None:
         self.tensor = torch.empty(numel, dtype=dtype, device=device)
+        self.keep = keep
         self._nbytes = self.tensor.untyped_storage().nbytes()
 
     @property
@@ -49,8 +54,9 @@ class FlatBuffer:
             storage.resize_(self._nbytes)
 
     def release(self) -> None:
-        """Free the storage; views stay valid objects until the next :meth:`acquire`."""
-        self.tensor.untyped_storage().resize_(0)
+        """Free the storage unless the buffer is kept; views stay valid objects either way."""
+        if not self.keep:
+            self.tensor.untyped_storage().resize_(0)
 
 
 class Selector:

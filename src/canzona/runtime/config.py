@@ -61,8 +61,17 @@ class PipelineConfig:
             written only after every rank has voted success, in every mode; with
             ``atomic`` the optimizer state that changes before the vote (momentum, Adam
             moments, owner-held state) is copied first and restored on failure, which
-            costs one copy of that state per step in time and, during the step, in
-            memory. Without it a failed step leaves that state advanced.
+            costs one copy of that state per step in time and in memory (during the step,
+            and between steps where ``keep_buffers`` keeps the copies of the momentum and
+            the Adam moments). Without it a failed step leaves that state advanced.
+        keep_buffers: Keep the step's flat buffers (the payloads and, with ``atomic``, the
+            copies of the state) allocated between steps instead of freeing them after
+            each step. ``None`` (default) decides by device: kept on the CPU, where a freed
+            large block goes back to the operating system and the next step faults every
+            page in again (about 0.4 ms per MiB here), freed on accelerators, whose caching
+            allocator lends the memory to forward and backward and hands it back at no
+            cost. Kept buffers hold their bytes between steps; results are bit-identical
+            either way.
     """
 
     overlap: bool = True
@@ -73,6 +82,7 @@ class PipelineConfig:
     progress_markers: bool = True
     skip_nonfinite: bool = False
     atomic: bool = True
+    keep_buffers: bool | None = None
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:
@@ -83,3 +93,9 @@ class PipelineConfig:
             raise ValueError(f"overlap must be a bool, got {self.overlap!r}")
         if not isinstance(self.atomic, bool):
             raise ValueError(f"atomic must be a bool, got {self.atomic!r}")
+        if self.keep_buffers is not None and not isinstance(self.keep_buffers, bool):
+            raise ValueError(f"keep_buffers must be a bool or None, got {self.keep_buffers!r}")
+
+    def keeps_buffers(self, device_type: str) -> bool:
+        """Whether step buffers on a ``device_type`` device stay allocated between steps."""
+        return device_type == "cpu" if self.keep_buffers is None else self.keep_buffers

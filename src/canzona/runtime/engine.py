@@ -412,6 +412,7 @@ class MatrixRuntime:
             world=self.world,
             replicated=bool(self.plan and self.plan.assignment.replicated),
             device=self.device,
+            keep_buffers=self.config.keeps_buffers(self.device.type),
         ).build()
         pipeline = Pipeline(
             schedule=schedule,

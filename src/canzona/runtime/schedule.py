@@ -136,6 +136,7 @@ class ScheduleBuilder:
         world: Ranks in the process group.
         replicated: Every eligible rank computes every matrix (no scatter).
         device: Device of the buffers.
+        keep_buffers: Hold the buffers' memory between steps (see :class:`FlatBuffer`).
     """
 
     def __init__(
@@ -151,6 +152,7 @@ class ScheduleBuilder:
         world: int,
         replicated: bool,
         device: torch.device,
+        keep_buffers: bool = False,
     ) -> None:
         self.topology = topology
         self.routes = routes
@@ -162,6 +164,7 @@ class ScheduleBuilder:
         self.world = world
         self.replicated = replicated
         self.device = device
+        self.keep_buffers = keep_buffers
         self.selectors = _Selectors(device)
         self.layout = _Layout()
 
@@ -187,8 +190,8 @@ class ScheduleBuilder:
         prepared, payloads, buffers, casts = [], [], [], []
         for (prep, pay), cls in sorted(self.layout.classes.items(), key=lambda kv: kv[1]):
             size = self.layout.sizes[cls]
-            a = FlatBuffer(size, prep, self.device)
-            b = a if prep == pay else FlatBuffer(size, pay, self.device)
+            a = FlatBuffer(size, prep, self.device, keep=self.keep_buffers)
+            b = a if prep == pay else FlatBuffer(size, pay, self.device, keep=self.keep_buffers)
             prepared.append(a)
             payloads.append(b)
             buffers.append(a)
@@ -209,7 +212,7 @@ class ScheduleBuilder:
         schedule = Schedule(
             buffers, casts, payload, local, local_kept, [g for g in groups if g], self.replicated
         )
-        schedule.release()  # views are cut: the memory is needed only inside a step
+        schedule.release()  # views are cut: unless kept, the memory is needed only in a step
         return schedule
 
     # ------------------------------------------------------------------ pieces
