@@ -232,7 +232,7 @@ def _replicated(
     )
 
 
-def call_parts(model: CostModel, spec: MatrixSpec) -> tuple[float, float]:
+def _call_parts(model: CostModel, spec: MatrixSpec) -> tuple[float, float]:
     """``(fixed part of one stacked call on the spec's class, the spec's own cost)``.
 
     Measured models split a call (:meth:`MeasuredCost.call_parts`); others give ``(0, flops)``.
@@ -400,7 +400,7 @@ def assign_owners(
     else:
         parts, memory = [], []
         if strategy == "canzona":
-            parts = [call_parts(model, s) for s in specs]
+            parts = [_call_parts(model, s) for s in specs]
             memory = [model.memory_bytes(s) for s in specs]
         owners = _greedy(
             specs, num_ranks, strategy, flops, nbytes, alpha, refine, parts, memory, capacity_bytes

@@ -144,13 +144,15 @@ class MeasuredCost:
         line = self._lines.get((spec.m, spec.n))
         if line is None:
             return 0.0, self.flops(spec)
-        transfer = spec.nbytes / self.bytes_per_s if self.bytes_per_s else 0.0
-        return line[0], spec.batch * line[1] + transfer
+        return line[0], spec.batch * line[1] + self._transfer(spec)
 
     def flops(self, spec: MatrixSpec) -> float:
         """Seconds: the math of every matrix of the spec plus the payload's transfer time."""
-        transfer = spec.nbytes / self.bytes_per_s if self.bytes_per_s else 0.0
-        return spec.batch * self.seconds(spec.m, spec.n) + transfer
+        return spec.batch * self.seconds(spec.m, spec.n) + self._transfer(spec)
+
+    def _transfer(self, spec: MatrixSpec) -> float:
+        """Seconds to move the spec's payload at the measured rate (0 when not counted)."""
+        return spec.nbytes / self.bytes_per_s if self.bytes_per_s else 0.0
 
     def comm_bytes(self, spec: MatrixSpec) -> int:
         """The base model's payload bytes."""
