@@ -401,3 +401,56 @@ def test_step_buffers_kept_on_cpu_by_default_and_freed_when_asked(dist: Any) -> 
                     assert held["schedules"] == 0 and held["backups"] == 0, held
                 else:
                     assert held["schedules"] > 0 and held["backups"] > 0, (keep, held)
+
+
+def _alternating_grads_case() -> dict[str, Any]:
+    """``square`` has no gradient on every other step: two schedules, one set of buffers."""
+    steps = 4
+    fulls = full_tensors(SHAPES)
+    grads = grad_steps(SHAPES, steps)
+    for k in range(1, steps, 2):
+        del grads[k]["square"]
+    want: dict[str, torch.Tensor] = {}
+    for name, full in fulls.items():  # torch.optim.Muon skips a parameter without a gradient
+        mats = [full.clone()] if full.ndim == 2 else [m.clone() for m in full]
+        ps = [torch.nn.Parameter(m) for m in mats]
+        ref = torch.optim.Muon(ps, **KW)
+        for g in grads:
+            if name in g:
+                for p, gg in zip(ps, [g[name]] if full.ndim == 2 else list(g[name]), strict=True):
+                    p.grad = gg.clone()
+                ref.step()
+            ref.zero_grad(set_to_none=True)
+        want[name] = ps[0].detach() if full.ndim == 2 else torch.stack([p.detach() for p in ps])
+    params = sharded_params(fulls, mesh((2,)), ALL_ROWS)
+    opt = canzona.Muon(params, **KW, plan=plan(capacity_mb=1e-4))
+    allocated = []
+    for g in grads:
+        set_grads([(n, p) for n, p in params if n in g], g)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        pipelines = opt._runtime._pipelines.values()  # type: ignore[attr-defined]
+        allocated.append(
+            sorted(
+                sum(b.tensor.untyped_storage().nbytes() > 0 for b in p.schedule.buffers)
+                for p in pipelines
+            )
+        )
+    got = {n: full_of(p) for n, p in params}
+    return {"same": compare(got, want), "allocated": allocated}
+
+
+def test_kept_buffers_belong_to_one_schedule_at_a_time(dist: Any) -> None:
+    """A parameter without a gradient on every other step gives two cached schedules; with
+    the buffers kept between steps (the CPU default) only the last step's are allocated,
+    and the results are torch.optim.Muon's with the same missing gradients, bit for bit.
+
+    Catches: every cached schedule holding its buffers (memory growing with the number of
+    gradient patterns), the step's own schedule left without its buffers.
+    """
+    for out in dist(2).run(_alternating_grads_case):
+        assert all(eq for eq, _ in out["same"].values()), out["same"]
+        first, *rest = out["allocated"]
+        assert first[0] > 0 and len(first) == 1, out["allocated"]  # one schedule so far
+        for held in rest:  # two schedules: one with every buffer, the other with none
+            assert len(held) == 2 and held[0] == 0 and held[1] > 0, out["allocated"]

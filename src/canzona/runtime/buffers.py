@@ -56,7 +56,11 @@ class FlatBuffer:
     def release(self) -> None:
         """Free the storage unless the buffer is kept; views stay valid objects either way."""
         if not self.keep:
-            self.tensor.untyped_storage().resize_(0)
+            self.free()
+
+    def free(self) -> None:
+        """Free the storage, kept or not (views stay valid objects until :meth:`acquire`)."""
+        self.tensor.untyped_storage().resize_(0)
 
 
 class Selector:

@@ -194,6 +194,11 @@ class MatrixRuntime:
         if flagged:
             return StepStart(active, True, {}, previous)
         pipeline = self._pipeline(table, active, tensors)
+        for other in self._pipelines.values():
+            # kept buffers: one schedule's at a time (another set of parameters with
+            # gradients has its own schedule); a retired one may still be in use
+            if other is not pipeline and not other.retired:
+                other.schedule.free()
         pipeline.schedule.acquire()
         self._current = pipeline
         return StepStart(active, False, pipeline.schedule.payload, previous)

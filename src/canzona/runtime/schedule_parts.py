@@ -192,9 +192,14 @@ class Schedule:
             buf.acquire()
 
     def release(self) -> None:
-        """Free the step buffers."""
+        """Free the step buffers that are not kept between steps."""
         for buf in self.buffers:
             buf.release()
+
+    def free(self) -> None:
+        """Free every step buffer, kept or not."""
+        for buf in self.buffers:
+            buf.free()
 
 
 def rects(rows: Runs, cols: Runs) -> tuple[tuple[tuple[int, int], ...], ...]:
