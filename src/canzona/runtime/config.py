@@ -68,9 +68,9 @@ class PipelineConfig:
             copies of the state) allocated between steps instead of freeing them after
             each step. ``None`` (default) decides by device: kept on the CPU, where a freed
             large block goes back to the operating system and the next step faults every
-            page in again (about 0.4 ms per MiB here), freed on accelerators, whose caching
-            allocator lends the memory to forward and backward and hands it back at no
-            cost. Kept buffers hold their bytes between steps (those of the last step's
+            page in again (docs/design.md gives the measured cost), freed on accelerators,
+            whose caching allocator lends the memory to forward and backward and hands it
+            back at no cost. Kept buffers hold their bytes between steps (those of the last step's
             schedule only: a step with another set of parameters with gradients frees
             the others); results are bit-identical either way.
     """
