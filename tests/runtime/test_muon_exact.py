@@ -454,3 +454,25 @@ def test_kept_buffers_belong_to_one_schedule_at_a_time(dist: Any) -> None:
         assert first[0] > 0 and len(first) == 1, out["allocated"]  # one schedule so far
         for held in rest:  # two schedules: one with every buffer, the other with none
             assert len(held) == 2 and held[0] == 0 and held[1] > 0, out["allocated"]
+
+
+def test_a_retired_schedule_keeps_its_buffers_when_another_schedule_runs() -> None:
+    """A retired pipeline (a step raised while its collectives were in flight) is never
+    freed by a later step that runs another schedule (another set of parameters with
+    gradients), even though kept buffers of other schedules are freed.
+
+    Catches: the free of the other cached schedules reaching a retired one, whose buffers a
+    collective of the failed step may still read or write.
+    """
+    gen = torch.Generator().manual_seed(0)
+    params = [(f"w{i}", torch.nn.Parameter(torch.randn(8, 8, generator=gen))) for i in range(3)]
+    opt = canzona.Muon(params, **KW)
+    for _, p in params:
+        p.grad = torch.ones(8, 8)
+    opt.step()
+    (first,) = opt._runtime._pipelines.values()  # type: ignore[attr-defined]
+    first.retired = True  # as the engine marks it when a step raises with collectives in flight
+    params[0][1].grad = None
+    opt.step()
+    assert len(opt._runtime._pipelines) == 2  # type: ignore[attr-defined]
+    assert all(b.tensor.untyped_storage().nbytes() > 0 for b in first.schedule.buffers)
