@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,42 @@ LABELS = {
 FLOOR_CALLS = 100
 #: Implementations with one collective per matrix (seconds per step at large N): timed steps.
 SLOW_STEPS = {"redistribute": 3}
+
+
+def fit_line(points: Sequence[tuple[int, float]]) -> tuple[float, float]:
+    """Least-squares ``(fixed, slope)`` of time against N."""
+    xs, ys = [float(x) for x, _ in points], [y for _, y in points]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var if var else 0.0
+    return my - slope * mx, slope
+
+
+def _launch_fits(rows: Sequence[dict[str, Any]]) -> str:
+    """The target case's fit per launch and its smallest step: how far the noise moves it.
+
+    The published fit runs through the median over the launches at each N; a fit through one
+    launch's steps alone, and the step at the smallest N (mostly fixed cost), show how much of
+    the intercept is noise. Empty when the case ran in fewer than two launches.
+    """
+    case = sorted((r for r in rows if (r["shape"], r["world"]) == ("8x8", 2)), key=lambda r: r["n"])
+    runs = [r.get("launches", {}).get("canzona", []) for r in case]
+    count = min((len(v) for v in runs), default=0)
+    if len(case) < 2 or count < 2 or not all(isinstance(x, float) for v in runs for x in v):
+        return ""
+    per = [
+        fit_line([(r["n"], v[k]) for r, v in zip(case, runs, strict=True)]) for k in range(count)
+    ]
+    fixed = ", ".join(f"{f * 1e3:.2f}" for f, _ in per)
+    slope = ", ".join(f"{s * 1e6:.1f}" for _, s in per)
+    low = case[0]
+    first = runs[0]
+    return (
+        f"Fitted to each launch on its own, `canzona`'s fixed cost is {fixed} ms (slope "
+        f"{slope} µs per matrix): the intercept moves with the noise of the largest N. The "
+        f"step at N = {low['n']} (mostly fixed cost) took {min(first) * 1e3:.2f} to "
+        f"{max(first) * 1e3:.2f} ms in the {count} launches."
+    )
 
 
 def _same_rows(rows: Sequence[dict[str, Any]]) -> str:
@@ -192,6 +229,9 @@ def render(payload: dict[str, Any], plot: str | None) -> str:
         markdown_table(["target", "limit", "measured", ""], tgt),
         "",
     ]
+    spread = _launch_fits(rows)
+    if spread:
+        lines += [spread, ""]
     if plot:
         lines += [f"![step time against N]({plot})", ""]
     return "\n".join(lines)

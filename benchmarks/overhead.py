@@ -46,7 +46,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _peers
 import canzona
-from _overhead_report import FLOOR_CALLS, IMPLS, SLOW_STEPS, draw, render
+from _overhead_report import FLOOR_CALLS, IMPLS, SLOW_STEPS, draw, fit_line, render
 from _ranks import launch
 
 from _report import (
@@ -294,15 +294,6 @@ def _median(values: Sequence[Any]) -> Any:
     return seconds[(len(seconds) - 1) // 2] if seconds else values[0]
 
 
-def _fit(points: Sequence[tuple[int, float]]) -> tuple[float, float]:
-    """Least-squares ``(fixed, slope)`` of time against N."""
-    xs, ys = [float(x) for x, _ in points], [y for _, y in points]
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    var = sum((x - mx) ** 2 for x in xs)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var if var else 0.0
-    return my - slope * mx, slope
-
-
 def run(preset: dict[str, Any]) -> dict[str, Any]:
     """Every (shape, N, world) case; rows of seconds per implementation.
 
@@ -372,7 +363,7 @@ def fits(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             ]
             if len(points) < 2:
                 continue
-            fixed, slope = _fit(points)
+            fixed, slope = fit_line(points)
             out.append(
                 {
                     "shape": shape,

@@ -262,6 +262,31 @@ def test_overhead_tiny(tmp_path: Path) -> None:
     assert f"commit `{saved['commit']}`" in section and "### Fit" in section
 
 
+def test_overhead_report_fits_each_launch() -> None:
+    from _overhead_report import _launch_fits, fit_line
+
+    fixed, slope = fit_line([(0, 1.0), (10, 3.0), (20, 5.0)])
+    assert (fixed, slope) == (1.0, 0.2)
+    # launch k: 1 ms + (10 + k) µs per matrix, exactly
+    rows = [
+        {
+            "shape": "8x8",
+            "world": 2,
+            "n": n,
+            "launches": {"canzona": [1e-3 + (10 + k) * 1e-6 * n for k in range(3)]},
+        }
+        for n in (16, 256, 4096)
+    ]
+    rows.append({"shape": "8x8", "world": 1, "n": 16, "launches": {"canzona": [9.0, 9.0]}})
+    text = _launch_fits(rows)
+    assert "fixed cost is 1.00, 1.00, 1.00 ms (slope 10.0, 11.0, 12.0 µs per matrix)" in text
+    assert "step at N = 16 (mostly fixed cost) took 1.16 to 1.19 ms in the 3 launches" in text
+    assert (
+        _launch_fits([{**r, "launches": {"canzona": r["launches"]["canzona"][:1]}} for r in rows])
+        == ""
+    )
+
+
 def test_run_all_knows_every_script() -> None:
     import run_all
 
