@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import canzona
+from canzona.defaults import ADAMW_DEFAULTS, MUON_DEFAULTS
 from canzona.optim import MatrixOptimizer
 from canzona.optim.param_groups import split_params
 from canzona.plan import PlanConfig, Split
@@ -272,10 +273,10 @@ def canzona_optimizers(
     *,
     lr: float,
     adamw_lr: float,
-    weight_decay: float = 0.1,
+    weight_decay: float = MUON_DEFAULTS.weight_decay,
     adamw_weight_decay: float = 0.0,
-    adamw_betas: tuple[float, float] = (0.9, 0.95),
-    adamw_eps: float = 1e-8,
+    adamw_betas: tuple[float, float] = ADAMW_DEFAULTS.betas,
+    adamw_eps: float = ADAMW_DEFAULTS.eps,
     adamw_pattern: str = ADAMW_PATTERN,
     plan: PlanConfig | None = None,
     pipeline: PipelineConfig | None = None,
@@ -296,7 +297,7 @@ def canzona_optimizers(
             container's name (``"canzona.Muon"``, ...).
         lr: Learning rate of the matrix group.
         adamw_lr: Learning rate of the AdamW group.
-        weight_decay: Weight decay of the matrix group.
+        weight_decay: Weight decay of the matrix group (Muon's default, whichever optimizer).
         adamw_weight_decay: Weight decay of the AdamW group.
         adamw_betas: AdamW betas.
         adamw_eps: AdamW epsilon.

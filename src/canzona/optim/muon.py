@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from canzona.defaults import ADAMW_DEFAULTS, MUON_DEFAULTS
 from canzona.optim.base import MatrixOptimizer, scalar
 from canzona.optim.prepare import GroupWork
 from canzona.optim.transaction import StepTransaction
@@ -141,18 +142,18 @@ class Muon(MatrixOptimizer):
     def __init__(
         self,
         params: Iterable[Any],
-        lr: float | Tensor = 1e-3,
-        weight_decay: float = 0.1,
-        momentum: float = 0.95,
-        nesterov: bool = True,
+        lr: float | Tensor = MUON_DEFAULTS.lr,
+        weight_decay: float = MUON_DEFAULTS.weight_decay,
+        momentum: float = MUON_DEFAULTS.momentum,
+        nesterov: bool = MUON_DEFAULTS.nesterov,
         ns_coefficients: NSCoefficients = DEFAULT_NS_COEFFICIENTS,
-        eps: float = 1e-7,
+        eps: float = MUON_DEFAULTS.eps,
         ns_steps: int | None = None,
         adjust_lr_fn: str | None = None,
         *,
         scale: float = 1.0,
-        adamw_betas: tuple[float, float] = (0.9, 0.95),
-        adamw_eps: float = 1e-8,
+        adamw_betas: tuple[float, float] = ADAMW_DEFAULTS.betas,
+        adamw_eps: float = ADAMW_DEFAULTS.eps,
         ns_dtype: torch.dtype = torch.bfloat16,
         plan: PlanConfig | None = None,
         pipeline: PipelineConfig | None = None,

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from canzona.defaults import ADAMW_DEFAULTS, NORMUON_DEFAULTS
 from canzona.optim.base import scalar
 from canzona.optim.muon import Muon, as_tuples, check_positive_finite
 from canzona.plan import PlanConfig
@@ -102,22 +103,22 @@ class NorMuon(Muon):
     def __init__(
         self,
         params: Iterable[Any],
-        lr: float | Tensor = 1e-3,
-        weight_decay: float = 0.1,
-        momentum: float = 0.95,
-        nesterov: bool = True,
+        lr: float | Tensor = NORMUON_DEFAULTS.lr,
+        weight_decay: float = NORMUON_DEFAULTS.weight_decay,
+        momentum: float = NORMUON_DEFAULTS.momentum,
+        nesterov: bool = NORMUON_DEFAULTS.nesterov,
         ns_coefficients: NSCoefficients = DEFAULT_NS_COEFFICIENTS,
-        eps: float = 1e-7,
+        eps: float = NORMUON_DEFAULTS.eps,
         ns_steps: int | None = None,
         adjust_lr_fn: str | None = "none",
-        beta2: float = 0.95,
+        beta2: float = NORMUON_DEFAULTS.beta2,
         *,
-        normuon_eps: float = 1e-10,
-        rescale: str = "rms",
-        rms: float = 0.2,
+        normuon_eps: float = NORMUON_DEFAULTS.normuon_eps,
+        rescale: str = NORMUON_DEFAULTS.rescale,
+        rms: float = NORMUON_DEFAULTS.rms,
         scale: float = 1.0,
-        adamw_betas: tuple[float, float] = (0.9, 0.95),
-        adamw_eps: float = 1e-8,
+        adamw_betas: tuple[float, float] = ADAMW_DEFAULTS.betas,
+        adamw_eps: float = ADAMW_DEFAULTS.eps,
         ns_dtype: torch.dtype = torch.bfloat16,
         plan: PlanConfig | None = None,
         pipeline: PipelineConfig | None = None,

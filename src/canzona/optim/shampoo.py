@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from canzona.defaults import ADAMW_DEFAULTS, SHAMPOO_DEFAULTS
 from canzona.optim.base import scalar
 from canzona.optim.owned import OwnerStateOptimizer
 from canzona.plan import PlanConfig
@@ -83,21 +84,21 @@ class Shampoo(OwnerStateOptimizer):
     def __init__(
         self,
         params: Iterable[Any],
-        lr: float | Tensor = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
-        epsilon: float = 1e-12,
-        weight_decay: float = 0.0,
-        precondition_frequency: int = 20,
-        start_preconditioning_step: int = 20,
-        max_precond_dim: int = 8192,
-        grafting: str = "adam",
+        lr: float | Tensor = SHAMPOO_DEFAULTS.lr,
+        betas: tuple[float, float] = SHAMPOO_DEFAULTS.betas,
+        epsilon: float = SHAMPOO_DEFAULTS.epsilon,
+        weight_decay: float = SHAMPOO_DEFAULTS.weight_decay,
+        precondition_frequency: int = SHAMPOO_DEFAULTS.precondition_frequency,
+        start_preconditioning_step: int = SHAMPOO_DEFAULTS.start_preconditioning_step,
+        max_precond_dim: int = SHAMPOO_DEFAULTS.max_precond_dim,
+        grafting: str = SHAMPOO_DEFAULTS.grafting,
         *,
-        grafting_beta2: float = 0.999,
-        grafting_epsilon: float = 1e-8,
+        grafting_beta2: float = SHAMPOO_DEFAULTS.grafting_beta2,
+        grafting_epsilon: float = SHAMPOO_DEFAULTS.grafting_epsilon,
         root_dtype: torch.dtype = torch.float32,
-        bias_correction: bool = True,
-        adamw_betas: tuple[float, float] = (0.9, 0.95),
-        adamw_eps: float = 1e-8,
+        bias_correction: bool = SHAMPOO_DEFAULTS.bias_correction,
+        adamw_betas: tuple[float, float] = ADAMW_DEFAULTS.betas,
+        adamw_eps: float = ADAMW_DEFAULTS.eps,
         plan: PlanConfig | None = None,
         pipeline: PipelineConfig | None = None,
     ) -> None:

@@ -7,6 +7,7 @@ from typing import Any
 
 from torch import Tensor
 
+from canzona.defaults import ADAMW_DEFAULTS, SOAP_DEFAULTS
 from canzona.optim.base import scalar
 from canzona.optim.owned import OwnerStateOptimizer
 from canzona.plan import PlanConfig
@@ -67,18 +68,18 @@ class SOAP(OwnerStateOptimizer):
     def __init__(
         self,
         params: Iterable[Any],
-        lr: float | Tensor = 3e-3,
-        betas: tuple[float, float] = (0.95, 0.95),
-        shampoo_beta: float = -1,
-        eps: float = 1e-8,
-        weight_decay: float = 0.01,
-        precondition_frequency: int = 10,
-        max_precond_dim: int = 10000,
-        normalize_grads: bool = False,
-        correct_bias: bool = True,
+        lr: float | Tensor = SOAP_DEFAULTS.lr,
+        betas: tuple[float, float] = SOAP_DEFAULTS.betas,
+        shampoo_beta: float = SOAP_DEFAULTS.shampoo_beta,
+        eps: float = SOAP_DEFAULTS.eps,
+        weight_decay: float = SOAP_DEFAULTS.weight_decay,
+        precondition_frequency: int = SOAP_DEFAULTS.precondition_frequency,
+        max_precond_dim: int = SOAP_DEFAULTS.max_precond_dim,
+        normalize_grads: bool = SOAP_DEFAULTS.normalize_grads,
+        correct_bias: bool = SOAP_DEFAULTS.correct_bias,
         *,
-        adamw_betas: tuple[float, float] = (0.9, 0.95),
-        adamw_eps: float = 1e-8,
+        adamw_betas: tuple[float, float] = ADAMW_DEFAULTS.betas,
+        adamw_eps: float = ADAMW_DEFAULTS.eps,
         plan: PlanConfig | None = None,
         pipeline: PipelineConfig | None = None,
     ) -> None:

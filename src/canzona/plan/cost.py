@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from canzona.defaults import MUON_DEFAULTS, SHAMPOO_DEFAULTS, SOAP_DEFAULTS
 from canzona.plan.spec import MatrixSpec
 
 __all__ = [
@@ -94,7 +95,7 @@ class MuonCost:
             ``NORMUON_ELEMENTWISE``.
     """
 
-    ns_steps: int = 5
+    ns_steps: int = MUON_DEFAULTS.ns_steps
     extra_elementwise: int = 0
     name: str = field(default="muon", init=False)
 
@@ -170,8 +171,8 @@ class ShampooCost(_GradientPayload):
         max_precond_dim: Largest side that gets a Kronecker factor.
     """
 
-    precondition_frequency: int = 20
-    max_precond_dim: int = 8192
+    precondition_frequency: int = SHAMPOO_DEFAULTS.precondition_frequency
+    max_precond_dim: int = SHAMPOO_DEFAULTS.max_precond_dim
     name: str = field(default="shampoo", init=False)
 
     def __post_init__(self) -> None:
@@ -209,8 +210,8 @@ class SoapCost(_GradientPayload):
         max_precond_dim: Largest side that gets a Kronecker factor.
     """
 
-    precondition_frequency: int = 10
-    max_precond_dim: int = 10000
+    precondition_frequency: int = SOAP_DEFAULTS.precondition_frequency
+    max_precond_dim: int = SOAP_DEFAULTS.max_precond_dim
     name: str = field(default="soap", init=False)
 
     def __post_init__(self) -> None:

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from canzona.defaults import NORMUON_DEFAULTS, SHAMPOO_DEFAULTS, SOAP_DEFAULTS
+
 __all__ = ["ReferenceNorMuon", "ReferenceSOAP", "ReferenceShampoo"]
 
 _F64 = torch.float64
@@ -120,17 +122,17 @@ class ReferenceShampoo(_Reference):
         self,
         params: Iterable[Tensor],
         *,
-        lr: float = 1e-2,
-        weight_decay: float = 0.0,
-        betas: tuple[float, float] = (0.9, 0.999),
-        epsilon: float = 1e-12,
-        precondition_frequency: int = 20,
-        start_preconditioning_step: int = 20,
-        max_precond_dim: int = 8192,
-        grafting: str = "adam",
-        grafting_beta2: float = 0.999,
-        grafting_epsilon: float = 1e-8,
-        bias_correction: bool = True,
+        lr: float = SHAMPOO_DEFAULTS.lr,
+        weight_decay: float = SHAMPOO_DEFAULTS.weight_decay,
+        betas: tuple[float, float] = SHAMPOO_DEFAULTS.betas,
+        epsilon: float = SHAMPOO_DEFAULTS.epsilon,
+        precondition_frequency: int = SHAMPOO_DEFAULTS.precondition_frequency,
+        start_preconditioning_step: int = SHAMPOO_DEFAULTS.start_preconditioning_step,
+        max_precond_dim: int = SHAMPOO_DEFAULTS.max_precond_dim,
+        grafting: str = SHAMPOO_DEFAULTS.grafting,
+        grafting_beta2: float = SHAMPOO_DEFAULTS.grafting_beta2,
+        grafting_epsilon: float = SHAMPOO_DEFAULTS.grafting_epsilon,
+        bias_correction: bool = SHAMPOO_DEFAULTS.bias_correction,
     ) -> None:
         super().__init__(params)
         if grafting not in ("adam", "none"):
@@ -262,15 +264,15 @@ class ReferenceSOAP(_Reference):
         self,
         params: Iterable[Tensor],
         *,
-        lr: float = 3e-3,
-        betas: tuple[float, float] = (0.95, 0.95),
-        shampoo_beta: float = -1.0,
-        eps: float = 1e-8,
-        weight_decay: float = 0.01,
-        precondition_frequency: int = 10,
-        max_precond_dim: int = 10000,
-        normalize_grads: bool = False,
-        correct_bias: bool = True,
+        lr: float = SOAP_DEFAULTS.lr,
+        betas: tuple[float, float] = SOAP_DEFAULTS.betas,
+        shampoo_beta: float = SOAP_DEFAULTS.shampoo_beta,
+        eps: float = SOAP_DEFAULTS.eps,
+        weight_decay: float = SOAP_DEFAULTS.weight_decay,
+        precondition_frequency: int = SOAP_DEFAULTS.precondition_frequency,
+        max_precond_dim: int = SOAP_DEFAULTS.max_precond_dim,
+        normalize_grads: bool = SOAP_DEFAULTS.normalize_grads,
+        correct_bias: bool = SOAP_DEFAULTS.correct_bias,
     ) -> None:
         super().__init__(params)
         self.lr, self.weight_decay = lr, weight_decay
@@ -467,17 +469,19 @@ class ReferenceNorMuon(_Reference):
         self,
         params: Iterable[Tensor],
         *,
-        lr: float = 0.02,
-        weight_decay: float = 0.0,
-        momentum: float = 0.95,
-        nesterov: bool = True,
-        ns_coefficients: Sequence[tuple[float, float, float]] = ((3.4445, -4.775, 2.0315),) * 5,
+        lr: float = NORMUON_DEFAULTS.lr,
+        weight_decay: float = NORMUON_DEFAULTS.weight_decay,
+        momentum: float = NORMUON_DEFAULTS.momentum,
+        nesterov: bool = NORMUON_DEFAULTS.nesterov,
+        ns_coefficients: Sequence[tuple[float, float, float]] = (
+            (NORMUON_DEFAULTS.ns_coefficients,) * NORMUON_DEFAULTS.ns_steps
+        ),
         ns_norm_scale: float = 1.0,
-        ns_eps: float = 1e-7,
-        beta2: float = 0.95,
-        eps: float = 1e-10,
-        rescale: str = "rms",
-        rms: float = 0.2,
+        ns_eps: float = NORMUON_DEFAULTS.eps,
+        beta2: float = NORMUON_DEFAULTS.beta2,
+        eps: float = NORMUON_DEFAULTS.normuon_eps,
+        rescale: str = NORMUON_DEFAULTS.rescale,
+        rms: float = NORMUON_DEFAULTS.rms,
         adjust_lr_fn: str | None = "none",
         scale: float = 1.0,
     ) -> None:

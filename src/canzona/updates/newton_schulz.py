@@ -7,6 +7,7 @@ import math
 import torch
 from torch import Tensor
 
+from canzona.defaults import MUON_DEFAULTS
 from canzona.updates.ns_schedules import (
     DEFAULT_NS_COEFFICIENTS,
     DEFAULT_NS_STEPS,
@@ -26,7 +27,7 @@ __all__ = [
     "newton_schulz_flops",
 ]
 
-DEFAULT_NS_EPS = 1e-7
+DEFAULT_NS_EPS = MUON_DEFAULTS.eps
 
 # Below this smaller side the stack always runs matrix by matrix (see batch_kernels_exact).
 MIN_BATCHED_SIDE = 32

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from canzona.defaults import NORMUON_DEFAULTS
 from canzona.updates.common import State, check_beta, check_positive, check_step, matrix_shape
 
 __all__ = [
@@ -42,10 +43,10 @@ class NorMuonHParams:
             typical update RMS ("Muon is Scalable for LLM Training", arXiv 2502.16982).
     """
 
-    beta2: float = 0.95
-    eps: float = 1e-10
-    rescale: str = "rms"
-    rms: float = 0.2
+    beta2: float = NORMUON_DEFAULTS.beta2
+    eps: float = NORMUON_DEFAULTS.normuon_eps
+    rescale: str = NORMUON_DEFAULTS.rescale
+    rms: float = NORMUON_DEFAULTS.rms
 
     def __post_init__(self) -> None:
         check_beta("beta2", self.beta2)

@@ -9,6 +9,8 @@ from numbers import Real
 from types import MappingProxyType
 from typing import TypeAlias
 
+from canzona.defaults import MUON_DEFAULTS
+
 __all__ = [
     "DEFAULT_NS_COEFFICIENTS",
     "DEFAULT_NS_STEPS",
@@ -28,8 +30,8 @@ Schedule: TypeAlias = tuple[Triple, ...]
 NSCoefficients: TypeAlias = str | Sequence[float] | Sequence[Sequence[float]]
 """What ``ns_coefficients`` accepts: a triple, a sequence of triples, or a registered name."""
 
-DEFAULT_NS_COEFFICIENTS: Triple = (3.4445, -4.7750, 2.0315)
-DEFAULT_NS_STEPS = 5
+DEFAULT_NS_COEFFICIENTS: Triple = MUON_DEFAULTS.ns_coefficients
+DEFAULT_NS_STEPS = MUON_DEFAULTS.ns_steps
 #: Schedules and step counts are limited to ``[0, MAX_NS_STEPS)`` iterations, as torch's Muon.
 MAX_NS_STEPS = 100
 

@@ -8,6 +8,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from canzona.defaults import SHAMPOO_DEFAULTS
 from canzona.updates.common import (
     State,
     check_beta,
@@ -48,16 +49,16 @@ class ShampooHParams:
         bias_correction: Divide the EMAs by ``1 - beta^t`` (the factors only when ``beta2 < 1``).
     """
 
-    betas: tuple[float, float] = (0.9, 0.999)
-    epsilon: float = 1e-12
-    precondition_frequency: int = 20
-    start_preconditioning_step: int = 20
-    max_precond_dim: int = 8192
-    grafting: Literal["adam", "none"] = "adam"
-    grafting_beta2: float = 0.999
-    grafting_epsilon: float = 1e-8
+    betas: tuple[float, float] = SHAMPOO_DEFAULTS.betas
+    epsilon: float = SHAMPOO_DEFAULTS.epsilon
+    precondition_frequency: int = SHAMPOO_DEFAULTS.precondition_frequency
+    start_preconditioning_step: int = SHAMPOO_DEFAULTS.start_preconditioning_step
+    max_precond_dim: int = SHAMPOO_DEFAULTS.max_precond_dim
+    grafting: Literal["adam", "none"] = SHAMPOO_DEFAULTS.grafting
+    grafting_beta2: float = SHAMPOO_DEFAULTS.grafting_beta2
+    grafting_epsilon: float = SHAMPOO_DEFAULTS.grafting_epsilon
     root_dtype: torch.dtype = torch.float32
-    bias_correction: bool = True
+    bias_correction: bool = SHAMPOO_DEFAULTS.bias_correction
 
     def __post_init__(self) -> None:
         if len(self.betas) != 2:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from canzona.defaults import SOAP_DEFAULTS
 from canzona.updates.common import (
     State,
     check_beta,
@@ -60,13 +61,13 @@ class SOAPHParams:
         correct_bias: Fold Adam's bias corrections into the step size.
     """
 
-    betas: tuple[float, float] = (0.95, 0.95)
-    shampoo_beta: float = -1.0
-    eps: float = 1e-8
-    precondition_frequency: int = 10
-    max_precond_dim: int = 10000
-    normalize_grads: bool = False
-    correct_bias: bool = True
+    betas: tuple[float, float] = SOAP_DEFAULTS.betas
+    shampoo_beta: float = SOAP_DEFAULTS.shampoo_beta
+    eps: float = SOAP_DEFAULTS.eps
+    precondition_frequency: int = SOAP_DEFAULTS.precondition_frequency
+    max_precond_dim: int = SOAP_DEFAULTS.max_precond_dim
+    normalize_grads: bool = SOAP_DEFAULTS.normalize_grads
+    correct_bias: bool = SOAP_DEFAULTS.correct_bias
 
     def __post_init__(self) -> None:
         if len(self.betas) != 2:
