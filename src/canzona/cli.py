@@ -149,7 +149,11 @@ def _parser() -> argparse.ArgumentParser:
         "--model", required=True, help=f"one of {', '.join(MODELS)}, or a JSON file of matrices"
     )
     plan.add_argument("--world", type=int, required=True, help="number of ranks")
-    plan.add_argument("--optimizer", choices=OPTIMIZERS, default="muon")
+    plan.add_argument(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        help="the cost model (default: muon, or the optimizer a --cost table was timed for)",
+    )
     plan.add_argument("--alpha", type=float, default=1.0, help="compute weight in [0, 1]")
     plan.add_argument("--capacity-mb", type=float, default=512.0, help="micro-group capacity")
     plan.add_argument(
@@ -203,12 +207,20 @@ def _plan(args: argparse.Namespace) -> int:
     if args.plot is not None:
         check_plot_path(args.plot)
     model, specs = _resolve_model(args.model, args.split, args.world)
-    optimizer: str | CostModel = args.optimizer
+    name = args.optimizer or "muon"
+    optimizer: str | CostModel = name
     if args.cost is not None:
         try:
             optimizer = load_cost_table(args.cost)
         except ValueError as exc:
             raise CliError(str(exc)) from None
+        timed = optimizer.base.name
+        if args.optimizer is not None and args.optimizer != timed:
+            raise CliError(
+                f"--optimizer {args.optimizer} contradicts the cost table {str(args.cost)!r}, "
+                f"which times {timed}'s math (leave --optimizer out, or calibrate {args.optimizer})"
+            )
+        name = timed
     if args.world > len(specs):
         print(
             f"canzona plan: warning: {args.world} ranks for {len(specs)} matrices: at most "
@@ -229,7 +241,7 @@ def _plan(args: argparse.Namespace) -> int:
     canzona = runs["canzona"].plan
     if args.plot is not None:
         try:
-            plot_loads(runs, args.plot, title=f"{model}, world {args.world}, {args.optimizer}")
+            plot_loads(runs, args.plot, title=f"{model}, world {args.world}, {name}")
         except ImportError:
             raise CliError("--plot needs matplotlib: pip install 'canzona[plot]'") from None
         except (OSError, ValueError) as exc:
@@ -238,7 +250,8 @@ def _plan(args: argparse.Namespace) -> int:
         out: dict[str, Any] = {
             "model": model,
             "world": args.world,
-            "optimizer": args.optimizer,
+            "optimizer": name,
+            "cost": "measured" if args.cost is not None else "flops",
             "alpha": args.alpha,
             "capacity_mb": args.capacity_mb,
             "matrices": len(specs),
@@ -254,7 +267,9 @@ def _plan(args: argparse.Namespace) -> int:
     total = sum(s.nbytes for s in specs)
     print(
         f"{model}: {len(specs)} matrices ({format_bytes(total)}), world {args.world}, "
-        f"optimizer {args.optimizer}, alpha {args.alpha:g}, capacity {args.capacity_mb:g} MiB"
+        f"optimizer {name}"
+        + (f" (measured costs: {args.cost})" if args.cost is not None else "")
+        + f", alpha {args.alpha:g}, capacity {args.capacity_mb:g} MiB"
     )
     print()
     print(strategy_table(runs))

@@ -278,6 +278,22 @@ def test_cost_table_from_calibrate(tmp_path: Path, capsys: pytest.CaptureFixture
     )
     planned = json.loads(capsys.readouterr().out)
     assert planned["strategies"]["canzona"]["makespan_ratio"] >= 1.0
+    assert (planned["optimizer"], planned["cost"]) == ("muon", "measured")
+    plain = ["plan", "--model", "qwen3-0.6b", "--world", "4", "--json"]
+    assert cli.main(plain) == 0
+    flops = json.loads(capsys.readouterr().out)
+    assert (flops["optimizer"], flops["cost"]) == ("muon", "flops")
+    # the table prices the plan: loads in seconds (tens on this CPU), not in FLOPs
+    assert 0 < planned["strategies"]["canzona"]["makespan"] < 1e4
+    assert flops["strategies"]["canzona"]["makespan"] > 1e9
+    assert planned["digest"] != flops["digest"]
+    # the table says which optimizer it timed: another one is refused, not silently ignored
+    shampoo = ["plan", "--model", "qwen3-0.6b", "--world", "4", "--optimizer", "shampoo"]
+    assert cli.main([*shampoo, "--cost", str(table)]) == 2
+    err = capsys.readouterr().err
+    assert f"--optimizer shampoo contradicts the cost table {str(table)!r}, which times muon" in err
+    assert cli.main(["plan", "--model", "qwen3-0.6b", "--world", "4", "--cost", str(table)]) == 0
+    assert f"optimizer muon (measured costs: {table})" in capsys.readouterr().out
     bad = tmp_path / "bad.json"
     bad.write_text("[]")
     assert cli.main(["plan", "--model", "qwen3-0.6b", "--world", "4", "--cost", str(bad)]) == 2
