@@ -168,7 +168,7 @@ def _median_over_ranks(timed: list[float], watchdog: Watchdog, device: torch.dev
     """
     mine = torch.tensor(timed, dtype=torch.float64, device=device)
     rows = torch.empty(watchdog.world * len(timed), dtype=torch.float64, device=device)
-    dist.all_gather_single(rows, mine, group=watchdog.group)
+    dist.all_gather_single(rows, mine, group=watchdog.process_group)
     table = rows.view(watchdog.world, len(timed)).tolist()
     out = []
     for i in range(len(timed)):
@@ -185,7 +185,7 @@ def _median(values: list[float]) -> float:
 
 def measure_transfer(watchdog: Watchdog, device: torch.device) -> float:
     """Bytes per second of an all-to-all between the ranks (the slowest rank's view)."""
-    key = (id(watchdog.group), watchdog.world, str(device))
+    key = (id(watchdog.process_group), watchdog.world, str(device))
     cached = _RATES.get(key)
     if cached is not None:
         return cached
@@ -195,13 +195,13 @@ def measure_transfer(watchdog: Watchdog, device: torch.device) -> float:
     out = torch.empty_like(inp)
     splits = [numel // world] * world
     splits[-1] += numel - sum(splits)
-    dist.all_to_all_single(out, inp, splits, splits, group=watchdog.group)  # warm-up
+    dist.all_to_all_single(out, inp, splits, splits, group=watchdog.process_group)  # warm-up
     t0 = time.perf_counter()
-    dist.all_to_all_single(out, inp, splits, splits, group=watchdog.group)
+    dist.all_to_all_single(out, inp, splits, splits, group=watchdog.process_group)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=watchdog.group)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=watchdog.process_group)
     moved = PROBE_BYTES * (world - 1) / world  # the same number on every rank
     rate = moved / max(float(elapsed.item()), 1e-9)
     _RATES[key] = rate
@@ -278,9 +278,9 @@ def calibrate(
         second[i], took = _timed(other, table, compute, device, watchdog.rank)
         spent += took
     agreed = timed + second
-    if watchdog.group is not None:
+    if watchdog.process_group is not None:
         agreed = _median_over_ranks(agreed, watchdog, device)
-    bytes_per_s = measure_transfer(watchdog, device) if watchdog.group is not None else 0.0
+    bytes_per_s = measure_transfer(watchdog, device) if watchdog.process_group is not None else 0.0
     models: dict[str, CostModel] = {}
     for key, base in bases.items():
         mine = [

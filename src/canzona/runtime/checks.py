@@ -188,5 +188,5 @@ def reports_of(
     if not failed:
         return []
     reports: list[str | None] = [None] * watchdog.world
-    dist.all_gather_object(reports, report, group=watchdog.group)
+    dist.all_gather_object(reports, report, group=watchdog.process_group)
     return [(r, reports[r] or "failed") for r in failed]

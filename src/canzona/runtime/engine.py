@@ -76,7 +76,7 @@ class MatrixRuntime:
         self.items: list[Item] = []
         self.routes: dict[str, Route] = {}
         self.topology: Topology | None = None
-        self.group: dist.ProcessGroup | None = None
+        self.process_group: dist.ProcessGroup | None = None
         self.rank = 0
         self.world = 1
         self.digest = ""
@@ -92,7 +92,7 @@ class MatrixRuntime:
         self._pipelines: dict[tuple[object, ...], Pipeline] = {}
         self._current: Pipeline | None = None
         self.watchdog = Watchdog(None, 0, 1, pipeline_config.timeout_s)
-        # (group, rank, world, watchdog) the current plan was made for: parameters added
+        # (process group, rank, world, watchdog) the current plan was made for: parameters added
         # later can make the job distributed before the old plan's state is moved
         self.planned_on: tuple[dist.ProcessGroup | None, int, int, Watchdog] = (
             None,
@@ -109,7 +109,7 @@ class MatrixRuntime:
     @property
     def distributed(self) -> bool:
         """True when the optimizer's collectives run on a process group."""
-        return self.group is not None
+        return self.process_group is not None
 
     def invalidate(self) -> None:
         """Forget the plan (e.g. after ``add_param_group``); the next step re-plans."""
@@ -119,14 +119,14 @@ class MatrixRuntime:
     def _resolve_group(self, tensors: Sequence[torch.Tensor]) -> None:
         group = process_group_of(self.config.process_group)
         if group is not None:
-            self.group = group
-            self.rank = dist.get_rank(self.group)
-            self.world = dist.get_world_size(self.group)
+            self.process_group = group
+            self.rank = dist.get_rank(self.process_group)
+            self.world = dist.get_world_size(self.process_group)
         else:
-            self.group, self.rank, self.world = None, 0, 1
+            self.process_group, self.rank, self.world = None, 0, 1
         self.device = tensor_device(tensors)
         self.watchdog = Watchdog(
-            self.group,
+            self.process_group,
             self.rank,
             self.world,
             self.config.timeout_s,
@@ -142,7 +142,7 @@ class MatrixRuntime:
             self._resolve_group(tensors)
             self._layout_version += 1
             self._layouts = [
-                describe(i, n, t, self.group, self.rank)
+                describe(i, n, t, self.process_group, self.rank)
                 for i, (n, t) in enumerate(zip(names, tensors, strict=True))
             ]
             self._layout_key = key
@@ -187,7 +187,7 @@ class MatrixRuntime:
             failed=failure is not None,
             compute=compute,
         )
-        if failed or (failure is not None and self.group is None):
+        if failed or (failure is not None and self.process_group is None):
             self._raise_failures(failure, names)
         # without a header (check_every_step=False) a failure reaches the others at the vote
         active = frozenset(i for i, g in enumerate(has_grad) if g)
@@ -230,8 +230,8 @@ class MatrixRuntime:
 
     def _raise_failures(self, failure: Failure | None, names: Sequence[str]) -> None:
         mine = None if failure is None else failure.describe(names)
-        reports = vote(mine, watchdog=self.watchdog) if self.group is not None else []
-        if self.group is None and mine is not None:
+        reports = vote(mine, watchdog=self.watchdog) if self.process_group is not None else []
+        if self.process_group is None and mine is not None:
             reports = [(self.rank, mine)]
         text = "; ".join(f"rank {r}: {line}" for r, line in reports)
         raise UpdateFailedError(
@@ -291,7 +291,9 @@ class MatrixRuntime:
         needs_setup = not self._planned or structure != self._structure
         self.watchdog.tag = f"{self._instance}-{structure[:16]}"
         flagged = nonfinite
-        if self.group is not None and (self.config.check_every_step or self.config.skip_nonfinite):
+        if self.process_group is not None and (
+            self.config.check_every_step or self.config.skip_nonfinite
+        ):
             needs_setup, flagged, failed = check_header(
                 num_params=len(tensors),
                 structure=structure,
@@ -322,7 +324,11 @@ class MatrixRuntime:
         compute: ComputeFn | None,
     ) -> None:
         self.topology = agree(
-            layouts, group=self.group, rank=self.rank, world=self.world, extra=config
+            layouts,
+            process_group=self.process_group,
+            rank=self.rank,
+            world=self.world,
+            extra=config,
         )
         splits = {
             p: row.split for p, row in zip(table.matrix, table.rows, strict=True) if row.split
@@ -360,13 +366,13 @@ class MatrixRuntime:
             build_plan(specs, self.world, self.plan_config, optimizer=cost) if specs else None
         )
         self.routes = route_all(self.items, self.topology, self.plan, self.rank)
-        self.planned_on = (self.group, self.rank, self.world, self.watchdog)
+        self.planned_on = (self.process_group, self.rank, self.world, self.watchdog)
         self.digest = self.plan.digest() if self.plan else structure
         self._structure = structure
         self._planned = True
         self._plan_version += 1
         self._pipelines.clear()
-        if self.group is not None:
+        if self.process_group is not None:
             check_plan_digest(self.digest, watchdog=self.watchdog)
 
     def _measures(self, table: StepTable, compute: ComputeFn | None) -> bool:
@@ -374,7 +380,7 @@ class MatrixRuntime:
         return (
             self.plan_config.cost == "measured"
             and self.plan_config.strategy == "canzona"
-            and self.group is not None
+            and self.process_group is not None
             and compute is not None
             and isinstance(table.cost, GroupedCost)
             and bool(table.calibration)
@@ -421,7 +427,7 @@ class MatrixRuntime:
         ).build()
         pipeline = Pipeline(
             schedule=schedule,
-            group=self.group,
+            process_group=self.process_group,
             rank=self.rank,
             world=self.world,
             config=self.config,
@@ -442,12 +448,12 @@ def snapshot(runtime: MatrixRuntime) -> Snapshot:
     """What state movement needs from ``runtime`` (valid until its next re-plan)."""
     if runtime.topology is None:
         raise RuntimeError("the runtime has no plan yet")
-    group, rank, world, watchdog = runtime.planned_on
+    process_group, rank, world, watchdog = runtime.planned_on
     return Snapshot(
         items=tuple(runtime.items),
         routes=dict(runtime.routes),
         topology=runtime.topology,
-        group=group,
+        process_group=process_group,
         rank=rank,
         world=world,
         replica_dedup=runtime.plan_config.replica_dedup,
@@ -456,7 +462,7 @@ def snapshot(runtime: MatrixRuntime) -> Snapshot:
 
 
 def check_all_ok(ok: bool, runtime: MatrixRuntime) -> list[int]:
-    """Ranks of the runtime's group where ``ok`` is False (no collective when local)."""
-    if runtime.group is None:
+    """Ranks of the runtime's process group where ``ok`` is False (no collective when local)."""
+    if runtime.process_group is None:
         return [] if ok else [runtime.rank]
     return failing_ranks(ok, watchdog=runtime.watchdog)

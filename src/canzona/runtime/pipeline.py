@@ -104,7 +104,7 @@ class _Pending:
     out: torch.Tensor
     inp: torch.Tensor
     what: str
-    group: int
+    micro_group: int
 
 
 class Pipeline:
@@ -112,9 +112,9 @@ class Pipeline:
 
     Args:
         schedule: The step's precomputed work.
-        group: Process group of the collectives (None: single process).
-        rank: This rank in ``group``.
-        world: Size of ``group``.
+        process_group: Process group of the collectives (None: single process).
+        rank: This rank in ``process_group``.
+        world: Size of ``process_group``.
         config: Pipeline configuration.
         watchdog: Deadline and progress markers of the collectives.
         device: Device of the communication buffers (the parameters' device).
@@ -124,7 +124,7 @@ class Pipeline:
         self,
         *,
         schedule: Schedule,
-        group: dist.ProcessGroup | None,
+        process_group: dist.ProcessGroup | None,
         rank: int,
         world: int,
         config: PipelineConfig,
@@ -132,7 +132,7 @@ class Pipeline:
         device: torch.device,
     ) -> None:
         self.schedule = schedule
-        self.group = group
+        self.process_group = process_group
         self.rank = rank
         self.world = world
         self.config = config
@@ -182,7 +182,7 @@ class Pipeline:
                 except Exception as exc:
                     run.fail("casting the payloads", exc)
             kept = run.local_batches()
-            if self.schedule.micro_groups and self.group is not None:
+            if self.schedule.micro_groups and self.process_group is not None:
                 run.micro_groups()
             self._vote(run.failure, run.failed_ranks, names)
             start = time.perf_counter()
@@ -205,7 +205,7 @@ class Pipeline:
         status; otherwise one small all-reduce decides.
         """
         mine = None if failure is None else failure.describe(names)
-        if self.group is None:
+        if self.process_group is None:
             reports = [] if mine is None else [(self.rank, mine)]
         elif failed is None:
             reports = vote(mine, watchdog=self.watchdog)
@@ -311,7 +311,7 @@ class _Run:
         phase = 10 + 2 * k + (1 if what == "scatter" else 0)
         self.p.watchdog.mark(phase, f"the {what} of micro-group {k}")
         work = dist.all_to_all_single(
-            out, inp, out_splits, in_splits, group=self.p.group, async_op=True
+            out, inp, out_splits, in_splits, group=self.p.process_group, async_op=True
         )
         self.in_flight += 1
         stats = self.stats
@@ -324,7 +324,9 @@ class _Run:
 
     def _wait(self, pending: _Pending) -> None:
         start = time.perf_counter()
-        self.p.watchdog.wait(pending.work, f"the {pending.what} of micro-group {pending.group}")
+        self.p.watchdog.wait(
+            pending.work, f"the {pending.what} of micro-group {pending.micro_group}"
+        )
         pending.work = None  # drop the handle as soon as it completed
         self.in_flight -= 1
         self.stats.wait_s += time.perf_counter() - start

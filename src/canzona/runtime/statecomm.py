@@ -48,7 +48,7 @@ class Snapshot:
     items: tuple[Item, ...]
     routes: dict[str, Route]
     topology: Topology
-    group: dist.ProcessGroup | None
+    process_group: dist.ProcessGroup | None
     rank: int
     world: int
     replica_dedup: bool
@@ -142,7 +142,9 @@ def _all_to_all(
     device = snap.watchdog.device
     inp = torch.cat(chunks) if chunks else torch.empty(0, dtype=dtype, device=device)
     out = torch.empty(sum(out_splits), dtype=dtype, device=device)
-    work = dist.all_to_all_single(out, inp, out_splits, in_splits, group=snap.group, async_op=True)
+    work = dist.all_to_all_single(
+        out, inp, out_splits, in_splits, group=snap.process_group, async_op=True
+    )
     snap.watchdog.wait(work, "the optimizer-state exchange")
     result: dict[int, list[torch.Tensor]] = {}
     offset = 0
@@ -190,7 +192,7 @@ def export_state(
             device=snap.watchdog.device,
         )
     sends, recv, places = _export_routes(snap, entries, get, locals_)
-    if snap.group is None:
+    if snap.process_group is None:
         received = {r: [t.reshape(-1) for t in ts] for r, ts in sends.items()}
     else:
         received = _all_to_all(snap, sends, recv, _buffer_dtype(entries))
@@ -309,7 +311,7 @@ def import_state(
                 if tpiece is not None:
                     recv.setdefault(t, []).append(tpiece.numel)
                     places.setdefault(t, []).append((item, entry, tpiece))
-    if snap.group is None:
+    if snap.process_group is None:
         received = {r: [t.reshape(-1) for t in ts] for r, ts in sends.items()}
     else:
         received = _all_to_all(snap, sends, recv, _buffer_dtype(entries))

@@ -67,7 +67,7 @@ class ParamLayout:
 
 
 def describe(
-    index: int, name: str, tensor: torch.Tensor, group: dist.ProcessGroup | None, rank: int
+    index: int, name: str, tensor: torch.Tensor, process_group: dist.ProcessGroup | None, rank: int
 ) -> ParamLayout:
     """Read a parameter's storage layout.
 
@@ -75,8 +75,8 @@ def describe(
         index: Position of the parameter in the optimizer.
         name: Parameter name (used in error messages and plan specs).
         tensor: The parameter (plain tensor or DTensor).
-        group: The optimizer's process group (None when not distributed).
-        rank: This process's rank in ``group``.
+        process_group: The optimizer's process group (None when not distributed).
+        rank: This process's rank in ``process_group``.
 
     Raises:
         canzona.runtime.layout.LayoutError: for unsupported placements.
@@ -88,11 +88,11 @@ def describe(
     placements = tuple(tensor.placements)
     check_placements(name, placements, tensor.ndim)
     global_ranks = [int(r) for r in mesh.mesh.flatten().tolist()]
-    if group is None or group is dist.group.WORLD or not dist.is_initialized():
+    if process_group is None or process_group is dist.group.WORLD or not dist.is_initialized():
         ranks = tuple(global_ranks)
     else:
         try:
-            ranks = tuple(dist.get_group_rank(group, r) for r in global_ranks)
+            ranks = tuple(dist.get_group_rank(process_group, r) for r in global_ranks)
         except (ValueError, RuntimeError) as exc:
             raise ValueError(
                 f"parameter {name!r} lives on a mesh with ranks {global_ranks} that are not all "
@@ -140,7 +140,7 @@ def _first_difference(lists: Sequence[Sequence[str]], a: int, b: int) -> str:
 def agree(
     layouts: Sequence[ParamLayout],
     *,
-    group: dist.ProcessGroup | None,
+    process_group: dist.ProcessGroup | None,
     rank: int,
     world: int,
     extra: str = "",
@@ -167,12 +167,14 @@ def agree(
     if world == 1:
         return Topology(tuple(layouts), {k: (v,) for k, v in meshes.items()}, rank, world)
     gathered: list[tuple[str, dict[MeshKey, tuple[int, ...]]] | None] = [None] * world
-    dist.all_gather_object(gathered, (digest, meshes), group=group)
+    dist.all_gather_object(gathered, (digest, meshes), group=process_group)
     digests = [g[0] for g in gathered if g is not None]
     if len(set(digests)) != 1:
         parts = [ranks for _, ranks in ranks_by_value(digests)]
         full: list[list[str] | None] = [None] * world
-        dist.all_gather_object(full, [extra, *(lo.structure() for lo in layouts)], group=group)
+        dist.all_gather_object(
+            full, [extra, *(lo.structure() for lo in layouts)], group=process_group
+        )
         lists = [f or [] for f in full]
         detail = _first_difference(lists, parts[0][0], parts[1][0])
         raise PlanMismatchError(

@@ -43,7 +43,7 @@ class Watchdog:
     that never published one (they are not waiting in a collective at all).
 
     Attributes:
-        group: Process group of the collectives.
+        process_group: Process group of the collectives.
         rank: This rank in ``group``.
         world: Size of ``group``.
         timeout_s: Deadline of every wait.
@@ -58,7 +58,7 @@ class Watchdog:
     so an optimizer does not keep it alive past ``destroy_process_group()``.
     """
 
-    group: dist.ProcessGroup | None
+    process_group: dist.ProcessGroup | None
     rank: int
     world: int
     timeout_s: float
@@ -72,7 +72,9 @@ class Watchdog:
     _recent: deque[Any] = field(default_factory=lambda: deque(maxlen=RETAINED_WORKS), repr=False)
 
     def __post_init__(self) -> None:
-        self.markers = self.markers and self.group is not None and default_store() is not None
+        self.markers = (
+            self.markers and self.process_group is not None and default_store() is not None
+        )
 
     def _key(self, rank: int) -> str:
         return f"{_PREFIX}/{self.tag}/{rank}"
@@ -193,7 +195,7 @@ def gather_ints(values: list[int], *, watchdog: Watchdog, phase: int, what: str)
         mine = mine.pin_memory().to(device, non_blocking=True)
     out = torch.empty(world * n, dtype=torch.int64, device=device)
     watchdog.mark(phase, what)
-    work = dist.all_to_all_single(out, mine, group=watchdog.group, async_op=True)
+    work = dist.all_to_all_single(out, mine, group=watchdog.process_group, async_op=True)
     watchdog.wait(work, what)
     rows: list[list[int]] = out.view(world, n).tolist()
     return rows
