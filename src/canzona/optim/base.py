@@ -103,7 +103,7 @@ class MatrixOptimizer(CopyMixin, CheckpointMixin, Optimizer):
         self.plan_config = plan or PlanConfig()
         self.pipeline_config = pipeline or PipelineConfig()
         self.skipped_steps = 0
-        self._reset(OwnerState(self._fresh_item_state))
+        self._reset(OwnerState(self._fresh_item_state, self._owner_specs))
         defaults = {"algorithm": self.algorithm, **defaults}
         super().__init__(params, defaults)
 
@@ -237,6 +237,12 @@ class MatrixOptimizer(CopyMixin, CheckpointMixin, Optimizer):
 
     def _fresh_item_state(self, item: Item) -> dict[str, Tensor]:
         """A new owner-held state for one matrix (none for optimizers without any)."""
+        return {}
+
+    def _owner_specs(
+        self, p: Tensor, group: dict[str, Any]
+    ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Owner-held state of one matrix ``p`` (meta): key -> (shape, dtype). None here."""
         return {}
 
     def _group_of(self, param: int) -> dict[str, Any]:
@@ -496,7 +502,7 @@ class MatrixOptimizer(CopyMixin, CheckpointMixin, Optimizer):
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         elif is_matrix:
             self._init_storage_state(p, state, group)
-            self._add_owner_placeholders(p, state, group)
+            self._owner.add_placeholders(p, state, group)
 
     def _backup(self, tensors: list[Tensor]) -> Backup:
         """A :class:`Backup` of ``tensors``, kept between steps as the pipeline config says."""

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import Tensor
 
-from canzona.optim.owner_state import OwnerState
+from canzona.optim.owner_state import OwnerState, is_stack
 from canzona.runtime import (
     Snapshot,
     StateEntry,
@@ -25,18 +23,6 @@ ADAMW_KEYS = ("step", "exp_avg", "exp_avg_sq")
 
 def _shape(value: Any) -> tuple[int, ...] | None:
     return tuple(value.shape) if isinstance(value, Tensor) else None
-
-
-def _is_stack(p: Tensor, group: dict[str, Any]) -> bool:
-    """A 3-D parameter of a matrix group is a stack of matrices unless matricised."""
-    return p.ndim == 3 and not group.get("flatten")
-
-
-def _matrix_shape(p: Tensor, group: dict[str, Any]) -> tuple[int, int]:
-    """Rows and columns of one matrix of ``p`` (a matricised weight: first dim by the rest)."""
-    if group.get("flatten") and p.ndim > 2:
-        return p.shape[0], math.prod(p.shape[1:])
-    return p.shape[-2], p.shape[-1]
 
 
 def _is_number(value: Any) -> bool:
@@ -68,72 +54,18 @@ class CheckpointMixin:
     _state_generation: int
     _algorithms: dict[int, str]
 
-    def _flat(self) -> tuple[list[Tensor], list[str], list[int]]:
-        raise NotImplementedError
+    if TYPE_CHECKING:  # MatrixOptimizer's
 
-    def _step_table(self, params: list[Tensor], gids: list[int]) -> Any:
-        raise NotImplementedError
+        def _flat(self) -> tuple[list[Tensor], list[str], list[int]]: ...
 
-    def _directions(self, batch: Any, full: Tensor) -> Tensor:
-        raise NotImplementedError
+        def _step_table(self, params: list[Tensor], gids: list[int]) -> Any: ...
 
-    def _owner_specs(
-        self, p: Tensor, group: dict[str, Any]
-    ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        """Owner-held state of one matrix of ``p``: key -> (shape, dtype). None by default."""
-        return {}
-
-    def _state_specs(
-        self, p: Tensor, group: dict[str, Any]
-    ) -> dict[str, tuple[tuple[int, ...], torch.dtype, int | None]]:
-        """Owner-held state of ``p``'s matrices: key -> (shape, dtype, block).
-
-        A split parameter has one state per block, under ``"<key>#<block>"``; a
-        matricised N-D weight (``flatten``) the state of its ``(shape[0], rest)`` matrix.
-        """
-        m, n = _matrix_shape(p, group)
-        split = group.get("split")
-        if split is None:
-            mat = torch.empty((m, n), dtype=p.dtype, device="meta")
-            return {
-                k: (shape, dt, None) for k, (shape, dt) in self._owner_specs(mat, group).items()
-            }
-        out: dict[str, tuple[tuple[int, ...], torch.dtype, int | None]] = {}
-        for j, shape in enumerate(split.shapes(m, n)):
-            block = torch.empty(shape, dtype=p.dtype, device="meta")
-            for k, (s, dt) in self._owner_specs(block, group).items():
-                out[f"{k}#{j}"] = (s, dt, j)
-        return out
-
-    def _add_owner_placeholders(
-        self, p: Tensor, state: dict[str, Any], group: dict[str, Any]
-    ) -> None:
-        """List owner-held keys in ``state[p]`` (as empty tensors) on every rank.
-
-        The values live on the owner ranks and ``state_dict()`` materialises them; the keys
-        are listed so that code that walks ``optimizer.state`` (e.g. DCP's flattened
-        optimizer state dicts) sees the same structure as ``state_dict()``.
-        """
-        for key in self._state_specs(p, group):
-            state[key] = torch.empty(0)
-
-    def _entries(
-        self, params: list[Tensor], groups: Sequence[dict[str, Any]], stepped: set[int]
-    ) -> list[StateEntry]:
-        """Owner-held state tensors of the stepped matrix parameters (``groups`` per param)."""
-        entries: list[StateEntry] = []
-        for i in sorted(stepped):
-            p, group = params[i], groups[i]
-            if group["algorithm"] == ADAMW or p.numel() == 0:
-                continue
-            stack = p.shape[0] if _is_stack(p, group) else 0
-            for key, (shape, dtype, block) in self._state_specs(p, group).items():
-                entries.append(StateEntry(i, key, shape, dtype, block, stack))
-        return entries
+        def _directions(self, batch: Any, full: Tensor) -> Tensor: ...
 
     def _stepped_entries(self, params: list[Tensor], gids: list[int]) -> list[StateEntry]:
+        """The owner-held state tensors of the parameters that have stepped."""
         stepped = {i for i, p in enumerate(params) if "step" in self.state.get(p, {})}
-        return self._entries(params, [self.param_groups[g] for g in gids], stepped)
+        return self._owner.entries(params, [self.param_groups[g] for g in gids], stepped)
 
     def _sync_plan(self) -> None:
         """Agree on the plan with every rank (collective); re-plans and moves state if needed."""
@@ -148,15 +80,9 @@ class CheckpointMixin:
         self, previous: Snapshot, params: list[Tensor], gids: list[int]
     ) -> None:
         """After a re-plan, move owner-held state from the old owners to the new ones."""
-        entries = [
-            e
-            for e in self._stepped_entries(params, gids)
-            if e.param < len(previous.topology.layouts)
-        ]
-        if not entries:
-            return
-        meshes = {e.param: param_mesh(params[e.param]) for e in entries}
-        self._owner.migrate(previous, snapshot(self._runtime), entries, meshes)
+        entries = self._stepped_entries(params, gids)
+        if entries:
+            self._owner.migrate(previous, snapshot(self._runtime), params, entries)
 
     # ------------------------------------------------------------------ save
     def state_dict(self) -> dict[str, Any]:
@@ -187,8 +113,8 @@ class CheckpointMixin:
             return keys
         for key in self.storage_keys:
             keys[key] = tuple(p.shape)
-        lead = (p.shape[0],) if _is_stack(p, group) else ()
-        for key, (shape, _, _) in self._state_specs(p, group).items():
+        lead = (p.shape[0],) if is_stack(p, group) else ()
+        for key, (shape, _, _) in self._owner.specs(p, group).items():
             keys[key] = (*lead, *shape)
         return keys
 
@@ -304,7 +230,7 @@ class CheckpointMixin:
             group_of += [saved_groups[g]] * len(mine["params"])
         for pos, p in enumerate(params):
             if group_of[pos]["algorithm"] != ADAMW:
-                owner_keys[pos] = set(self._state_specs(p, group_of[pos]))
+                owner_keys[pos] = set(self._owner.specs(p, group_of[pos]))
         storage: dict[Any, dict[str, Any]] = {}
         owner_values: dict[tuple[int, str], Tensor] = {}
         stepped: set[int] = set()
@@ -320,7 +246,7 @@ class CheckpointMixin:
                 if k not in keys
             }
             owner_values.update({(pos, k): v for k, v in entry.items() if k in keys})
-        entries = self._entries(params, group_of, stepped)
+        entries = self._owner.entries(params, group_of, stepped)
         if entries:
             self._sync_plan()  # collective: every rank has validated by now
         super().load_state_dict({**state_dict, "state": storage})  # type: ignore[misc]
@@ -328,7 +254,7 @@ class CheckpointMixin:
         for pos in sorted(stepped & set(owner_keys)):
             p = params[pos]
             if p.numel():
-                self._add_owner_placeholders(p, self.state[p], group_of[pos])
+                self._owner.add_placeholders(p, self.state[p], group_of[pos])
         if entries:
             self._owner.load(snapshot(self._runtime), entries, owner_values)
         else:

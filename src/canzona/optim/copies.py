@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from canzona.optim.owner_state import OwnerState
 from canzona.plan import PlanConfig
@@ -27,11 +27,13 @@ class CopyMixin:
     _owner: OwnerState
     _algorithms: dict[int, str]
 
-    def _reset(self, owner: OwnerState) -> None:
-        raise NotImplementedError
+    if TYPE_CHECKING:  # MatrixOptimizer's
 
-    def _fresh_item_state(self, item: Any) -> Any:
-        raise NotImplementedError
+        def _reset(self, owner: OwnerState) -> None: ...
+
+        def _fresh_item_state(self, item: Any) -> Any: ...
+
+        def _owner_specs(self, p: Any, group: dict[str, Any]) -> Any: ...
 
     def __getstate__(self) -> dict[str, Any]:
         """What ``copy.deepcopy`` and pickling keep (see the class docstring).
@@ -75,7 +77,7 @@ class CopyMixin:
         self.__dict__.setdefault("plan_config", PlanConfig())
         self.__dict__.setdefault("pipeline_config", PipelineConfig())
         self.__dict__.setdefault("skipped_steps", 0)
-        owner = OwnerState(self._fresh_item_state)
+        owner = OwnerState(self._fresh_item_state, self._owner_specs)
         owner.states = owner_states
         self._reset(owner)
         self._algorithms = algorithms

@@ -2,16 +2,42 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
+import torch
 from torch import Tensor
 
-from canzona.runtime import Item, Snapshot, StateEntry, export_state, import_state
+from canzona.optim.prepare import ADAMW
+from canzona.runtime import (
+    Item,
+    Snapshot,
+    StateEntry,
+    export_state,
+    import_state,
+    param_mesh,
+)
 
 Key = tuple[int, int | None, int | None, int]  # Item.key: (param, lead, block, first unit rank)
 State = dict[str, Tensor]
 FreshFn = Callable[[Item], State]
 """A new, zero-step owner state for one matrix."""
+SpecsFn = Callable[[Tensor, dict[str, Any]], dict[str, tuple[tuple[int, ...], torch.dtype]]]
+"""The owner-held state of one matrix (a meta tensor) of a param group: key -> (shape, dtype)."""
+Specs = dict[str, tuple[tuple[int, ...], torch.dtype, int | None]]
+
+
+def is_stack(p: Tensor, group: dict[str, Any]) -> bool:
+    """A 3-D parameter of a matrix group is a stack of matrices unless matricised."""
+    return p.ndim == 3 and not group.get("flatten")
+
+
+def matrix_shape(p: Tensor, group: dict[str, Any]) -> tuple[int, int]:
+    """Rows and columns of one matrix of ``p`` (a matricised weight: first dim by the rest)."""
+    if group.get("flatten") and p.ndim > 2:
+        return p.shape[0], math.prod(p.shape[1:])
+    return p.shape[-2], p.shape[-1]
 
 
 class OwnerState:
@@ -22,12 +48,18 @@ class OwnerState:
     step (a copy before its first in-place change, restored if the step fails), moves it
     to new owners after a re-plan, and converts it to and from the checkpoint layout.
 
+    It also knows which keys a parameter's matrices hold (:meth:`specs`), so that the
+    optimizer's ``state`` lists them and checkpoints carry them.
+
     Args:
         fresh: Builds a new state for an item.
+        specs: The keys, shapes and dtypes of one matrix's state (none: the optimizer keeps
+            no owner-held state).
     """
 
-    def __init__(self, fresh: FreshFn) -> None:
+    def __init__(self, fresh: FreshFn, specs: SpecsFn | None = None) -> None:
         self.fresh = fresh
+        self.matrix_specs: SpecsFn = specs if specs is not None else (lambda _p, _g: {})
         self.states: dict[Key, State] = {}
         self._atomic = False
         self._touched: dict[Key, State | None] = {}
@@ -71,6 +103,51 @@ class OwnerState:
                     state[name].copy_(value)
         self._touched = {}
 
+    # ------------------------------------------------------------------ keys
+    def specs(self, p: Tensor, group: dict[str, Any]) -> Specs:
+        """Owner-held state of ``p``'s matrices: key -> (shape, dtype, block).
+
+        A split parameter has one state per block, under ``"<key>#<block>"``; a
+        matricised N-D weight (``flatten``) the state of its ``(shape[0], rest)`` matrix.
+        """
+        m, n = matrix_shape(p, group)
+        split = group.get("split")
+        if split is None:
+            mat = torch.empty((m, n), dtype=p.dtype, device="meta")
+            return {
+                k: (shape, dt, None) for k, (shape, dt) in self.matrix_specs(mat, group).items()
+            }
+        out: Specs = {}
+        for j, shape in enumerate(split.shapes(m, n)):
+            block = torch.empty(shape, dtype=p.dtype, device="meta")
+            for k, (s, dt) in self.matrix_specs(block, group).items():
+                out[f"{k}#{j}"] = (s, dt, j)
+        return out
+
+    def add_placeholders(self, p: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
+        """List ``p``'s owner-held keys in its ``optimizer.state`` entry, as empty tensors.
+
+        The values live on the owner ranks and ``state_dict()`` materialises them; the keys
+        are listed on every rank so that code that walks ``optimizer.state`` (e.g. DCP's
+        flattened optimizer state dicts) sees the same structure as ``state_dict()``.
+        """
+        for key in self.specs(p, group):
+            state[key] = torch.empty(0)
+
+    def entries(
+        self, params: Sequence[Tensor], groups: Sequence[dict[str, Any]], stepped: set[int]
+    ) -> list[StateEntry]:
+        """The state tensors of the stepped matrix parameters (``groups``: one per param)."""
+        out: list[StateEntry] = []
+        for i in sorted(stepped):
+            p, group = params[i], groups[i]
+            if group["algorithm"] == ADAMW or p.numel() == 0:
+                continue
+            stack = p.shape[0] if is_stack(p, group) else 0
+            for key, (shape, dtype, block) in self.specs(p, group).items():
+                out.append(StateEntry(i, key, shape, dtype, block, stack))
+        return out
+
     # ------------------------------------------------------------------ checkpoints
     def lookup(self, item: Item, store: dict[Key, State] | None = None) -> State:
         """The state of ``item``; a fresh one when it was never computed (e.g. a failed step)."""
@@ -101,10 +178,18 @@ class OwnerState:
         self,
         previous: Snapshot,
         current: Snapshot,
+        params: Sequence[Tensor],
         entries: Sequence[StateEntry],
-        meshes: dict[int, object],
     ) -> None:
-        """Move the state from the owners of ``previous`` to those of ``current`` (collective)."""
+        """Move the state from the owners of ``previous`` to those of ``current`` (collective).
+
+        Only ``entries`` of parameters that the previous plan knew move (a parameter added
+        since has no state yet).
+        """
+        entries = [e for e in entries if e.param < len(previous.topology.layouts)]
+        if not entries:
+            return
+        meshes = {e.param: param_mesh(params[e.param]) for e in entries}
         old = self.states
         values = export_state(
             previous,
