@@ -302,3 +302,57 @@ def test_flatten_sends_convolutions_to_the_matrix_algorithm() -> None:
     assert [n for n, _ in flat[0]["params"]] == ["conv.weight"]
     assert "conv.weight" not in [n for n, _ in groups[-1]["params"]]
     canzona.Muon(groups)
+
+
+# ------------------------------------------------- split declared in a raw param group
+def _raw_group_error(group: dict[str, Any]) -> str:
+    with pytest.raises(ValueError) as info:
+        canzona.Muon([group])
+    return str(info.value)
+
+
+def test_raw_group_split_sizes_that_do_not_tile_the_dimension_raise() -> None:
+    """Catches: a raw group's split taken unchecked (blocks past the matrix, or rows left out)."""
+    qkv = nn.Parameter(torch.zeros(24, 8))
+    bad = canzona.Split(dim=0, sizes=(8, 8))
+    msg = _raw_group_error({"params": [("qkv_proj.weight", qkv)], "split": bad})
+    assert (
+        "parameter 'qkv_proj.weight': Split sizes (8, 8) sum to 16, but dimension 0 of the "
+        "matrix has 24"
+    ) in msg
+    # unnamed parameters are named by position, counting the earlier groups
+    opt = canzona.Muon([nn.Parameter(torch.zeros(4, 4))])
+    with pytest.raises(ValueError, match=r"parameter 'param1': dimension 1 of the matrix has 8"):
+        opt.add_param_group({"params": [qkv], "split": canzona.Split(dim=1, size=3)})
+
+
+def test_raw_group_split_on_a_vector_raises() -> None:
+    """Catches: the split shape check reached with a 1-D parameter (an IndexError, or the
+    vector silently updated as blocks)."""
+    bias = nn.Parameter(torch.zeros(24))
+    msg = _raw_group_error({"params": [("qkv_proj.bias", bias)], "split": canzona.Split(0, size=8)})
+    assert "parameter 'qkv_proj.bias' ((24,)) is 1-D; Muon updates 2-D matrices" in msg
+
+
+def test_raw_group_split_with_adamw_raises() -> None:
+    """Catches: a split silently ignored in an AdamW group."""
+    w = nn.Parameter(torch.zeros(24, 8))
+    split = canzona.Split(dim=0, size=8)
+    msg = _raw_group_error(
+        {"params": [("qkv_proj.weight", w)], "split": split, "algorithm": "adamw"}
+    )
+    assert (
+        "the param group of 'qkv_proj.weight' has a split, which applies to matrix groups, "
+        f'not algorithm="adamw": {split!r}'
+    ) in msg
+
+
+def test_raw_group_split_that_is_not_a_split_raises() -> None:
+    """Catches: a tuple or dict taken for a Split (and failing later, inside the step)."""
+    w = nn.Parameter(torch.zeros(24, 8))
+    for value in [(0, 8), {"dim": 0, "size": 8}]:
+        msg = _raw_group_error({"params": [("qkv_proj.weight", w)], "split": value})
+        assert (
+            "the split of the param group of 'qkv_proj.weight' must be a canzona.Split, "
+            f"got {value!r}"
+        ) in msg

@@ -56,12 +56,15 @@ def _join(blocks: list[torch.Tensor], like: torch.Tensor, split: Split) -> torch
 
 
 def reference_blocks(
-    fulls: dict[str, torch.Tensor], grads: list[dict[str, torch.Tensor]], make: Any
+    fulls: dict[str, torch.Tensor],
+    grads: list[dict[str, torch.Tensor]],
+    make: Any,
+    splits: dict[str, Split] = SPLITS,
 ) -> dict[str, torch.Tensor]:
     """Each block of each split parameter as its own parameter of one optimizer ``make``."""
     out: dict[str, torch.Tensor] = {}
     for name, full in fulls.items():
-        split = SPLITS.get(name)
+        split = splits.get(name)
         mats = _blocks(full, split) if split else ([full] if full.ndim == 2 else list(full))
         ps = [nn.Parameter(m.clone()) for m in mats]
         opt = make(ps)
@@ -212,3 +215,104 @@ def test_owner_state_per_block_matches_separate_blocks(dist: Any, name: str) -> 
     for out in dist(4).run(_owner_case, name):
         assert all(out["same"].values()), out["same"]
         assert out["keys"] and all(k.rsplit("#", 1)[1] in {"0", "1", "2"} for k in out["keys"])
+
+
+# ---------------------------------------------------- two ranks, default settings, FSDP2 / TP
+TWO_SPLITS = {
+    "qkv": Split(dim=0, sizes=(12, 4, 4)),  # GQA: q's 12 rows straddle the shard boundary at 10
+    "q": Split(dim=0, size=4),  # heads: 0 on rank 0, 1 across the boundary at 6, 2 on rank 1
+    "o": Split(dim=1, size=4),  # column heads: across every row shard (FSDP), like q (TP)
+}
+TWO_PLACEMENTS = {
+    "fsdp": {"qkv": "S(0)", "q": "S(0)", "o": "S(0)"},
+    "tp": {"qkv": "S(0)", "q": "S(0)", "o": "S(1)"},
+}
+
+
+class _Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(12, 20, bias=False)
+        self.q = nn.Linear(12, 12, bias=False)
+        self.o = nn.Linear(12, 12, bias=False)
+
+
+def _declaration_errors(model: nn.Module) -> tuple[list[str], int]:
+    """The messages of bad split declarations, and how many collectives they issued."""
+    import torch.distributed as tdist
+
+    group = tdist.distributed_c10d._get_default_group()  # mesh((2,)) runs on it
+    before = group._get_sequence_number_for_group()
+    bad = Split(dim=0, sizes=(8, 4, 4))
+    attempts = [
+        lambda: canzona.param_groups(model, split={"nothing.*": Split(dim=0, size=4)}),
+        lambda: canzona.param_groups(model, split={"qkv.weight": bad}),
+        lambda: canzona.Muon([{"params": [("qkv.weight", model.qkv.weight)], "split": bad}]),
+    ]
+    messages = []
+    for attempt in attempts:
+        try:
+            attempt()
+        except ValueError as exc:
+            messages.append(str(exc))
+        else:
+            messages.append("no error")
+    return messages, group._get_sequence_number_for_group() - before
+
+
+def _two_rank_case(layout: str) -> dict[str, Any]:
+    """canzona.Muon's defaults on fused qkv and per-head blocks of an FSDP2 or a TP model."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    torch.manual_seed(0)
+    model = _Attention()
+    fulls = {n.split(".")[0]: p.detach().clone() for n, p in model.named_parameters()}
+    if layout == "fsdp":
+        fully_shard(model, mesh=mesh((2,)))
+    else:
+        plan_tp = {"qkv": ColwiseParallel(), "q": ColwiseParallel(), "o": RowwiseParallel()}
+        parallelize_module(model, mesh((2,)), plan_tp)
+    errors, collectives = _declaration_errors(model)
+    placements = {n.split(".")[0]: str(p.placements[0]) for n, p in model.named_parameters()}
+    splits = {f"{n}.weight": s for n, s in TWO_SPLITS.items()}
+    opt = canzona.Muon(canzona.param_groups(model, split=splits))
+    params = [(n.split(".")[0], p) for n, p in model.named_parameters()]
+    gen = torch.Generator().manual_seed(5)
+    grads = [{n: torch.randn(t.shape, generator=gen) for n, t in fulls.items()} for _ in range(3)]
+    for g in grads:
+        set_grads(params, g)
+        opt.step()
+    want = reference_blocks(fulls, grads, lambda ps: torch.optim.Muon(ps), TWO_SPLITS)
+    got = {n: p.full_tensor() for n, p in params}
+    return {
+        "same": compare(got, want),
+        "placements": placements,
+        "errors": errors,
+        "collectives": collectives,
+    }
+
+
+@pytest.mark.parametrize("layout", ["fsdp", "tp"])
+def test_blocks_on_two_ranks_with_defaults_match_torch_muon(dist: Any, layout: str) -> None:
+    """Default canzona.Muon on a (2,) mesh is torch.optim.Muon on the separate blocks; bad
+    declarations, made first, raise the same message on both ranks and issue no collective.
+
+    Catches: a block straddling the one shard boundary gathered from the wrong offset (or
+    from its first rank only), defaults that differ from torch's, a declaration checked after
+    (or inside) a collective, and a message that differs between ranks."""
+    out = dist(2).run(_two_rank_case, layout)
+    assert_bitwise([{layout: r["same"]} for r in out], BLOCKS_VS_TORCH)
+    assert all(r["placements"] == TWO_PLACEMENTS[layout] for r in out), out[0]["placements"]
+    errors = [r["errors"] for r in out]
+    assert errors[0] == errors[1], errors
+    nothing, summed, raw = errors[0]
+    assert "'nothing.*' matches no parameter" in nothing
+    sums = "Split sizes (8, 4, 4) sum to 16, but dimension 0 of the matrix has 20"
+    assert f"parameter 'qkv.weight': {sums}" in summed
+    assert f"parameter 'qkv.weight': {sums}" in raw
+    assert [r["collectives"] for r in out] == [0, 0]

@@ -27,12 +27,18 @@ def check_group(group: dict[str, Any], owner: str, taken: Set[str], offset: int)
     flatten = group.get("flatten", False)
     if not isinstance(flatten, bool):
         raise ValueError(f"a param group's flatten must be a bool, got {flatten!r}")
-    if split is not None and not isinstance(split, Split):
-        raise ValueError(f"a param group's split must be a canzona.Split, got {split!r}")
-    if split is not None and group.get("algorithm") == ADAMW:
-        raise ValueError(f'a split applies to matrix groups, not algorithm="{ADAMW}": {split!r}')
     names = group.get("param_names")
     labels = [names[i] if names else f"param{offset + i}" for i in range(len(group["params"]))]
+    shown = ", ".join(repr(n) for n in labels[:3]) + (", ..." if len(labels) > 3 else "")
+    if split is not None and not isinstance(split, Split):
+        raise ValueError(
+            f"the split of the param group of {shown} must be a canzona.Split, got {split!r}"
+        )
+    if split is not None and group.get("algorithm") == ADAMW:
+        raise ValueError(
+            f"the param group of {shown} has a split, which applies to matrix groups, not "
+            f'algorithm="{ADAMW}": {split!r}'
+        )
     repeated = sorted({n for n in labels if n in taken or labels.count(n) > 1})
     if repeated:
         raise ValueError(
