@@ -37,6 +37,41 @@ def test_routing_example_runs() -> None:
     assert all(int(s["step"]) == 3 for s in opt.state.values())
 
 
+def test_shampoo_blocks_example_runs() -> None:
+    """Catches: a split of the example removed or mistyped (the parameter keeps one set of
+    unsuffixed factors, or its blocks have other sizes), and per-block state that is missing
+    or not at the block's shape after one step."""
+    blocks = re.findall(r"```python\n(.*?)```", _section("Shampoo"), flags=re.DOTALL)
+    assert len(blocks) == 1, "the Shampoo section has no python example"
+    namespace: dict[str, object] = {"__name__": "shampoo_blocks_example"}
+    exec(compile(blocks[0], f"{DOC}:shampoo", "exec"), namespace)
+    opt = namespace["opt"]
+    assert isinstance(opt, canzona.Shampoo)
+    hidden, head_dim, ffn = (int(namespace[k]) for k in ("hidden", "head_dim", "ffn"))
+    heads, kv_heads = int(namespace["heads"]), int(namespace["kv_heads"])
+    sd = opt.state_dict()
+    names = [n for g in sd["param_groups"] for n in g["param_names"]]
+    state = {names[i]: s for i, s in sd["state"].items()}
+    blocks_of = {  # (rows, cols) of every matrix the optimizer sees, in order
+        "qkv_proj.weight": [(head_dim, hidden)] * (heads + 2 * kv_heads),
+        "o_proj.weight": [(hidden, head_dim)] * heads,
+        "gate_up_proj.weight": [(ffn, hidden)] * 2,
+        "down_proj.weight": [(hidden, ffn)],
+    }
+    assert set(state) == set(blocks_of)
+    assert sum(len(b) for b in blocks_of.values()) == 15
+    for name, shapes in blocks_of.items():
+        s = state[name]
+        assert int(s["step"]) == 1, name
+        tags = [""] if len(shapes) == 1 else [f"#{i}" for i in range(len(shapes))]
+        want: dict[str, tuple[int, ...]] = {"step": ()}
+        for tag, (m, n) in zip(tags, shapes, strict=True):
+            want |= {f"exp_avg{tag}": (m, n), f"graft_exp_avg_sq{tag}": (m, n)}
+            want |= {f"factor_left{tag}": (m, m), f"inv_root_left{tag}": (m, m)}
+            want |= {f"factor_right{tag}": (n, n), f"inv_root_right{tag}": (n, n)}
+        assert {k: tuple(v.shape) for k, v in s.items()} == want, name
+
+
 @pytest.mark.parametrize(
     ("title", "cls"),
     [
