@@ -33,7 +33,7 @@ def is_stack(p: Tensor, group: dict[str, Any]) -> bool:
     return p.ndim == 3 and not group.get("flatten")
 
 
-def matrix_shape(p: Tensor, group: dict[str, Any]) -> tuple[int, int]:
+def _matrix_shape(p: Tensor, group: dict[str, Any]) -> tuple[int, int]:
     """Rows and columns of one matrix of ``p`` (a matricised weight: first dim by the rest)."""
     if group.get("flatten") and p.ndim > 2:
         return p.shape[0], math.prod(p.shape[1:])
@@ -53,13 +53,13 @@ class OwnerState:
 
     Args:
         fresh: Builds a new state for an item.
-        specs: The keys, shapes and dtypes of one matrix's state (none: the optimizer keeps
-            no owner-held state).
+        specs: The keys, shapes and dtypes of one matrix's state (empty for an optimizer
+            without owner-held state).
     """
 
-    def __init__(self, fresh: FreshFn, specs: SpecsFn | None = None) -> None:
+    def __init__(self, fresh: FreshFn, specs: SpecsFn) -> None:
         self.fresh = fresh
-        self.matrix_specs: SpecsFn = specs if specs is not None else (lambda _p, _g: {})
+        self.matrix_specs = specs
         self.states: dict[Key, State] = {}
         self._atomic = False
         self._touched: dict[Key, State | None] = {}
@@ -110,7 +110,7 @@ class OwnerState:
         A split parameter has one state per block, under ``"<key>#<block>"``; a
         matricised N-D weight (``flatten``) the state of its ``(shape[0], rest)`` matrix.
         """
-        m, n = matrix_shape(p, group)
+        m, n = _matrix_shape(p, group)
         split = group.get("split")
         if split is None:
             mat = torch.empty((m, n), dtype=p.dtype, device="meta")

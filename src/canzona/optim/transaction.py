@@ -31,13 +31,12 @@ class Backup:
                 by_dtype.setdefault(t.dtype, []).append(t)
         self._parts: list[tuple[FlatBuffer, list[Tensor], list[Tensor]]] = []
         for dtype, ts in by_dtype.items():
-            buf = FlatBuffer(sum(t.numel() for t in ts), dtype, ts[0].device)
+            buf = FlatBuffer(sum(t.numel() for t in ts), dtype, ts[0].device, keep=keep)
             views, offset = [], 0
             for t in ts:
                 views.append(buf.view(offset, t.shape))
                 offset += t.numel()
-            buf.release()  # nothing to hold before the first take
-            buf.keep = keep
+            buf.free()  # nothing to hold before the first take
             self._parts.append((buf, ts, views))
 
     @property

@@ -29,14 +29,14 @@ def check_group(group: dict[str, Any], owner: str, taken: Set[str], offset: int)
         raise ValueError(f"a param group's flatten must be a bool, got {flatten!r}")
     names = group.get("param_names")
     labels = [names[i] if names else f"param{offset + i}" for i in range(len(group["params"]))]
-    shown = ", ".join(repr(n) for n in labels[:3]) + (", ..." if len(labels) > 3 else "")
     if split is not None and not isinstance(split, Split):
         raise ValueError(
-            f"the split of the param group of {shown} must be a canzona.Split, got {split!r}"
+            f"the split of the param group of {_shown(labels)} must be a canzona.Split, "
+            f"got {split!r}"
         )
     if split is not None and group.get("algorithm") == ADAMW:
         raise ValueError(
-            f"the param group of {shown} has a split, which applies to matrix groups, not "
+            f"the param group of {_shown(labels)} has a split, which applies to matrix groups, not "
             f'algorithm="{ADAMW}": {split!r}'
         )
     repeated = sorted({n for n in labels if n in taken or labels.count(n) > 1})
@@ -61,3 +61,8 @@ def check_group(group: dict[str, Any], owner: str, taken: Set[str], offset: int)
         if split is not None:
             m, n = (p.shape[0], p[0].numel()) if flatten and p.ndim > 2 else p.shape[-2:]
             split.shapes(m, n, name=f"parameter {label!r}")
+
+
+def _shown(labels: list[str]) -> str:
+    """The first parameter names of a group, for a message."""
+    return ", ".join(repr(n) for n in labels[:3]) + (", ..." if len(labels) > 3 else "")
