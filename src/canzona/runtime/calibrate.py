@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import math
+import platform
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from canzona.plan import CostModel, GroupedCost, MatrixSpec
 from canzona.plan.measured import MeasuredCost, batch_line, fit_loglog
+from canzona.runtime.calibration_cache import DiskCache, Entry
 from canzona.runtime.routing import Item
 from canzona.runtime.table import ComputeBatch, ComputeFn, StepTable
 from canzona.runtime.watchdog import Watchdog
@@ -35,6 +40,10 @@ EVICT_BYTES = 32 << 20
 #: Calls shorter than this are timed with cold caches and at a second batch size (for longer
 #: ones a cache refill or a call's fixed cost is a negligible part of the time).
 SHORT_CALL_S = 0.02
+
+#: Param-group entries that never change the owner math's operations (so not its time): a
+#: learning rate moved by a scheduler must not invalidate the cached timings.
+UNTIMED_SETTINGS = frozenset({"params", "param_names", "lr", "initial_lr"})
 
 _CACHE: dict[tuple[object, ...], float] = {}
 _EVICT: torch.Tensor | None = None
@@ -71,11 +80,53 @@ def shapes_of(items: Sequence[Item], table: StepTable, world: int) -> list[Shape
     return out
 
 
+@functools.cache
+def _cpu_model() -> str:
+    """The CPU's model name (Linux: ``/proc/cpuinfo``), else what ``platform`` reports."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
 def device_name(device: torch.device) -> str:
     """What the timings were taken on (part of their cache key)."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"{device.type}:{torch.get_num_threads()} threads"
+    return f"{device.type}:{_cpu_model()}:{torch.get_num_threads()} threads"
+
+
+def group_settings(hparams: Mapping[str, Any]) -> str:
+    """A param group's settings that may change its owner math (sorted, as text)."""
+    return repr(sorted((k, repr(v)) for k, v in hparams.items() if k not in UNTIMED_SETTINGS))
+
+
+def entry_key(shape: Shape, table: StepTable, device: torch.device) -> str:
+    """The digest that keys one shape's timings in a :class:`DiskCache`.
+
+    It covers the device, the torch version, the optimizer's configuration, the param
+    group's settings, the phases timed and their weights, the shape, the batch and the
+    payload dtype.
+    """
+    text = repr(
+        (
+            device_name(device),
+            torch.__version__,
+            table.config,
+            group_settings(table.hparams[shape.key]),
+            table.calibration[shape.key],
+            shape.key,
+            shape.m,
+            shape.n,
+            shape.k,
+            str(shape.dtype),
+        )
+    )
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def _clock() -> Callable[[], float]:
@@ -136,6 +187,7 @@ def time_shape(
             device_name(device),
             torch.__version__,
             table.config,
+            group_settings(table.hparams[shape.key]),
             phase,
             shape.key,
             shape.m,
@@ -235,6 +287,7 @@ def calibrate(
     device: torch.device,
     budget_s: float = BUDGET_S,
     shape_cap_s: float = SHAPE_CAP_S,
+    cache: DiskCache | None = None,
 ) -> GroupedCost:
     """Time the owner math of every shape (within a budget), agree on one table, fit the rest.
 
@@ -249,6 +302,12 @@ def calibrate(
     (``MeasuredCost.batches``): the batches a plan forms are then priced as they run. A
     small all-to-all measures the transfer rate.
 
+    With a ``cache``, a shape whose entry (:func:`entry_key`) the rank finds there is not
+    timed: the stored agreed timings stand in for the rank's own (and cost no budget); the
+    all-gather then agrees on the table as always, so ranks that find different files (or
+    none) still plan with one table. Rank 0 writes the agreed timings back when it timed a
+    shape its file lacked; a job whose ranks all find every shape times nothing.
+
     Returns:
         One :class:`~canzona.plan.measured.MeasuredCost` per param group (keyed by
         ``str(batch_key)``), collective-identical on every rank.
@@ -257,29 +316,36 @@ def calibrate(
         range(len(shapes)),
         key=lambda i: bases[shapes[i].key].flops(MatrixSpec("s", (shapes[i].m, shapes[i].n))),
     )
-    timed = [-1.0] * len(shapes)
+    keys = [entry_key(s, table, device) for s in shapes] if cache is not None else []
+    stored: dict[str, Entry] = cache.load() if cache is not None else {}
+    hits = {i: stored[k] for i, k in enumerate(keys) if k in stored}
+    timed = [hits[i][0] if i in hits else -1.0 for i in range(len(shapes))]
+    second = [hits[i][1] if i in hits else -1.0 for i in range(len(shapes))]
     spent = 0.0
     rate = 0.0  # seconds per FLOP seen so far
     for i in order:
         s = shapes[i]
         work = bases[s.key].flops(MatrixSpec("s", (s.m, s.n))) * s.k
-        if spent > budget_s or (rate and work * rate > shape_cap_s):
-            continue
-        timed[i], took = _timed(s, table, compute, device, watchdog.rank)
-        spent += took
+        if i not in hits:
+            if spent > budget_s or (rate and work * rate > shape_cap_s):
+                continue
+            timed[i], took = _timed(s, table, compute, device, watchdog.rank)
+            spent += took
         if work > 0 and timed[i] > 0:
             rate = max(rate, timed[i] * s.k / work)
     # with what is left, each timed shape at a second batch size: the fixed cost of a call
-    second = [-1.0] * len(shapes)
     for i in order:
         other = _companion(shapes[i])
-        if spent > budget_s or not 0 < timed[i] * shapes[i].k < SHORT_CALL_S:
+        if i in hits or spent > budget_s or not 0 < timed[i] * shapes[i].k < SHORT_CALL_S:
             continue
         second[i], took = _timed(other, table, compute, device, watchdog.rank)
         spent += took
     agreed = timed + second
     if watchdog.process_group is not None:
         agreed = _median_over_ranks(agreed, watchdog, device)
+    if cache is not None and watchdog.rank == 0 and len(hits) < len(shapes):
+        n = len(shapes)
+        cache.store({keys[i]: (agreed[i], agreed[n + i]) for i in range(n) if agreed[i] >= 0})
     bytes_per_s = measure_transfer(watchdog, device) if watchdog.process_group is not None else 0.0
     models: dict[str, CostModel] = {}
     for key, base in bases.items():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,8 +52,9 @@ class PipelineConfig:
         process_group: Process group the optimizer's collectives run on (default: the
             default group). Every rank of it must hold the same parameter list.
         progress_markers: Record, before each collective, which one this rank is about
-            to enter (one small write to the default store), so that a timeout can name
-            the ranks that never arrived.
+            to enter, and publish it in the default store when a wait lasts longer than a
+            short grace (1 s; healthy steps never touch the store), so that a timeout can
+            name the ranks that never arrived.
         skip_nonfinite: Skip the whole step on every rank when any rank's gradient holds
             NaN or Inf (counted in ``optimizer.skipped_steps``), as a gradient scaler
             does. Off by default: non-finite values then propagate exactly as on one
@@ -73,6 +75,11 @@ class PipelineConfig:
             back at no cost. Kept buffers hold their bytes between steps (those of the last step's
             schedule only: a step with another set of parameters with gradients frees
             the others); results are bit-identical either way.
+        calibration_cache: A directory where the calibration of measured costs keeps its
+            agreed timings for later jobs (one JSON file per device and torch build, keyed
+            by the optimizer's settings and each shape; rank 0 of the process group writes
+            it). A job whose ranks all find every shape there times nothing. ``None``
+            (default): timings are kept in this process only.
     """
 
     overlap: bool = True
@@ -84,6 +91,7 @@ class PipelineConfig:
     skip_nonfinite: bool = False
     atomic: bool = True
     keep_buffers: bool | None = None
+    calibration_cache: str | os.PathLike[str] | None = None
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:
@@ -96,6 +104,9 @@ class PipelineConfig:
             raise ValueError(f"atomic must be a bool, got {self.atomic!r}")
         if self.keep_buffers is not None and not isinstance(self.keep_buffers, bool):
             raise ValueError(f"keep_buffers must be a bool or None, got {self.keep_buffers!r}")
+        cache = self.calibration_cache
+        if cache is not None and (not isinstance(cache, str | os.PathLike) or not str(cache)):
+            raise ValueError(f"calibration_cache must be a directory path or None, got {cache!r}")
 
     def keeps_buffers(self, device_type: str) -> bool:
         """Whether step buffers on a ``device_type`` device stay allocated between steps."""

@@ -5,12 +5,14 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from canzona.plan import CostModel, GroupedCost, Plan, PlanConfig, build_plan
-from canzona.runtime.calibrate import calibrate, shapes_of
+from canzona.runtime.calibrate import calibrate, device_name, shapes_of
+from canzona.runtime.calibration_cache import DiskCache
 from canzona.runtime.checks import check_header, check_plan_digest, failing_ranks, vote
 from canzona.runtime.config import PipelineConfig, UpdateFailedError
 from canzona.runtime.pipeline import Failure, Pipeline, StepStats
@@ -353,6 +355,7 @@ class MatrixRuntime:
         if specs and self._measures(table, compute):
             assert compute is not None and isinstance(table.cost, GroupedCost)
             start = time.perf_counter()
+            where = self.config.calibration_cache
             cost = calibrate(
                 shapes_of(self.items, table, self.world),
                 table,
@@ -360,6 +363,7 @@ class MatrixRuntime:
                 {int(k): m for k, m in table.cost.models.items()},
                 watchdog=self.watchdog,
                 device=self.device,
+                cache=None if where is None else DiskCache(Path(where), device_name(self.device)),
             )
             self.calibration_s = time.perf_counter() - start
         self.plan = (

@@ -1,0 +1,156 @@
+"""The calibration's caches: settings in the key, and timings on disk for a later job."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.tensor.placement_types import Shard
+
+import canzona
+from canzona.runtime import calibrate as calibrate_module
+from canzona.runtime import calibration_cache as cache_module
+from canzona.runtime.calibrate import Shape, entry_key, time_shape
+from canzona.runtime.calibration_cache import FORMAT, DiskCache
+
+from _cases import full_tensors, grad_steps, plan, set_grads, sharded_params
+from _dist import mesh
+
+SHAPES = {"a": (16, 16), "b": (16, 16), "c": (24, 8), "d": (8, 24)}
+CPU = torch.device("cpu")
+
+
+def _table(cls: type, **kw: Any) -> Any:
+    """The step table of a one-matrix optimizer of ``cls`` with ``kw``."""
+    opt = cls([nn.Parameter(torch.zeros(8, 8))], **kw)
+    params, _, gids = opt._flat()
+    return opt._step_table(params, gids)
+
+
+def test_entry_keys_cover_a_groups_settings_but_not_its_learning_rate() -> None:
+    """Catches: timings keyed without the param group's settings (Shampoo's root dtype is
+    in no cost model, so a table of float64 roots would reuse float32 timings)."""
+    shape = Shape(0, 8, 8, 1, torch.float32)
+    base = entry_key(shape, _table(canzona.Shampoo, lr=0.01), CPU)
+    assert entry_key(shape, _table(canzona.Shampoo, lr=0.02), CPU) == base
+    assert entry_key(shape, _table(canzona.Shampoo, lr=0.01, root_dtype=torch.float64), CPU) != base
+    assert entry_key(shape, _table(canzona.Shampoo, lr=0.01, grafting="none"), CPU) != base
+    assert entry_key(Shape(0, 8, 8, 2, torch.float32), _table(canzona.Shampoo), CPU) != base
+
+
+def test_the_process_cache_times_again_when_a_setting_changes() -> None:
+    """Catches: the in-process cache keyed without the group's settings."""
+    calls: list[tuple[int, ...]] = []
+
+    def compute(batch: Any, full: torch.Tensor) -> torch.Tensor:
+        calls.append(tuple(full.shape))
+        return torch.zeros_like(full)
+
+    shape = Shape(0, 8, 8, 1, torch.float32)
+    calibrate_module._CACHE.clear()
+    time_shape(shape, _table(canzona.Shampoo, lr=0.01), compute, CPU, 0)
+    first = len(calls)
+    time_shape(shape, _table(canzona.Shampoo, lr=0.05), compute, CPU, 0)
+    assert len(calls) == first  # another learning rate: the same math, cached
+    time_shape(shape, _table(canzona.Shampoo, lr=0.01, root_dtype=torch.float64), compute, CPU, 0)
+    assert len(calls) > first
+
+
+def test_disk_cache_round_trip_and_bad_files(tmp_path: Path) -> None:
+    cache = DiskCache(tmp_path / "sub", "cpu:test")
+    assert cache.load() == {}  # no file yet
+    cache.store({"k1": (0.5, -1.0), "k2": (0.25, 0.125)})
+    assert cache.load() == {"k1": (0.5, -1.0), "k2": (0.25, 0.125)}
+    cache.store({"k2": (0.75, 0.5)})  # merged, the newer entry wins
+    assert cache.load() == {"k1": (0.5, -1.0), "k2": (0.75, 0.5)}
+    assert [p.name for p in cache.path.parent.iterdir()] == [cache.path.name]  # no temp file
+    data = json.loads(cache.path.read_text())
+    assert data["format"] == FORMAT and data["device"] == "cpu:test"
+    data["entries"].update({"nan": [float("nan"), 0.0], "neg": [-1.0, 0.0], "one": [1.0]})
+    cache.path.write_text(json.dumps(data))
+    assert set(cache.load()) == {"k1", "k2"}  # malformed entries are dropped
+    for text in ("{not json", json.dumps({"format": FORMAT + 1, "entries": {}}), "[1, 2]"):
+        cache.path.write_text(text)
+        with pytest.warns(RuntimeWarning, match="is not a cache file"):
+            assert cache.load() == {}
+    assert DiskCache(tmp_path, "a").path != DiskCache(tmp_path, "b").path  # one per device
+
+
+def test_disk_cache_write_failure_only_warns(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    cache = DiskCache(blocker / "dir", "cpu:test")  # a directory under a regular file
+    with pytest.warns(RuntimeWarning, match="could not write the calibration cache"):
+        cache.store({"k": (1.0, -1.0)})
+
+
+def _jobs_with_a_disk_cache(directory: str) -> dict[str, Any]:
+    """Three optimizers as three jobs would make them (the process cache cleared between)."""
+    params = sharded_params(full_tensors(SHAPES), mesh((2,)), {n: (Shard(0),) for n in SHAPES})
+    calls: list[str | None] = []
+    stores: list[int] = []
+    original, original_store = canzona.Muon._directions, cache_module.DiskCache.store
+
+    def spy(self: Any, batch: Any, full: torch.Tensor) -> torch.Tensor:
+        calls.append(batch.calibrate)
+        return original(self, batch, full)
+
+    def store_spy(self: Any, entries: Any) -> None:
+        stores.append(len(entries))
+        original_store(self, entries)
+
+    canzona.Muon._directions = spy  # type: ignore[method-assign]
+    cache_module.DiskCache.store = store_spy  # type: ignore[method-assign]
+    timed, tables = [], []
+    try:
+        for kw in ({}, {}, {"eps": 1e-6}):
+            calibrate_module._CACHE.clear()  # a new process
+            before = sum(c is not None for c in calls)
+            opt = canzona.Muon(
+                params,
+                lr=0.02,
+                ns_dtype=torch.float32,
+                plan=plan(),
+                pipeline=canzona.PipelineConfig(calibration_cache=directory),
+                **kw,
+            )
+            set_grads(params, grad_steps(SHAPES, 1)[0])
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # no warning about the cache file
+                opt.step()
+            timed.append(sum(c is not None for c in calls) - before)
+            model = opt._runtime.plan.optimizer.models["0"]
+            tables.append([model.table, model.batches])
+    finally:
+        canzona.Muon._directions = original  # type: ignore[method-assign]
+        cache_module.DiskCache.store = original_store  # type: ignore[method-assign]
+    return {"timed": timed, "tables": tables, "stores": stores}
+
+
+def test_a_later_job_reuses_the_agreed_timings(dist: Any, tmp_path: Path) -> None:
+    """Catches: a disk cache that is not read (the second job times again), that is written
+    by every rank, that returns other numbers than the agreed ones, or whose key ignores a
+    group's settings (the third job, with another ``eps``, would time nothing)."""
+    out = dist(2).run(_jobs_with_a_disk_cache, str(tmp_path))
+    for rank, o in enumerate(out):
+        first, second, third = o["timed"]
+        assert first > 0 and third > 0
+        assert second == 0  # every shape found on disk: nothing timed
+        assert o["tables"][1] == o["tables"][0]  # the first job's agreed table, exactly
+        # rank 0 writes after the first and the third job (three shapes each), no one else
+        assert o["stores"] == ([3, 3] if rank == 0 else [])
+    assert out[0]["tables"] == out[1]["tables"]
+    (written,) = tmp_path.iterdir()
+    assert len(json.loads(written.read_text())["entries"]) == 6
+
+
+def test_calibration_cache_setting_is_checked() -> None:
+    assert canzona.PipelineConfig(calibration_cache=Path("x")).calibration_cache == Path("x")
+    for bad in ("", 3, True):
+        with pytest.raises(ValueError, match="calibration_cache must be a directory path"):
+            canzona.PipelineConfig(calibration_cache=bad)  # type: ignore[arg-type]
