@@ -31,6 +31,8 @@ try:
 except ImportError:  # running from a checkout without an install
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from canzona.plan import MatrixSpec, MuonCost
+from canzona.plan.measured import MeasuredCost, class_fits, fit_loglog
 from canzona.plan.models import MODELS, ModelShape
 from canzona.updates import (
     DEFAULT_NS_STEPS,
@@ -173,6 +175,34 @@ def _geomean(values: Sequence[float]) -> float:
     return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
 
 
+def fit_check(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per dtype, the median error of predicting each shape's time from the other shapes.
+
+    Leave one out: each shape's per-matrix loop time is priced by a ``MeasuredCost`` that
+    timed every other shape of the dtype, once with one fit over all of them (``"one fit"``)
+    and once with the runtime's fits per shape class as well (``"by class"``).
+    """
+    base = MuonCost()
+    out: dict[str, dict[str, float]] = {}
+    for dtype in sorted({r["dtype"] for r in rows}):
+        points = [
+            ((m, n), base.flops(MatrixSpec("s", (m, n))), r["loop_s"] / r["batch"])
+            for r in rows
+            if r["dtype"] == dtype
+            for m, n in [tuple(r["shape"])]
+        ]
+        errors: dict[str, list[float]] = {"one fit": [], "by class": []}
+        for i, (shape, _, seconds) in enumerate(points):
+            others = points[:i] + points[i + 1 :]
+            fit = fit_loglog([(w, t) for _, w, t in others])
+            for label, classes in (("one fit", ()), ("by class", class_fits(others))):
+                model = MeasuredCost(base=base, table=(), fit=fit, class_fits=classes)
+                errors[label].append(abs(model.seconds(*shape) / seconds - 1))
+        if len(points) > 2:
+            out[dtype] = {k: statistics.median(v) for k, v in errors.items()}
+    return out
+
+
 def render(payload: dict[str, Any]) -> str:
     """The Markdown section for docs/benchmarks.md."""
     rows = payload["results"]
@@ -230,8 +260,23 @@ def render(payload: dict[str, Any]) -> str:
             "own (batched kernels only where they were verified to be bitwise equal).",
             table,
             f"Geometric-mean batched/loop throughput ratio: {summary}. "
-            f"Rows where batched and loop differ in any bit: {unequal} of {len(rows)}.",
+            f"Rows where batched and loop differ in any bit: {unequal} of {len(rows)}."
+            + _fit_sentence(payload.get("fit_check", {})),
         ]
+    )
+
+
+def _fit_sentence(check: dict[str, dict[str, float]]) -> str:
+    if not check:
+        return ""
+    parts = ", ".join(
+        f"{d} {v['one fit']:.0%} with one fit over every shape, {v['by class']:.0%} by class"
+        for d, v in check.items()
+    )
+    return (
+        " Predicting each shape's loop time from the others (leave one out, as the "
+        "calibration prices a shape it did not time), median error: "
+        f"{parts} (`fit_check` in kernels.json)."
     )
 
 
@@ -281,6 +326,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         **preset,
         "seconds": time.perf_counter() - started,
         "results": results,
+        "fit_check": fit_check(results),
     }
     path = write_json("kernels", payload, out_dir=args.out_dir)
     update_section("kernels", render({"machine": machine_info(), **payload}), doc=args.doc)

@@ -11,10 +11,12 @@ from canzona.plan import GroupedCost, MatrixSpec, MuonCost, assign_owners, build
 from canzona.plan.measured import (
     MeasuredCost,
     batch_line,
+    class_fits,
     fit_loglog,
     load_cost_table,
     predict_seconds,
     save_cost_table,
+    shape_classes,
 )
 
 
@@ -128,6 +130,7 @@ def test_save_and_load(tmp_path: Path) -> None:
         fit=(-20.0, 0.9),
         bytes_per_s=5e8,
         batches=(((8, 16), 5e-5, 1e-4),),
+        class_fits=(("side", 8, -21.0, 0.8),),
     )
     path = tmp_path / "table.json"
     save_cost_table(path, GroupedCost({"0": cost}), {"device": "cpu"})
@@ -141,3 +144,48 @@ def test_save_and_load(tmp_path: Path) -> None:
 def test_bad_seconds_are_refused() -> None:
     with pytest.raises(ValueError, match="finite and >= 0"):
         MeasuredCost(base=MuonCost(), table=(((8, 8), float("nan")),))
+
+
+def test_shape_classes_side_then_aspect() -> None:
+    assert shape_classes(128, 5120) == (("side", 128), ("aspect", 5))
+    assert shape_classes(5120, 128) == shape_classes(128, 5120)  # transposed: one class
+    assert shape_classes(64, 64) == (("side", 64), ("aspect", 0))
+
+
+def test_an_untimed_shape_is_priced_by_its_class_first() -> None:
+    """Catches: one fit over every shape where a class has its own (kernel efficiency
+    depends on the shape: a fit over square matrices misprices a thin head block)."""
+    base = MuonCost()
+    work = {s: base.flops(MatrixSpec("s", s)) for s in ((32, 64), (32, 128), (64, 64), (128, 128))}
+    # the 32-row shapes run at 1e-9 s/FLOP, the square ones at 4e-9 s/FLOP
+    points = [(s, w, (1e-9 if s[0] == 32 else 4e-9) * w) for s, w in work.items()]
+    fits = class_fits(points)
+    assert {(k, v) for k, v, _, _ in fits} == {("side", 32), ("aspect", 0)}
+    cost = MeasuredCost(
+        base=base,
+        table=tuple((s, t) for s, _, t in points),
+        fit=fit_loglog([(w, t) for _, w, t in points]),
+        class_fits=fits,
+    )
+    thin = (32, 4096)  # side 32: the thin class's rate
+    assert cost.seconds(*thin) == pytest.approx(1e-9 * base.flops(MatrixSpec("s", thin)))
+    square = (256, 256)  # no side-256 class: the square aspect class's rate
+    assert cost.seconds(*square) == pytest.approx(4e-9 * base.flops(MatrixSpec("s", square)))
+    other = (48, 200)  # neither class: the fit over every shape
+    a, b = cost.fit
+    want = math.exp(a + b * math.log(base.flops(MatrixSpec("s", other))))
+    assert cost.seconds(*other) == pytest.approx(want, rel=1e-12)
+    # one point in a class gives no slope: no fit for it
+    assert class_fits([((16, 16), 1e6, 1e-3)]) == ()
+
+
+def test_the_digest_covers_the_class_fits() -> None:
+    specs = [MatrixSpec("w", (32, 64))]
+    one = MeasuredCost(base=MuonCost(), table=(), class_fits=(("side", 32, -20.0, 1.0),))
+    two = MeasuredCost(base=MuonCost(), table=(), class_fits=(("side", 32, -19.0, 1.0),))
+    digest = [build_plan(specs, 2, optimizer=c).digest() for c in (one, two)]
+    assert digest[0] != digest[1]
+    with pytest.raises(ValueError, match="class is"):
+        MeasuredCost(base=MuonCost(), table=(), class_fits=(("rows", 32, -20.0, 1.0),))
+    with pytest.raises(ValueError, match="must be finite"):
+        MeasuredCost(base=MuonCost(), table=(), class_fits=(("side", 32, float("inf"), 1.0),))

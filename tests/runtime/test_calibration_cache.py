@@ -154,3 +154,32 @@ def test_calibration_cache_setting_is_checked() -> None:
     for bad in ("", 3, True):
         with pytest.raises(ValueError, match="calibration_cache must be a directory path"):
             canzona.PipelineConfig(calibration_cache=bad)  # type: ignore[arg-type]
+
+
+def test_calibration_fits_each_shape_class(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Catches: a calibration whose table has no class fits (untimed shapes priced by one
+    fit over every shape)."""
+    from canzona.plan import MuonCost
+    from canzona.runtime.watchdog import Watchdog
+
+    rate = {32: 1e-9, 64: 4e-9}  # seconds per FLOP by the smaller side
+
+    def timed(shape: Shape, *_: Any) -> tuple[float, float]:
+        work = MuonCost().flops(canzona.plan.MatrixSpec("s", (shape.m, shape.n)))
+        return rate[min(shape.m, shape.n)] * work, 0.0
+
+    monkeypatch.setattr(calibrate_module, "_timed", timed)
+    shapes = [Shape(0, m, n, 1, torch.float32) for m, n in ((32, 64), (32, 128), (64, 64))]
+    cost = calibrate_module.calibrate(
+        shapes,
+        _table(canzona.Muon, lr=0.02),
+        lambda batch, full: full,
+        {0: MuonCost()},
+        watchdog=Watchdog(None, 0, 1, 60.0),
+        device=CPU,
+    )
+    model = cost.models["0"]
+    assert [(k, v) for k, v, _, _ in model.class_fits] == [("side", 32)]
+    thin = (32, 1024)
+    want = rate[32] * MuonCost().flops(canzona.plan.MatrixSpec("s", thin))
+    assert model.seconds(*thin) == pytest.approx(want, rel=1e-9)

@@ -16,10 +16,12 @@ __all__ = [
     "TABLE_FORMAT",
     "MeasuredCost",
     "batch_line",
+    "class_fits",
     "fit_loglog",
     "load_cost_table",
     "predict_seconds",
     "save_cost_table",
+    "shape_classes",
 ]
 
 #: Version of the JSON written by :func:`save_cost_table` (``canzona calibrate``).
@@ -41,6 +43,36 @@ def fit_loglog(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
         return (my - mx, 1.0)
     slope = math.fsum((x - mx) * (y - my) for x, y in pts) / var
     return (my - slope * mx, slope)
+
+
+def shape_classes(m: int, n: int) -> tuple[tuple[str, int], ...]:
+    """The classes a shape's fit is looked up in, most specific first.
+
+    ``("side", min(m, n))``: the same smaller side, whose kernels' efficiency follows the
+    larger one smoothly; then ``("aspect", round(log2(larger / smaller)))``.
+    """
+    small, large = min(m, n), max(m, n)
+    return (("side", small), ("aspect", round(math.log2(large / small)) if small > 0 else 0))
+
+
+def class_fits(
+    points: Sequence[tuple[tuple[int, int], float, float]],
+) -> tuple[tuple[str, int, float, float], ...]:
+    """Per shape class, ``(kind, value, a, b)`` of a log-log fit of its timed shapes.
+
+    ``points`` are ``((m, n), work, seconds)``; a class gets a fit only when its shapes have
+    at least two distinct works (one point does not give a slope).
+    """
+    members: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    for (m, n), work, seconds in points:
+        if work > 0 and seconds > 0:
+            for cls in shape_classes(m, n):
+                members.setdefault(cls, []).append((work, seconds))
+    out = []
+    for (kind, value), pts in sorted(members.items()):
+        if len({w for w, _ in pts}) >= 2:
+            out.append((kind, value, *fit_loglog(pts)))
+    return tuple(out)
 
 
 def batch_line(a: tuple[int, float], b: tuple[int, float]) -> tuple[float, float] | None:
@@ -65,14 +97,18 @@ class MeasuredCost:
 
     ``flops(spec)`` returns time, not FLOPs: the measured seconds of the owner's math for
     the matrix's shape (``table``), or, for a shape that was not timed, the prediction of
-    a log-log fit of time against the closed-form FLOPs of ``base`` over the timed shapes;
+    a log-log fit of time against the closed-form FLOPs of ``base`` over the timed shapes of
+    its class (:func:`shape_classes`: the same smaller side, else the same aspect bucket),
+    else over all of them;
     plus the payload's transfer time at the measured ``bytes_per_s``. Balancing it balances
     time: FLOP counts do not predict kernel time across shapes.
 
     Attributes:
         base: The closed-form model (its FLOPs drive the fit; its bytes are the payload).
         table: ``((m, n), seconds per matrix)`` for every timed shape.
-        fit: ``(a, b)`` of ``log seconds = a + b log FLOPs``.
+        fit: ``(a, b)`` of ``log seconds = a + b log FLOPs`` over every timed shape.
+        class_fits: ``(kind, value, a, b)`` of the same fit per shape class
+            (:func:`class_fits`); a shape's first class with a fit predicts it.
         bytes_per_s: Measured transfer rate (0: transfers not counted).
         name: The optimizer's name.
         batches: ``((m, n), fixed, per_matrix)`` for every shape timed at two batch sizes:
@@ -84,6 +120,7 @@ class MeasuredCost:
     base: CostModel
     table: tuple[tuple[tuple[int, int], float], ...]
     fit: tuple[float, float] = (0.0, 1.0)
+    class_fits: tuple[tuple[str, int, float, float], ...] = ()
     bytes_per_s: float = 0.0
     name: str = field(default="")
     batches: tuple[tuple[tuple[int, int], float, float], ...] = ()
@@ -91,6 +128,7 @@ class MeasuredCost:
     _lines: dict[tuple[int, int], tuple[float, float]] = field(
         init=False, repr=False, compare=False
     )
+    _fits: dict[tuple[str, int], tuple[float, float]] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.base, CostModel):
@@ -108,18 +146,26 @@ class MeasuredCost:
                 if not (isinstance(value, int | float) and value >= 0 and math.isfinite(value)):
                     raise ValueError(f"batch seconds must be finite and >= 0, got {value!r}")
             lines[(int(m), int(n))] = (float(fixed), float(per))
+        fits: dict[tuple[str, int], tuple[float, float]] = {}
+        for kind, value, a, b in self.class_fits:
+            if kind not in ("side", "aspect") or not isinstance(value, int):
+                raise ValueError(f"a class fit's class is ('side'|'aspect', int), got {kind!r}")
+            if not all(isinstance(v, int | float) and math.isfinite(v) for v in (a, b)):
+                raise ValueError(f"a class fit's coefficients must be finite, got {(a, b)!r}")
+            fits[(kind, value)] = (float(a), float(b))
         object.__setattr__(self, "_index", index)
         object.__setattr__(self, "_lines", lines)
+        object.__setattr__(self, "_fits", fits)
         if not self.name:
             object.__setattr__(self, "name", self.base.name)
 
     def seconds(self, m: int, n: int) -> float:
-        """The owner's time for one ``m x n`` matrix (measured, else predicted by the fit)."""
+        """The owner's time for one ``m x n`` matrix (measured, else predicted by a fit)."""
         measured = self._index.get((m, n))
         if measured is not None:
             return measured
         work = self.base.flops(MatrixSpec("fit", (m, n)))
-        a, b = self.fit
+        a, b = next((self._fits[c] for c in shape_classes(m, n) if c in self._fits), self.fit)
         return math.exp(a + b * math.log(work)) if work > 0 else 0.0
 
     def batch_seconds(self, m: int, n: int, k: int) -> float:
@@ -168,6 +214,7 @@ class MeasuredCost:
             "base": {"name": self.base.name, "params": cost_model_params(self.base)},
             "table": [[m, n, s] for (m, n), s in sorted(self._index.items())],
             "fit": list(self.fit),
+            "class_fits": [list(f) for f in self.class_fits],
             "bytes_per_s": self.bytes_per_s,
             "batches": [[m, n, f, g] for (m, n), (f, g) in sorted(self._lines.items())],
         }
@@ -238,6 +285,10 @@ def load_cost_table(path: Path, *, key: str = "0") -> MeasuredCost:
             base=base,
             table=tuple(((int(m), int(n)), float(s)) for m, n, s in entry["table"]),
             fit=(float(entry["fit"][0]), float(entry["fit"][1])),
+            class_fits=tuple(
+                (str(kind), int(value), float(a), float(b))
+                for kind, value, a, b in entry.get("class_fits", ())
+            ),
             bytes_per_s=float(entry["bytes_per_s"]),
             batches=tuple(
                 ((int(m), int(n)), float(f), float(g)) for m, n, f, g in entry.get("batches", ())

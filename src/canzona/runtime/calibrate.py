@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from canzona.plan import CostModel, GroupedCost, MatrixSpec
-from canzona.plan.measured import MeasuredCost, batch_line, fit_loglog
+from canzona.plan.measured import MeasuredCost, batch_line, class_fits, fit_loglog
 from canzona.runtime.calibration_cache import DiskCache, Entry
 from canzona.runtime.routing import Item
 from canzona.runtime.table import ComputeBatch, ComputeFn, StepTable
@@ -296,11 +296,13 @@ def calibrate(
     there), in CPU time with one intra-op thread; one all-gather gives every rank each
     shape's median over the ranks, so every rank plans with identical numbers.
     Shapes no rank timed are predicted per param group from a log-log fit of time against
-    the closed-form FLOPs of the timed ones. With the budget left, a second pass times each
-    timed shape whose call is short (:data:`SHORT_CALL_S`) at a second batch size (1, or 2
-    for a shape timed alone), which splits a call into a fixed cost and a cost per matrix
-    (``MeasuredCost.batches``): the batches a plan forms are then priced as they run. A
-    small all-to-all measures the transfer rate.
+    the closed-form FLOPs of the timed ones of their class (the same smaller side, else the
+    same aspect bucket: ``plan.measured.shape_classes``), else of all of them. With the
+    budget left, a second pass times each timed shape whose call is short
+    (:data:`SHORT_CALL_S`) at a second batch size (1, or 2 for a shape timed alone), which
+    splits a call into a fixed cost and a cost per matrix (``MeasuredCost.batches``): the
+    batches a plan forms are then priced as they run. A small all-to-all measures the
+    transfer rate.
 
     With a ``cache``, a shape whose entry (:func:`entry_key`) the rank finds there is not
     timed: the stored agreed timings stand in for the rank's own (and cost no budget); the
@@ -354,7 +356,7 @@ def calibrate(
             for s, t, u in zip(shapes, agreed[: len(shapes)], agreed[len(shapes) :], strict=True)
             if s.key == key and t >= 0
         ]
-        points = [(base.flops(MatrixSpec("s", (s.m, s.n))), t) for s, t, _ in mine]
+        points = [((s.m, s.n), base.flops(MatrixSpec("s", (s.m, s.n))), t) for s, t, _ in mine]
         lines = []
         for s, t, u in mine:
             k2 = _companion(s).k
@@ -364,7 +366,8 @@ def calibrate(
         models[str(key)] = MeasuredCost(
             base=base,
             table=tuple(((s.m, s.n), t) for s, t, _ in mine),
-            fit=fit_loglog(points),
+            fit=fit_loglog([(work, t) for _, work, t in points]),
+            class_fits=class_fits(points),
             bytes_per_s=bytes_per_s,
             batches=tuple(lines),
         )
