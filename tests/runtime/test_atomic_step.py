@@ -308,7 +308,8 @@ def _micro_group_failures(name: str) -> list[dict[str, Any]]:
     for overlap in (True, False):
         make = _grouped(name, overlap)
         for position in ("first", "middle", "last"):
-            out.append(trial(make, grads, 1, _in_group(position), reference))
+            # the third step: the state copies the second step kept are refilled, not new
+            out.append(trial(make, grads, 2, _in_group(position), reference))
             out[-1]["label"] += f", overlap={overlap}"
     return out
 
@@ -318,9 +319,10 @@ def test_owner_failure_in_any_micro_group_changes_nothing(dist: Any, name: str) 
     """The owner's computation raises in the first, a middle or the last micro-group.
 
     One matrix per owner per micro-group (a tiny capacity), overlap on and off, the failure
-    after the owner-held state advanced. Catches: applying a micro-group's directions
-    before the vote, a rank that skips the vote, state (momentum, AdamW moments,
-    owner-held state, step counters) not rolled back, a retry that differs.
+    at the third step, after the owner-held state advanced and its copies were kept (CPU
+    default). Catches: applying a micro-group's directions before the vote, a rank that
+    skips the vote, state (momentum, AdamW moments, owner-held state, step counters) not
+    rolled back or restored from a kept copy that was not refilled, a retry that differs.
     """
     check(dist(2).run(_micro_group_failures, name, timeout=TIMEOUT))
 

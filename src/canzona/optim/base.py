@@ -383,7 +383,10 @@ class MatrixOptimizer(CopyMixin, CheckpointMixin, Optimizer):
     ) -> StepStats:
         self.__dict__.pop("_calibrating", None)  # owner-side states of a calibration
         txn = StepTransaction(atomic=self.pipeline_config.atomic)
-        self._owner.begin(atomic=self.pipeline_config.atomic)
+        self._owner.begin(
+            atomic=self.pipeline_config.atomic,
+            keep=self.pipeline_config.keeps_buffers(self._runtime.device.type),
+        )
         txn.on_rollback(self._owner.rollback)
         work: StepWork | None = None
         if failure is None:

@@ -62,15 +62,26 @@ class OwnerState:
         self.matrix_specs = specs
         self.states: dict[Key, State] = {}
         self._atomic = False
+        self._keep = False
         self._touched: dict[Key, State | None] = {}
+        self._spare: dict[Key, State] = {}  # last step's copies, refilled in place
         self.backup_bytes = 0  # what the copies of this step hold
 
     # ------------------------------------------------------------------ step
-    def begin(self, *, atomic: bool) -> None:
-        """Start protecting state changes (copies are taken only when ``atomic``)."""
+    def begin(self, *, atomic: bool, keep: bool = False) -> None:
+        """Start protecting state changes (copies are taken only when ``atomic``).
+
+        With ``keep`` the copies stay allocated between steps and the next step refills
+        them in place (``PipelineConfig.keep_buffers``: on the CPU a freed large block goes
+        back to the operating system and the next allocation faults its pages in again);
+        those of the matrices a step does not touch are released at its end.
+        """
         self._atomic = atomic
+        self._keep = keep
         self._touched = {}
         self.backup_bytes = 0
+        if not keep:
+            self._spare = {}
 
     def get(self, item: Item) -> State:
         """The state of ``item`` for this step's computation (created when missing)."""
@@ -80,7 +91,7 @@ class OwnerState:
             if state is None:
                 self._touched[key] = None
             elif self._atomic:
-                copy = {k: v.clone() for k, v in state.items()}
+                copy = self._copy(key, state)
                 self._touched[key] = copy
                 self.backup_bytes += sum(v.numel() * v.element_size() for v in copy.values())
         if state is None:
@@ -88,9 +99,38 @@ class OwnerState:
             self.states[key] = state
         return state
 
+    def _copy(self, key: Key, state: State) -> State:
+        """A copy of ``state``: last step's kept copy refilled when it matches, else a clone."""
+        spare = self._spare.get(key) if self._keep else None
+        if (
+            spare is not None
+            and spare.keys() == state.keys()
+            and all(
+                spare[k].shape == v.shape
+                and spare[k].dtype == v.dtype
+                and spare[k].device == v.device
+                for k, v in state.items()
+            )
+        ):
+            for k, v in state.items():
+                spare[k].copy_(v)
+            return spare
+        copy = {k: v.clone() for k, v in state.items()}
+        if self._keep:
+            self._spare[key] = copy
+        return copy
+
+    def _end(self) -> None:
+        """Keep only the copies this step used (all of them go without ``keep``)."""
+        if self._keep:
+            self._spare = {k: v for k, v in self._spare.items() if self._touched.get(k)}
+        else:
+            self._spare = {}
+        self._touched = {}
+
     def commit(self) -> None:
         """Forget the copies (the step succeeded)."""
-        self._touched = {}
+        self._end()
 
     def rollback(self) -> None:
         """Put back the state as it was before the step (states created in it are removed)."""
@@ -101,7 +141,7 @@ class OwnerState:
                 state = self.states[key]
                 for name, value in before.items():
                     state[name].copy_(value)
-        self._touched = {}
+        self._end()
 
     # ------------------------------------------------------------------ keys
     def specs(self, p: Tensor, group: dict[str, Any]) -> Specs:

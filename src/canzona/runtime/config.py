@@ -64,8 +64,8 @@ class PipelineConfig:
             ``atomic`` the optimizer state that changes before the vote (momentum, Adam
             moments, owner-held state) is copied first and restored on failure, which
             costs one copy of that state per step in time and in memory (during the step,
-            and between steps where ``keep_buffers`` keeps the copies of the momentum and
-            the Adam moments). Without it a failed step leaves that state advanced.
+            and between steps where ``keep_buffers`` keeps the copies). Without it a failed
+            step leaves that state advanced.
         keep_buffers: Keep the step's flat buffers (the payloads and, with ``atomic``, the
             copies of the state) allocated between steps instead of freeing them after
             each step. ``None`` (default) decides by device: kept on the CPU, where a freed
