@@ -60,6 +60,39 @@ def _launch_fits(rows: Sequence[dict[str, Any]]) -> str:
     )
 
 
+def _adamw_launches(rows: Sequence[dict[str, Any]], n: int = 1024) -> str:
+    """The AdamW target's two sides launch by launch, and where the ``canzona`` step goes.
+
+    Empty unless both the world-2 ``canzona`` and the one-process AdamW case ran at ``n``.
+    """
+    by = {(r["shape"], r["world"], r["n"]): r for r in rows}
+    ours, one = by.get(("8x8", 2, n)), by.get(("8x8", 1, n))
+    if ours is None or one is None:
+        return ""
+    mine = ours.get("launches", {}).get("canzona", [])
+    theirs = one.get("launches", {}).get("adamw_foreach", [])
+    if not mine or len(mine) != len(theirs):
+        return ""
+    ratios = ", ".join(f"{a / b:.2f}" for a, b in zip(mine, theirs, strict=True))
+    text = (
+        f"At N = {n}, launch by launch, the `canzona` step took "
+        + ", ".join(f"{x * 1e3:.2f}" for x in mine)
+        + " ms and one process's AdamW(foreach) step "
+        + ", ".join(f"{x * 1e3:.2f}" for x in theirs)
+        + f" ms (ratios {ratios})."
+    )
+    prof = ours.get("profile")
+    if prof:
+        before = prof["step_s"] - prof["total_s"]
+        text += (
+            f" Of rank 0's median step ({prof['step_s'] * 1e3:.2f} ms), "
+            f"{before * 1e3:.2f} ms come before the matrix phase (the momentum update into "
+            f"the payloads and the header check), {prof['compute_s'] * 1e3:.2f} ms are the "
+            f"owners' Newton–Schulz and {prof['apply_s'] * 1e3:.2f} ms the apply."
+        )
+    return text
+
+
 def _same_rows(rows: Sequence[dict[str, Any]]) -> str:
     """Which distributed runs ended bitwise equal to the one-process ``canzona.Muon``."""
     verdicts: dict[str, list[bool]] = {}
@@ -232,6 +265,9 @@ def render(payload: dict[str, Any], plot: str | None) -> str:
     spread = _launch_fits(rows)
     if spread:
         lines += [spread, ""]
+    adamw = _adamw_launches(rows)
+    if adamw:
+        lines += [adamw, ""]
     if plot:
         lines += [f"![step time against N]({plot})", ""]
     return "\n".join(lines)
