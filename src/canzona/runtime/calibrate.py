@@ -105,28 +105,33 @@ def group_settings(hparams: Mapping[str, Any]) -> str:
     return repr(sorted((k, repr(v)) for k, v in hparams.items() if k not in UNTIMED_SETTINGS))
 
 
+def _key_fields(shape: Shape, table: StepTable, device: torch.device) -> tuple[object, ...]:
+    """What prices ``shape`` besides its phases: device, torch, configuration, settings, shape.
+
+    The device's name comes first (tests read it from the process cache's keys).
+    """
+    return (
+        device_name(device),
+        torch.__version__,
+        table.config,
+        group_settings(table.hparams[shape.key]),
+        shape.key,
+        shape.m,
+        shape.n,
+        shape.k,
+        str(shape.dtype),
+    )
+
+
 def entry_key(shape: Shape, table: StepTable, device: torch.device) -> str:
     """The digest that keys one shape's timings in a :class:`DiskCache`.
 
     It covers the device, the torch version, the optimizer's configuration, the param
-    group's settings, the phases timed and their weights, the shape, the batch and the
-    payload dtype.
+    group's settings, the shape, the batch, the payload dtype, and the phases timed and
+    their weights.
     """
-    text = repr(
-        (
-            device_name(device),
-            torch.__version__,
-            table.config,
-            group_settings(table.hparams[shape.key]),
-            table.calibration[shape.key],
-            shape.key,
-            shape.m,
-            shape.n,
-            shape.k,
-            str(shape.dtype),
-        )
-    )
-    return hashlib.sha256(text.encode()).hexdigest()
+    fields = (*_key_fields(shape, table, device), table.calibration[shape.key])
+    return hashlib.sha256(repr(fields).encode()).hexdigest()
 
 
 def _clock() -> Callable[[], float]:
@@ -182,19 +187,9 @@ def time_shape(
 ) -> float:
     """Seconds per matrix of the owner math for ``shape`` (every calibration phase)."""
     total = 0.0
+    fields = _key_fields(shape, table, device)
     for phase, weight in table.calibration[shape.key]:
-        cache_key = (
-            device_name(device),
-            torch.__version__,
-            table.config,
-            group_settings(table.hparams[shape.key]),
-            phase,
-            shape.key,
-            shape.m,
-            shape.n,
-            shape.k,
-            str(shape.dtype),
-        )
+        cache_key = (*fields, phase)
         seconds = _CACHE.get(cache_key)
         if seconds is None:
             gen = torch.Generator(device=device).manual_seed(shape.m * 131 + shape.n)
