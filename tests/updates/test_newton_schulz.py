@@ -55,6 +55,43 @@ def test_batched_equals_loop_bitwise(shape: tuple[int, int], dtype: torch.dtype)
     assert not uses_batched or min(shape) >= MIN_BATCHED_SIDE
 
 
+@pytest.mark.parametrize("coefficients", [DEFAULT_NS_COEFFICIENTS, "polar_express"])
+@pytest.mark.parametrize(
+    ("in_dtype", "dtype"),
+    [
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float32, torch.bfloat16),
+        (torch.float32, torch.float16),
+        (torch.float32, torch.float32),
+        (torch.float64, torch.float32),
+    ],
+)
+@pytest.mark.parametrize("shape", [(8, 8), (5, 9), (12, 5), (5, 12), (1, 7)])
+def test_small_stack_equals_torch_muon_matrix_by_matrix(
+    shape: tuple[int, int], in_dtype: torch.dtype, dtype: torch.dtype, coefficients: object
+) -> None:
+    """Catches: products on matrices that start off an allocation boundary (5 x 9 fp32 rounds
+    differently there), element-wise ops on the stack that differ from the per-matrix ones.
+
+    Small stacks run matrix by matrix with the element-wise ops on the whole stack; every
+    matrix must equal the 2-D path bit for bit, and the 2-D path equals torch's function,
+    including a zero matrix (the clamp), a large and a tiny scale, bf16 inputs that are not
+    cast, and a norm scale other than 1 (``polar_express``)."""
+    x = _randn(7, *shape, seed=5)
+    x[2] = 0
+    x[3] *= 1e4
+    x[4] *= 1e-4
+    x = x.to(in_dtype)
+    out = newton_schulz(x, coefficients=coefficients, dtype=dtype)  # type: ignore[arg-type]
+    loop = [newton_schulz(m, coefficients=coefficients, dtype=dtype) for m in x]  # type: ignore[arg-type]
+    assert out.dtype == dtype
+    for got, want in zip(out, loop, strict=True):
+        assert torch.equal(got, want)
+    if coefficients == DEFAULT_NS_COEFFICIENTS and dtype == torch.bfloat16:
+        for got, m in zip(out, x, strict=True):
+            assert torch.equal(got, torch_ns(m.clone(), DEFAULT_NS_COEFFICIENTS, 5, 1e-7))
+
+
 def test_side_16_bf16_stack_that_batched_kernels_round_differently() -> None:
     """Catches: a minimum side of 16 (or any below 17). This (16, 16, 64) input passes the
     probe's shape check yet rounds differently with batched bf16 kernels on torch 2.13's CPU
