@@ -191,6 +191,12 @@ def _parser() -> argparse.ArgumentParser:
     cal.add_argument(
         "--budget", type=float, default=60.0, help="seconds of timing; the rest is predicted"
     )
+    cal.add_argument(
+        "--cache",
+        type=Path,
+        metavar="DIR",
+        help="reuse and extend the timings kept in DIR (the runtime's calibration_cache)",
+    )
     sub.add_parser(
         "demo", add_help=False, help="run the demo (arguments go to the demo's own parser)"
     )
@@ -297,12 +303,14 @@ def _calibrate(args: argparse.Namespace) -> int:
             device=args.device,
             ns_dtype=args.ns_dtype,
             budget_s=args.budget,
+            cache=args.cache,
         )
     except (ValueError, RuntimeError) as exc:
         raise CliError(str(exc)) from None
     print(
-        f"{args.model}: {summary['shapes']} distinct shapes, {summary['timed']} timed in "
-        f"{summary['seconds']:.1f} s on {summary['device']}; table written to {args.out}"
+        f"{args.model}: {summary['shapes']} distinct shapes, {summary['timed']} timed "
+        f"({summary['cached']} from the cache) in {summary['seconds']:.1f} s on "
+        f"{summary['device']}; table written to {args.out}"
     )
     return 0
 

@@ -298,3 +298,20 @@ def test_cost_table_from_calibrate(tmp_path: Path, capsys: pytest.CaptureFixture
     bad.write_text("[]")
     assert cli.main(["plan", "--model", "qwen3-0.6b", "--world", "4", "--cost", str(bad)]) == 2
     assert "not a canzona cost table" in capsys.readouterr().err
+
+
+def test_calibrate_reuses_its_cache(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Catches: ``--cache`` not passed on, or the cache not read (a second run would time
+    the same shapes again and report none from the cache), or entries changed on the way."""
+    cache = tmp_path / "cache"
+    argv = ["calibrate", "--model", "qwen3-0.6b", "--ns-dtype", "float32", "--budget", "1"]
+    first, second = tmp_path / "first.json", tmp_path / "second.json"
+    assert cli.main([*argv, "--out", str(first), "--cache", str(cache)]) == 0
+    out = capsys.readouterr().out
+    rows = json.loads(first.read_text())["models"]["0"]["table"]
+    assert f", {len(rows)} timed (0 from the cache) in " in out
+    assert len(list(cache.iterdir())) == 1  # one file for this device and torch build
+    assert cli.main([*argv, "--out", str(second), "--cache", str(cache)]) == 0
+    assert f"({len(rows)} from the cache)" in capsys.readouterr().out
+    again = json.loads(second.read_text())["models"]["0"]["table"]
+    assert all(row in again for row in rows)  # the stored seconds, not new timings

@@ -13,6 +13,7 @@ from torch import nn
 from canzona.plan import GroupedCost, MatrixSpec, cost_model
 from canzona.plan.measured import MeasuredCost, save_cost_table
 from canzona.runtime import calibrate as runtime_calibrate
+from canzona.runtime.calibration_cache import DiskCache
 from canzona.runtime.watchdog import Watchdog
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -40,16 +41,20 @@ def calibrate_model(
     device: str = "cpu",
     ns_dtype: str = "bfloat16",
     budget_s: float = 60.0,
+    cache: Path | None = None,
 ) -> dict[str, Any]:
     """Time the owner math of every distinct shape of ``specs`` and write a cost table.
 
     The timing is the runtime's own calibration (the optimizer's compute on random
     payloads, every phase of its math weighted per step), one matrix at a time, within
     ``budget_s``; shapes beyond it are predicted by the table's fit. The file feeds
-    ``canzona plan --cost``.
+    ``canzona plan --cost``. With a ``cache`` directory, the runtime's calibration cache
+    (``PipelineConfig(calibration_cache=...)``'s file format) supplies the shapes it already
+    holds and receives the ones timed here.
 
     Returns:
-        A summary: shapes, how many were timed, seconds spent, the device.
+        A summary: shapes, how many are in the table, how many of those came from the
+        cache, seconds spent, the device.
 
     Raises:
         ValueError: for an unknown optimizer or dtype.
@@ -64,6 +69,9 @@ def calibrate_model(
     shapes = sorted({(s.m, s.n) for s in specs})
     wanted = [runtime_calibrate.Shape(0, m, n, 1, payload) for m, n in shapes]
     base = cost_model(optimizer, **opt._cost_params(opt.param_groups[0]))
+    disk = None if cache is None else DiskCache(cache, runtime_calibrate.device_name(dev))
+    held = disk.load() if disk is not None else {}
+    cached = sum(runtime_calibrate.entry_key(s, table, dev) in held for s in wanted)
     start = time.perf_counter()
     cost: GroupedCost = runtime_calibrate.calibrate(
         wanted,
@@ -74,6 +82,7 @@ def calibrate_model(
         device=dev,
         budget_s=budget_s,
         shape_cap_s=budget_s / 4,
+        cache=disk,
     )
     seconds = time.perf_counter() - start
     model = cost.models["0"]
@@ -87,4 +96,10 @@ def calibrate_model(
         "seconds": seconds,
     }
     save_cost_table(out, cost, meta)
-    return {"shapes": len(shapes), "timed": timed, "seconds": seconds, "device": meta["device"]}
+    return {
+        "shapes": len(shapes),
+        "timed": timed,
+        "cached": cached,
+        "seconds": seconds,
+        "device": meta["device"],
+    }
