@@ -195,7 +195,7 @@ def _parser() -> argparse.ArgumentParser:
         "--cache",
         type=Path,
         metavar="DIR",
-        help="reuse and extend the timings kept in DIR (the runtime's calibration_cache)",
+        help="reuse and extend the timings kept in DIR (the runtime's calibration cache format)",
     )
     sub.add_parser(
         "demo", add_help=False, help="run the demo (arguments go to the demo's own parser)"

@@ -48,9 +48,9 @@ def calibrate_model(
     The timing is the runtime's own calibration (the optimizer's compute on random
     payloads, every phase of its math weighted per step), one matrix at a time, within
     ``budget_s``; shapes beyond it are predicted by the table's fit. The file feeds
-    ``canzona plan --cost``. With a ``cache`` directory, the runtime's calibration cache
-    (``PipelineConfig(calibration_cache=...)``'s file format) supplies the shapes it already
-    holds and receives the ones timed here.
+    ``canzona plan --cost``. With a ``cache`` directory (the format of
+    ``PipelineConfig(calibration_cache=...)``), the entries it holds for these shapes, batch
+    and settings stand in for timings, and the ones timed here are added.
 
     Returns:
         A summary: shapes, how many are in the table, how many of those came from the
