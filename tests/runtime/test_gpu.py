@@ -34,6 +34,26 @@ def test_muon_on_cuda_matches_torch() -> None:
         assert torch.equal(p, q)
 
 
+def test_small_stacks_on_cuda_match_torch() -> None:
+    """Stacks below the batched kernels' side run matrix by matrix with the element-wise ops
+    on the whole stack, in 512-byte-aligned matrices: bitwise torch.optim.Muon on CUDA too
+    (where cuBLAS, like MKL, may pick kernels by alignment)."""
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    shapes = [(5, 9)] * 6 + [(16, 12)] * 5 + [(8, 8)] * 4
+    fulls = [torch.randn(s, device="cuda", generator=gen) for s in shapes]
+    ours = [nn.Parameter(t.clone()) for t in fulls]
+    ref = [nn.Parameter(t.clone()) for t in fulls]
+    a, b = canzona.Muon(ours, lr=0.02), torch.optim.Muon(ref, lr=0.02)
+    for _ in range(3):
+        for p, q in zip(ours, ref, strict=True):
+            g = torch.randn(p.shape, device="cuda", generator=gen)
+            p.grad, q.grad = g.clone(), g.clone()
+        a.step()
+        b.step()
+    for p, q in zip(ours, ref, strict=True):
+        assert torch.equal(p, q)
+
+
 def test_shampoo_state_stays_on_cuda() -> None:
     p = nn.Parameter(torch.randn(16, 24, device="cuda"))
     opt = canzona.Shampoo([p], precondition_frequency=1, start_preconditioning_step=1)
