@@ -1,11 +1,11 @@
 """Run every benchmark in one mode: ``run_all.py --quick|--full`` (the ``nox -s bench`` entry).
 
 Each script runs in its own process (one intra-op thread, ``OMP_NUM_THREADS=1``), in the order
-plan_quality, kernels, step_latency, overhead, train_step, and writes its JSON (which names
-the commit it was produced from) under ``benchmarks/results/``. Full mode also rewrites each
-script's section of ``docs/benchmarks.md`` and its images under ``docs/img/`` (the published
-numbers); quick mode, about six minutes on 2 cores, writes its JSON, Markdown and charts under
-``benchmarks/results/quick/`` and leaves the published files alone.
+plan_quality, kernels, step_latency, overhead, fused_exchanges, train_step, and writes its JSON
+(which names the commit it was produced from) under ``benchmarks/results/``. Full mode also
+rewrites each script's section of ``docs/benchmarks.md`` and its images under ``docs/img/``
+(the published numbers); quick mode, about six minutes on 2 cores, writes its JSON, Markdown
+and charts under ``benchmarks/results/quick/`` and leaves the published files alone.
 
     python benchmarks/run_all.py --quick                  # what ``nox -s bench`` runs
     python benchmarks/run_all.py --full                   # the published numbers
@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SCRIPTS = ("plan_quality", "kernels", "step_latency", "overhead", "train_step")
+SCRIPTS = ("plan_quality", "kernels", "step_latency", "overhead", "fused_exchanges", "train_step")
 QUICK = HERE / "results" / "quick"
 QUICK_DOC = str(QUICK / "benchmarks_quick.md")
 QUICK_OUTPUTS = {
@@ -31,6 +31,7 @@ QUICK_OUTPUTS = {
     "kernels": ["--out-dir", str(QUICK), "--doc", QUICK_DOC],
     "step_latency": ["--out", str(QUICK), "--doc", QUICK_DOC, "--chart", str(QUICK / "chart.png")],
     "overhead": ["--out", str(QUICK), "--doc", QUICK_DOC, "--plot", str(QUICK / "overhead.png")],
+    "fused_exchanges": ["--out", str(QUICK), "--doc", QUICK_DOC],
     "train_step": ["--out", str(QUICK), "--doc", QUICK_DOC],
 }
 

@@ -262,6 +262,27 @@ def test_overhead_tiny(tmp_path: Path) -> None:
     assert f"commit `{saved['commit']}`" in section and "### Fit" in section
 
 
+def test_fused_exchanges_tiny(tmp_path: Path) -> None:
+    import fused_exchanges
+
+    doc = tmp_path / "b.md"
+    assert fused_exchanges.main(["--tiny", "--out", str(tmp_path), "--doc", str(doc)]) == 0
+    saved = json.loads((tmp_path / "fused_exchanges.json").read_text())
+    assert COMMIT.match(saved["commit"]) and saved["mode"] == "tiny"
+    for result in saved["worlds"].values():
+        for run in result["steps"].values():
+            fused, apart = run["fused"], run["apart"]
+            assert run["identical"] is True
+            assert fused["micro_groups"] >= 2
+            assert (fused["collectives"], apart["collectives"]) == (
+                fused["micro_groups"] + 1,
+                2 * fused["micro_groups"],
+            )
+        assert all(r["fused"] > 0 and r["apart"] > 0 for r in result["limit"])
+    section = _section(doc, "fused_exchanges")
+    assert f"commit `{saved['commit']}`" in section and "| world |" in section
+
+
 def test_overhead_report_fits_each_launch() -> None:
     from _overhead_report import _launch_fits, fit_line
 

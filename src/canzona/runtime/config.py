@@ -75,6 +75,15 @@ class PipelineConfig:
             back at no cost. Kept buffers hold their bytes between steps (those of the last step's
             schedule only: a step with another set of parameters with gradients frees
             the others); results are bit-identical either way.
+        fuse_bytes: Exchanges that the pipeline issues at the same point travel in one
+            all-to-all when each of their micro-groups moves at most this many payload
+            bytes (its whole matrices, summed): the step's first gathers (with ``overlap``),
+            and a micro-group's scatter with the gather issued right after it. Each fusion
+            saves one collective's latency (a small all-to-all costs more than copying a
+            megabyte in and out of one buffer, on CPU and GPU process groups alike, see
+            docs/design.md) at the price of that copy; a fused first gather also delays the
+            first group's compute until the next group's payloads have arrived. ``0``
+            turns it off. Results are bit-identical either way.
         calibration_cache: A directory where the calibration of measured costs keeps its
             agreed timings for later jobs (one JSON file per device and torch build, keyed
             by the optimizer's settings and each shape; rank 0 of the process group writes
@@ -91,6 +100,7 @@ class PipelineConfig:
     skip_nonfinite: bool = False
     atomic: bool = True
     keep_buffers: bool | None = None
+    fuse_bytes: int = 1 << 20
     calibration_cache: str | os.PathLike[str] | None = None
 
     def __post_init__(self) -> None:
@@ -104,6 +114,9 @@ class PipelineConfig:
             raise ValueError(f"atomic must be a bool, got {self.atomic!r}")
         if self.keep_buffers is not None and not isinstance(self.keep_buffers, bool):
             raise ValueError(f"keep_buffers must be a bool or None, got {self.keep_buffers!r}")
+        fuse = self.fuse_bytes
+        if isinstance(fuse, bool) or not isinstance(fuse, int) or fuse < 0:
+            raise ValueError(f"fuse_bytes must be an int >= 0, got {fuse!r}")
         cache = self.calibration_cache
         if cache is not None and (not isinstance(cache, str | os.PathLike) or not str(cache)):
             raise ValueError(f"calibration_cache must be a directory path or None, got {cache!r}")

@@ -276,6 +276,7 @@ class MatrixRuntime:
             self.plan_config,
             self.config.overlap,
             self.config.depth,
+            self.config.fuse_bytes,
         )
         if self._structure_key != key:
             self._structure_key = key
@@ -285,6 +286,7 @@ class MatrixRuntime:
                     self.plan_config,
                     self.config.overlap,
                     self.config.depth,
+                    self.config.fuse_bytes,
                     table.matrix,
                 )
             )

@@ -98,13 +98,29 @@ class Failure:
 
 @dataclass
 class _Pending:
-    """An all-to-all in flight, with the buffers it holds."""
+    """One exchange (a micro-group's gather or scatter) of an all-to-all in flight.
+
+    ``out`` is the exchange's receive buffer, valid once the all-to-all was waited for;
+    ``wire`` is the all-to-all, shared by the exchanges that travel together.
+    """
+
+    wire: _Wire
+    out: torch.Tensor
+    what: str
+    micro_group: int
+
+
+@dataclass
+class _Wire:
+    """An all-to-all in flight, the buffers it holds and the exchanges it carries."""
 
     work: Any
     out: torch.Tensor
     inp: torch.Tensor
-    what: str
-    micro_group: int
+    label: str
+    parts: list[_Pending] = field(default_factory=list)
+    #: For fused exchanges: per part, per source rank, (offset, numel) in ``out``.
+    layout: list[list[tuple[int, int]]] = field(default_factory=list)
 
 
 class Pipeline:
@@ -275,15 +291,30 @@ class _Run:
 
     # ------------------------------------------------------------------ groups
     def micro_groups(self) -> None:
+        """Gather -> compute -> scatter over the micro-groups, ``depth`` groups in flight.
+
+        Exchanges issued at the same point travel in one all-to-all when their micro-groups
+        are small (:attr:`PipelineConfig.fuse_bytes`): the step's first gathers, and a
+        group's scatter with the gather issued right after it. The decision depends only on
+        the agreed plan and configuration, so every rank issues the same collectives.
+        """
         groups = self.p.schedule.micro_groups
-        self.stats.micro_groups = len(groups)
+        count = len(groups)
+        self.stats.micro_groups = count
         lookahead = self.p.config.depth if self.p.config.overlap else 0
+        limit = self.p.config.fuse_bytes
+        small = [0 < g.nbytes <= limit for g in groups]
         gathers: dict[int, _Pending] = {}
+        first = range(min(lookahead + 1, count))
         issued = 0
+        if len(first) > 1 and all(small[j] for j in first):
+            parts = self._fused([self._gather_exchange(groups[j]) for j in first])
+            gathers.update(zip(first, parts, strict=True))
+            issued = len(first)
         in_flight: list[tuple[_Pending, GroupSchedule]] = []
         for k, g in enumerate(groups):
-            while issued <= min(k + lookahead, len(groups) - 1):
-                gathers[issued] = self._gather(groups[issued])
+            while issued <= min(k + lookahead, count - 1):
+                gathers[issued] = self._single(self._gather_exchange(groups[issued]))
                 issued += 1
             pending = gathers.pop(k)
             self._wait(pending)
@@ -292,53 +323,117 @@ class _Run:
             if self.p.schedule.replicated:  # every rank keeps its own fragment: no scatter
                 self.received += [(piece_of(outs, pc).clone(), d) for pc, d in g.kept]
                 continue
-            in_flight.append((self._scatter(g, outs), g))
+            later = k + 1 + lookahead
+            scatter = self._scatter_exchange(g, outs)
+            if later == issued < count and small[k] and small[later] and not g.status:
+                sent, gathers[later] = self._fused([scatter, self._gather_exchange(groups[later])])
+                issued += 1
+            else:
+                sent = self._single(scatter)
+            in_flight.append((sent, g))
             while len(in_flight) > lookahead:
                 self._receive(*in_flight.pop(0))
         while in_flight:
             self._receive(*in_flight.pop(0))
 
-    def _exchange(
+    def _single(self, ex: _Exchange) -> _Pending:
+        """Issue one exchange as its own all-to-all."""
+        out = torch.empty(sum(ex.out_splits), dtype=ex.inp.dtype, device=self.p.device)
+        label = f"the {ex.what} of micro-group {ex.micro_group}"
+        wire = self._issue(out, ex.inp, ex.out_splits, ex.in_splits, ex.phase, label)
+        self._count(ex)
+        part = _Pending(wire, out, ex.what, ex.micro_group)
+        wire.parts.append(part)
+        return part
+
+    def _fused(self, exchanges: Sequence[_Exchange]) -> list[_Pending]:
+        """Issue several exchanges as one all-to-all (segments by peer, then exchange).
+
+        The exchanges keep their own dtypes: they travel as bytes when the dtypes differ.
+        Each exchange's receive buffer is copied out of the shared one when it is waited for.
+        """
+        dtypes = {ex.inp.dtype for ex in exchanges}
+        wire_dtype = dtypes.pop() if len(dtypes) == 1 else torch.uint8
+        world = self.p.world
+        sends: list[torch.Tensor] = []
+        in_splits = [0] * world
+        out_splits = [0] * world
+        layout: list[list[tuple[int, int]]] = [[] for _ in exchanges]
+        flat = [ex.inp.view(wire_dtype) for ex in exchanges]
+        scale = [ex.inp.element_size() // wire_dtype.itemsize for ex in exchanges]
+        send_at = [0] * len(exchanges)
+        offset = 0
+        for r in range(world):
+            for j, ex in enumerate(exchanges):
+                n_in, n_out = ex.in_splits[r] * scale[j], ex.out_splits[r] * scale[j]
+                sends.append(flat[j].narrow(0, send_at[j], n_in))
+                send_at[j] += n_in
+                in_splits[r] += n_in
+                out_splits[r] += n_out
+                layout[j].append((offset, n_out))
+                offset += n_out
+        try:
+            inp = torch.cat(sends)
+        except Exception as exc:  # every rank must still enter the collective
+            self.fail("packing the exchanges " + _labels(exchanges), exc)
+            inp = torch.zeros(sum(in_splits), dtype=wire_dtype, device=self.p.device)
+        out = torch.empty(sum(out_splits), dtype=wire_dtype, device=self.p.device)
+        wire = self._issue(out, inp, out_splits, in_splits, exchanges[0].phase, _labels(exchanges))
+        wire.layout = layout
+        for ex in exchanges:
+            self._count(ex)
+            empty = torch.empty(0, dtype=ex.inp.dtype)  # its dtype, until the wait fills it
+            wire.parts.append(_Pending(wire, empty, ex.what, ex.micro_group))
+        return list(wire.parts)
+
+    def _issue(
         self,
+        out: torch.Tensor,
         inp: torch.Tensor,
         out_splits: list[int],
         in_splits: list[int],
-        what: str,
-        k: int,
-        status: bool = False,
-    ) -> _Pending:
-        out = torch.empty(sum(out_splits), dtype=inp.dtype, device=self.p.device)
-        phase = 10 + 2 * k + (1 if what == "scatter" else 0)
-        self.p.watchdog.mark(phase, f"the {what} of micro-group {k}")
+        phase: int,
+        label: str,
+    ) -> _Wire:
+        self.p.watchdog.mark(phase, label)
         work = dist.all_to_all_single(
             out, inp, out_splits, in_splits, group=self.p.process_group, async_op=True
         )
         self.in_flight += 1
-        stats = self.stats
-        stats.collectives += 1
-        size = out.element_size()
-        peers = self.p.world - 1 if status else 0  # status flags are not payload
-        stats.bytes_sent += (inp.numel() - in_splits[self.p.rank] - peers) * size
-        stats.bytes_received += (out.numel() - out_splits[self.p.rank] - peers) * size
-        return _Pending(work, out, inp, what, k)
+        self.stats.collectives += 1
+        return _Wire(work, out, inp, label)
+
+    def _count(self, ex: _Exchange) -> None:
+        """Add an exchange's payload bytes (status flags are not payload) to the stats."""
+        size = ex.inp.element_size()
+        peers = self.p.world - 1 if ex.status else 0
+        self.stats.bytes_sent += (sum(ex.in_splits) - ex.in_splits[self.p.rank] - peers) * size
+        self.stats.bytes_received += (
+            sum(ex.out_splits) - ex.out_splits[self.p.rank] - peers
+        ) * size
 
     def _wait(self, pending: _Pending) -> None:
+        wire = pending.wire
+        if wire.work is None:  # a fused all-to-all already waited for
+            return
         start = time.perf_counter()
-        self.p.watchdog.wait(
-            pending.work, f"the {pending.what} of micro-group {pending.micro_group}"
-        )
-        pending.work = None  # drop the handle as soon as it completed
+        self.p.watchdog.wait(wire.work, wire.label)
+        wire.work = None  # drop the handle as soon as it completed
         self.in_flight -= 1
+        if wire.layout:
+            for part, runs in zip(wire.parts, wire.layout, strict=True):
+                data = torch.cat([wire.out.narrow(0, o, n) for o, n in runs])
+                part.out = data if data.dtype == part.out.dtype else data.view(part.out.dtype)
+            wire.out = wire.inp = torch.empty(0)
         self.stats.wait_s += time.perf_counter() - start
 
-    def _gather(self, g: GroupSchedule) -> _Pending:
-        numel = sum(g.gather_in)
+    def _gather_exchange(self, g: GroupSchedule) -> _Exchange:
         try:
             inp = _pack(g.send, g.gather_dtype, self.p.device)
         except Exception as exc:
             self.fail(f"packing the gather of micro-group {g.index}", exc)
-            inp = torch.zeros(numel, dtype=g.gather_dtype, device=self.p.device)
-        return self._exchange(inp, g.gather_out, g.gather_in, "gather", g.index)
+            inp = torch.zeros(sum(g.gather_in), dtype=g.gather_dtype, device=self.p.device)
+        return _Exchange(inp, g.gather_out, g.gather_in, "gather", g.index, 10 + 2 * g.index)
 
     def _compute_group(self, g: GroupSchedule, recv: torch.Tensor) -> list[torch.Tensor]:
         start = time.perf_counter()
@@ -355,7 +450,7 @@ class _Run:
         self.stats.group_compute_s.append(time.perf_counter() - start)
         return outs
 
-    def _scatter(self, g: GroupSchedule, outs: list[torch.Tensor]) -> _Pending:
+    def _scatter_exchange(self, g: GroupSchedule, outs: list[torch.Tensor]) -> _Exchange:
         try:
             if g.status:  # every segment starts with "has the sender failed so far"
                 flag = torch.full(
@@ -377,7 +472,8 @@ class _Run:
             inp = torch.full(
                 (sum(g.scatter_in),), 1.0, dtype=g.scatter_dtype, device=self.p.device
             )  # every status element says "failed"
-        return self._exchange(inp, g.scatter_out, g.scatter_in, "scatter", g.index, g.status)
+        phase = 11 + 2 * g.index
+        return _Exchange(inp, g.scatter_out, g.scatter_in, "scatter", g.index, phase, g.status)
 
     def _receive(self, pending: _Pending, g: GroupSchedule) -> None:
         self._wait(pending)
@@ -388,6 +484,23 @@ class _Run:
         for d in g.deliveries:
             numel = d.count * d.shape[0] * d.shape[1]
             self.received.append((out.narrow(0, d.offset, numel).view(d.count, *d.shape), d))
+
+
+@dataclass(frozen=True, slots=True)
+class _Exchange:
+    """One micro-group's gather or scatter, packed and ready to travel."""
+
+    inp: torch.Tensor
+    out_splits: list[int]
+    in_splits: list[int]
+    what: str
+    micro_group: int
+    phase: int
+    status: bool = False
+
+
+def _labels(exchanges: Sequence[_Exchange]) -> str:
+    return " and ".join(f"the {ex.what} of micro-group {ex.micro_group}" for ex in exchanges)
 
 
 def piece_of(outs: Sequence[torch.Tensor], piece: Piece) -> torch.Tensor:
