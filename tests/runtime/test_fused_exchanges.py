@@ -111,7 +111,7 @@ def _large_groups_case() -> tuple[int, int]:
     """Micro-groups above ``fuse_bytes`` keep one all-to-all per exchange."""
     fulls = full_tensors(SHAPES)
     params = sharded_params(fulls, mesh((2,)), ROWS)
-    pipeline = canzona.PipelineConfig(fuse_bytes=64)  # below any of these groups' payloads
+    pipeline = canzona.PipelineConfig(fuse_bytes=1)  # below any group's bytes per rank
     opt = canzona.Muon(params, **KW, plan=plan(capacity_mb=TINY), pipeline=pipeline)
     set_grads(params, grad_steps(SHAPES, 1)[0])
     opt.step()

@@ -77,13 +77,14 @@ class PipelineConfig:
             the others); results are bit-identical either way.
         fuse_bytes: Exchanges that the pipeline issues at the same point travel in one
             all-to-all when each of their micro-groups moves at most this many payload
-            bytes (its whole matrices, summed): the step's first gathers (with ``overlap``),
-            and a micro-group's scatter with the gather issued right after it. Each fusion
-            saves one collective's latency (a small all-to-all costs more than copying a
-            megabyte in and out of one buffer, on CPU and GPU process groups alike, see
-            docs/design.md) at the price of that copy; a fused first gather also delays the
-            first group's compute until the next group's payloads have arrived. ``0``
-            turns it off. Results are bit-identical either way.
+            bytes per rank (its whole matrices' bytes over the number of ranks): the step's
+            first gathers (with ``overlap``), and a micro-group's scatter with the gather
+            issued right after it. A fusion saves one collective's fixed cost (issuing and
+            waiting for it) and pays for copying both exchanges into one buffer and out of
+            another; on gloo the saving wins below a few tens of KiB per rank (measured in
+            docs/benchmarks.md, *Fused exchanges*), hence the default of 32 KiB: steps
+            made of many tiny micro-groups. ``0`` turns it off. Results are bit-identical
+            either way.
         calibration_cache: A directory where the calibration of measured costs keeps its
             agreed timings for later jobs (one JSON file per device and torch build, keyed
             by the optimizer's settings and each shape; rank 0 of the process group writes
@@ -100,7 +101,7 @@ class PipelineConfig:
     skip_nonfinite: bool = False
     atomic: bool = True
     keep_buffers: bool | None = None
-    fuse_bytes: int = 1 << 20
+    fuse_bytes: int = 32 << 10
     calibration_cache: str | os.PathLike[str] | None = None
 
     def __post_init__(self) -> None:

@@ -367,10 +367,10 @@ class ScheduleBuilder:
         else:
             pieces, scatter_in, bounds = self._scatter_pieces(batches, status)
             deliveries, scatter_out, flags = self._deliveries(items, status)
-        nbytes = sum(it.m * it.n * table.row(it.param).payload_dtype.itemsize for it in items)
+        total = sum(it.m * it.n * table.row(it.param).payload_dtype.itemsize for it in items)
         return GroupSchedule(
             index=index,
-            nbytes=nbytes,
+            nbytes=-(-total // self.world),
             gather_dtype=gather_dtype,
             send=send,
             gather_in=gather_in,
