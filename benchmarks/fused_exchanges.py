@@ -61,9 +61,9 @@ PRESETS: dict[str, dict[str, Any]] = {
         "count": 64,
         "shape": (64, 32),
         "groups": (2, 4, 8, 16),
-        "steps": 30,
+        "steps": 40,
         "sizes": (4 << 10, 16 << 10, 32 << 10, 64 << 10, 256 << 10, MIB),
-        "calls": 40,
+        "calls": 100,
     },
     "quick": {
         "worlds": (2,),

@@ -77,7 +77,8 @@ class PipelineConfig:
             the others); results are bit-identical either way.
         fuse_bytes: Exchanges that the pipeline issues at the same point travel in one
             all-to-all when each of their micro-groups moves at most this many payload
-            bytes per rank (its whole matrices' bytes over the number of ranks): the step's
+            bytes per rank (its whole matrices' bytes over the number of ranks; all of them
+            under the ``replicated`` strategy, where every rank receives them): the step's
             first gathers (with ``overlap``), and a micro-group's scatter with the gather
             issued right after it. A fusion saves one collective's fixed cost (issuing and
             waiting for it) and pays for copying both exchanges into one buffer and out of

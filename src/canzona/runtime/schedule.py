@@ -370,7 +370,8 @@ class ScheduleBuilder:
         total = sum(it.m * it.n * table.row(it.param).payload_dtype.itemsize for it in items)
         return GroupSchedule(
             index=index,
-            nbytes=-(-total // self.world),
+            # a rank receives its owned share, or everything when every rank computes it all
+            nbytes=total if self.replicated else -(-total // self.world),
             gather_dtype=gather_dtype,
             send=send,
             gather_in=gather_in,

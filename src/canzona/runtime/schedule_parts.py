@@ -143,8 +143,9 @@ class GroupSchedule:
     ``t``'s pieces start in ``scatter_pieces``; ``status_index[s]`` is where sender ``s``'s
     flag sits in the receive buffer (an index tensor on the buffers' device, built once so
     that reading the flags copies nothing to the device). ``nbytes`` is the payload bytes of
-    the group's whole matrices over the number of ranks, the same number on every rank: it
-    decides which exchanges travel together
+    the group's whole matrices over the number of ranks (all of them for a replicated plan,
+    where every rank receives every matrix), the same number on every rank: it decides
+    which exchanges travel together
     (:attr:`~canzona.runtime.config.PipelineConfig.fuse_bytes`).
     """
 
