@@ -37,16 +37,21 @@ def launch(
     device: str = "cuda",
     timeout: float = 240.0,
     count_syncs: bool = True,
+    capacity_mb: float | None = None,
 ) -> list[dict[str, Any]]:
     """Run :func:`_rank` on ``world`` spawned ranks; their reports in rank order.
 
     ``device="cpu"`` runs the same steps without the sync count (a dry run of this file), as
-    does ``count_syncs=False`` on the GPU.
+    does ``count_syncs=False`` on the GPU. ``capacity_mb`` cuts the plan into micro-groups
+    (tiny ones share their all-to-alls, see ``PipelineConfig.fuse_bytes``).
     """
     ctx = mp.get_context("spawn")
     init = f"file://{tmp / 'init'}"
     procs = [
-        ctx.Process(target=_rank, args=(r, world, backend, init, str(tmp), device, count_syncs))
+        ctx.Process(
+            target=_rank,
+            args=(r, world, backend, init, str(tmp), device, count_syncs, capacity_mb),
+        )
         for r in range(world)
     ]
     for p in procs:
@@ -69,7 +74,14 @@ def launch(
 
 
 def _rank(
-    rank: int, world: int, backend: str, init: str, out: str, device: str, count_syncs: bool
+    rank: int,
+    world: int,
+    backend: str,
+    init: str,
+    out: str,
+    device: str,
+    count_syncs: bool,
+    capacity_mb: float | None,
 ) -> None:
     fault = Path(out, f"{rank}.fault").open("w")  # noqa: SIM115 (open until the process ends)
     faulthandler.enable(fault)  # a crash in C++ still names the Python line
@@ -79,7 +91,8 @@ def _rank(
         torch.cuda.set_device(0)
     dist.init_process_group(backend, init_method=init, rank=rank, world_size=world)
     try:
-        report = _steps(rank, world, device, count_syncs, Path(out, f"{rank}.progress"))
+        progress = Path(out, f"{rank}.progress")
+        report = _steps(rank, world, device, count_syncs, progress, capacity_mb)
         Path(out, f"{rank}.json").write_text(json.dumps(report))
     except BaseException:
         Path(out, f"{rank}.err").write_text(traceback.format_exc())
@@ -88,7 +101,14 @@ def _rank(
         dist.destroy_process_group()
 
 
-def _steps(rank: int, world: int, device: str, count_syncs: bool, progress: Path) -> dict[str, Any]:
+def _steps(
+    rank: int,
+    world: int,
+    device: str,
+    count_syncs: bool,
+    progress: Path,
+    capacity_mb: float | None = None,
+) -> dict[str, Any]:
     """Four steps of canzona.Muon on Shard(0) DTensors next to torch.optim.Muon on the wholes.
 
     Steps 2-4 run under ``torch.cuda.set_sync_debug_mode("warn")``; every warning it raises
@@ -108,7 +128,11 @@ def _steps(rank: int, world: int, device: str, count_syncs: bool, progress: Path
     params = [nn.Parameter(shard(f)) for f in fulls]
     ref = [nn.Parameter(f.clone()) for f in fulls]
     bias = nn.Parameter(shard(torch.randn(8, device=device, generator=gen)))
-    opt = canzona.Muon([{"params": params}, {"params": [bias], "algorithm": "adamw"}], lr=0.02)
+    plan = (
+        canzona.PlanConfig() if capacity_mb is None else canzona.PlanConfig(capacity_mb=capacity_mb)
+    )
+    groups = [{"params": params}, {"params": [bias], "algorithm": "adamw"}]
+    opt = canzona.Muon(groups, lr=0.02, plan=plan)
     ref_opt = torch.optim.Muon(ref, lr=0.02)
     counts: list[int] = []
 
@@ -147,8 +171,8 @@ def _steps(rank: int, world: int, device: str, count_syncs: bool, progress: Path
         bool(torch.equal(p.to_local(), q.detach().chunk(world, 0)[rank]))
         for p, q in zip(params, ref, strict=True)
     ]
-    plan = opt._runtime.plan
-    models = list(plan.optimizer.models.values()) if plan is not None else []
+    made = opt._runtime.plan
+    models = list(made.optimizer.models.values()) if made is not None else []
     return {
         "syncs_per_step": counts,
         "sync_sites": sorted(sites),
@@ -159,6 +183,8 @@ def _steps(rank: int, world: int, device: str, count_syncs: bool, progress: Path
         ),
         "timed_on": sorted({str(k[0]) for k in calibrate_module._CACHE}),
         "device": calibrate_module.device_name(torch.device(device)),
-        "planned": plan is not None,
+        "planned": made is not None,
         "bytes_sent": opt.last_step_stats.bytes_sent if opt.last_step_stats else -1,
+        "micro_groups": opt.last_step_stats.micro_groups if opt.last_step_stats else -1,
+        "collectives": opt.last_step_stats.collectives if opt.last_step_stats else -1,
     }

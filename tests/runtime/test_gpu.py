@@ -106,6 +106,17 @@ def test_a_distributed_step_synchronises_only_where_documented(tmp_path: Path) -
     assert reports[0]["timed_shapes"] == reports[1]["timed_shapes"]
 
 
+def test_tiny_micro_groups_share_all_to_alls_on_cuda(tmp_path: Path) -> None:
+    """A tiny capacity cuts the plan into several micro-groups, which share all-to-alls
+    (n groups in n + 1) on CUDA tensors: still bitwise torch.optim.Muon, still 2 syncs."""
+    reports = _gpu_ranks.launch("gloo", 2, tmp_path, capacity_mb=1e-3)
+    print(json.dumps(reports))
+    for r in reports:
+        assert r["bitwise"] == [True] * len(_gpu_ranks.SHAPES)
+        assert r["syncs_per_step"] == [2, 2, 2], r["sync_sites"]
+        assert r["micro_groups"] >= 3 and r["collectives"] == r["micro_groups"] + 1, r
+
+
 def test_one_rank_under_nccl(tmp_path: Path) -> None:
     """The NCCL path at world 1: no plan (each matrix is whole on its rank), bitwise, no sync."""
     (r,) = _gpu_ranks.launch("nccl", 1, tmp_path)
