@@ -64,6 +64,14 @@ def test_command_world2_through_the_canzona_cli() -> None:
         assert promised in out, f"{promised!r} missing from:\n{out}"
     assert "FSDP on a (2,) mesh" in out
     assert "Plan: 28 matrices on 2 ranks" in out
+    # a distributed plan balances measured seconds, calls priced: the line shows them
+    planned = re.search(
+        r"as planned \(measured costs, .*?\) ([\d./]+) ms, balance ratio ([\d.]+)", out
+    )
+    assert planned, out
+    per_rank = [float(t) for t in planned[1].split("/")]
+    assert len(per_rank) == 2 and min(per_rank) > 0
+    assert float(planned[2]) == pytest.approx(max(per_rank) / (sum(per_rank) / 2), abs=2e-3)
     for label in ("canzona.Muon", "AdamW only"):
         start, end = _held_out(out, label)
         assert end < start - 1.0, (label, start, end)

@@ -193,7 +193,16 @@ def summary_lines(result: dict[str, Any], settings: DemoSettings) -> list[str]:
     else:
         lines.append("Optimizer step: not timed (one process has nothing to distribute)")
     plan = result["plan"]
-    if plan:
+    owner = plan.get("owner_s") if plan else None
+    if owner:
+        per_rank = "/".join(f"{t * 1e3:.1f}" for t in owner)
+        lines.append(
+            f"Plan: {plan['matrices']} matrices on {plan['num_ranks']} ranks, "
+            f"{plan['micro_groups']} micro-group(s); owner time per rank as planned (measured "
+            f"costs, one fixed part per stacked call) {per_rank} ms, balance ratio "
+            f"{max(owner) / (sum(owner) / len(owner)):.3f} (max / mean)"
+        )
+    elif plan:
         lines.append(
             f"Plan: {plan['matrices']} matrices on {plan['num_ranks']} ranks, balance ratio "
             f"{plan['balance_ratio']:.3f} (max load / mean load), makespan / lower bound "

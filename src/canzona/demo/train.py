@@ -18,6 +18,8 @@ from torch.optim.lr_scheduler import LambdaLR
 import canzona
 from canzona.demo.data import Corpus, shard_rows
 from canzona.demo.model import DecoderConfig, QwenDecoder, parallelize
+from canzona.plan import GroupedCost, Plan
+from canzona.plan.measured import MeasuredCost, predict_seconds
 from canzona.updates import NS_SCHEDULES
 
 __all__ = [
@@ -254,6 +256,24 @@ class _Trainer:
         return result
 
 
+def planned_owner_seconds(plan: Plan) -> list[float] | None:
+    """Per rank, the owner time the plan predicts with its measured costs, calls priced.
+
+    None for a plan balanced on FLOPs. This is what a measured plan balances: same-shape
+    matrices gathered on fewer owners make fewer calls, so FLOP-style loads priced per matrix
+    can look uneven where the predicted times are even.
+    """
+    cost = plan.optimizer
+    models = cost.models.values() if isinstance(cost, GroupedCost) else [cost]
+    if not isinstance(cost, GroupedCost | MeasuredCost) or not all(
+        isinstance(m, MeasuredCost) for m in models
+    ):
+        return None
+    groups = [g.names for g in plan.micro_groups]
+    ranks = plan.assignment.computing_ranks
+    return predict_seconds(plan.specs, groups, ranks, cost, plan.num_ranks)
+
+
 def time_strategies(trainer: _Trainer, model: nn.Module, name: str) -> dict[str, Any]:
     """Median optimizer-step time (slowest rank) under the ``canzona`` and ``replicated`` plans.
 
@@ -317,6 +337,8 @@ def demo_rank(
     runs = {"canzona": trainer.train(f"canzona.{CLASS_NAMES[settings.optimizer]}", model, opt)}
     plan = opt._runtime.plan
     summary = plan.summary() if plan is not None else {}
+    if plan is not None:
+        summary["owner_s"] = planned_owner_seconds(plan)
     timed = settings.timing_steps > 0 and settings.world > 1
     timings = time_strategies(trainer, model, settings.optimizer) if timed else {}
     del opt, model
