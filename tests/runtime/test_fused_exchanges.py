@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as tdist
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Replicate, Shard
 
 import canzona
 from canzona.runtime import PlanMismatchError, UpdateFailedError
@@ -32,6 +32,11 @@ KW: dict[str, Any] = {"lr": 0.02, "weight_decay": 0.1, "momentum": 0.9}
 SHAPES = {**BASE, **{f"{n}_again": s for n, s in BASE.items()}}
 ROWS = {n: (Shard(0),) for n in SHAPES}
 TINY = 1e-4  # capacity in MiB: one matrix per owner and micro-group, many groups
+# 2-D meshes: FSDP x TP (rows on dp, columns on tp) and HSDP (replicas on the first dim)
+LAYOUTS = {
+    "2d": lambda shape: (Shard(0), Shard(len(shape) - 1)),
+    "hsdp": lambda shape: (Replicate(), Shard(len(shape) - 2)),
+}
 
 
 def _counts(opt: torch.optim.Optimizer) -> tuple[int, int, int, int]:
@@ -44,11 +49,17 @@ def _bits(per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _muon_case(
-    world: tuple[int, ...], strategy: str, fuse_bytes: int, overlap: bool, depth: int
+    world: tuple[int, ...],
+    strategy: str,
+    fuse_bytes: int,
+    overlap: bool,
+    depth: int,
+    layout: str = "rows",
 ) -> dict[str, Any]:
     fulls = full_tensors(SHAPES)
     grads = grad_steps(SHAPES, 3)
-    params = sharded_params(fulls, mesh(world), ROWS)
+    placements = ROWS if layout == "rows" else {n: LAYOUTS[layout](s) for n, s in SHAPES.items()}
+    params = sharded_params(fulls, mesh(world), placements)
     opts: list[torch.optim.Optimizer] = []
 
     def make(ps: Any) -> torch.optim.Optimizer:
@@ -93,6 +104,21 @@ def test_fused_exchanges_are_bitwise_and_save_collectives(
             assert groups >= 4, groups
             assert collectives == groups + 1, (strategy, rank, groups, collectives)
             assert apart[rank]["counts"] == (groups, 2 * groups, sent, received)
+
+
+@pytest.mark.parametrize("layout", ["2d", "hsdp"])
+def test_fused_exchanges_on_2d_meshes(dist: Any, layout: str) -> None:
+    """FSDP x TP fragments and HSDP replica groups (one computation per matrix, sent to
+    every replica) through fused exchanges: bitwise, and fewer all-to-alls than apart."""
+    fused, apart = (
+        dist(4).run(_muon_case, (2, 2), "canzona", fuse, True, 1, layout) for fuse in (1 << 20, 0)
+    )
+    assert_bitwise(_bits(fused), "torch.optim.Muon")
+    assert_bitwise(_bits(apart), "torch.optim.Muon")
+    for rank in range(4):
+        groups, collectives, sent, received = fused[rank]["counts"]
+        assert groups >= 3 and collectives == groups + 1, (rank, groups, collectives)
+        assert apart[rank]["counts"] == (groups, 2 * groups, sent, received)
 
 
 def test_replicated_plans_fuse_their_first_gathers(dist: Any) -> None:
