@@ -12,13 +12,22 @@ import torch.distributed as dist
 
 from canzona.runtime.checks import reports_of, vote
 from canzona.runtime.config import PipelineConfig, UpdateFailedError
+from canzona.runtime.exchanges import (
+    Exchange,
+    Pending,
+    Wire,
+    concat,
+    fused_send,
+    labels,
+    pack,
+    split_received,
+)
 from canzona.runtime.schedule_parts import (
     Delivery,
     GroupSchedule,
     OwnerBatch,
     Piece,
     Schedule,
-    SendView,
     Target,
 )
 from canzona.runtime.table import ApplyBatch, ApplyFn, ComputeBatch, ComputeFn, StepTable
@@ -94,33 +103,6 @@ class Failure:
         more = f" and {len(self.params) - 3} more" if len(self.params) > 3 else ""
         what = f" (parameters {named}{more})" if named else ""
         return f"{self.where}{what} raised {type(self.error).__name__}: {self.error}"
-
-
-@dataclass
-class _Pending:
-    """One exchange (a micro-group's gather or scatter) of an all-to-all in flight.
-
-    ``out`` is the exchange's receive buffer, valid once the all-to-all was waited for;
-    ``wire`` is the all-to-all, shared by the exchanges that travel together.
-    """
-
-    wire: _Wire
-    out: torch.Tensor
-    what: str
-    micro_group: int
-
-
-@dataclass
-class _Wire:
-    """An all-to-all in flight, the buffers it holds and the exchanges it carries."""
-
-    work: Any
-    out: torch.Tensor
-    inp: torch.Tensor
-    label: str
-    parts: list[_Pending] = field(default_factory=list)
-    #: For fused exchanges: per part, per source rank, (offset, numel) in ``out``.
-    layout: list[list[tuple[int, int]]] = field(default_factory=list)
 
 
 class Pipeline:
@@ -304,14 +286,14 @@ class _Run:
         lookahead = self.p.config.depth if self.p.config.overlap else 0
         limit = self.p.config.fuse_bytes
         small = [0 < g.nbytes <= limit for g in groups]
-        gathers: dict[int, _Pending] = {}
+        gathers: dict[int, Pending] = {}
         first = range(min(lookahead + 1, count))
         issued = 0
         if len(first) > 1 and all(small[j] for j in first):
             parts = self._fused([self._gather_exchange(groups[j]) for j in first])
             gathers.update(zip(first, parts, strict=True))
             issued = len(first)
-        in_flight: list[tuple[_Pending, GroupSchedule]] = []
+        in_flight: list[tuple[Pending, GroupSchedule]] = []
         for k, g in enumerate(groups):
             while issued <= min(k + lookahead, count - 1):
                 gathers[issued] = self._single(self._gather_exchange(groups[issued]))
@@ -336,54 +318,31 @@ class _Run:
         while in_flight:
             self._receive(*in_flight.pop(0))
 
-    def _single(self, ex: _Exchange) -> _Pending:
+    def _single(self, ex: Exchange) -> Pending:
         """Issue one exchange as its own all-to-all."""
         out = torch.empty(sum(ex.out_splits), dtype=ex.inp.dtype, device=self.p.device)
         label = f"the {ex.what} of micro-group {ex.micro_group}"
         wire = self._issue(out, ex.inp, ex.out_splits, ex.in_splits, ex.phase, label)
         self._count(ex)
-        part = _Pending(wire, out, ex.what, ex.micro_group)
+        part = Pending(wire, out, ex.what, ex.micro_group)
         wire.parts.append(part)
         return part
 
-    def _fused(self, exchanges: Sequence[_Exchange]) -> list[_Pending]:
-        """Issue several exchanges as one all-to-all (segments by peer, then exchange).
-
-        The exchanges keep their own dtypes: they travel as bytes when the dtypes differ.
-        Each exchange's receive buffer is copied out of the shared one when it is waited for.
-        """
-        dtypes = {ex.inp.dtype for ex in exchanges}
-        wire_dtype = dtypes.pop() if len(dtypes) == 1 else torch.uint8
-        world = self.p.world
-        sends: list[torch.Tensor] = []
-        in_splits = [0] * world
-        out_splits = [0] * world
-        layout: list[list[tuple[int, int]]] = [[] for _ in exchanges]
-        flat = [ex.inp.view(wire_dtype) for ex in exchanges]
-        scale = [ex.inp.element_size() // wire_dtype.itemsize for ex in exchanges]
-        send_at = [0] * len(exchanges)
-        offset = 0
-        for r in range(world):
-            for j, ex in enumerate(exchanges):
-                n_in, n_out = ex.in_splits[r] * scale[j], ex.out_splits[r] * scale[j]
-                sends.append(flat[j].narrow(0, send_at[j], n_in))
-                send_at[j] += n_in
-                in_splits[r] += n_in
-                out_splits[r] += n_out
-                layout[j].append((offset, n_out))
-                offset += n_out
+    def _fused(self, exchanges: Sequence[Exchange]) -> list[Pending]:
+        """Issue several exchanges as one all-to-all (see :func:`fused_send`)."""
+        label = labels(exchanges)
         try:
-            inp = torch.cat(sends)
+            inp, in_splits, out_splits, layout = fused_send(exchanges, self.p.world)
         except Exception as exc:  # every rank must still enter the collective
-            self.fail("packing the exchanges " + _labels(exchanges), exc)
-            inp = torch.zeros(sum(in_splits), dtype=wire_dtype, device=self.p.device)
-        out = torch.empty(sum(out_splits), dtype=wire_dtype, device=self.p.device)
-        wire = self._issue(out, inp, out_splits, in_splits, exchanges[0].phase, _labels(exchanges))
+            self.fail("packing " + label, exc)
+            inp, in_splits, out_splits, layout = fused_send(exchanges, self.p.world, zeros=True)
+        out = torch.empty(sum(out_splits), dtype=inp.dtype, device=self.p.device)
+        wire = self._issue(out, inp, out_splits, in_splits, exchanges[0].phase, label)
         wire.layout = layout
         for ex in exchanges:
             self._count(ex)
             empty = torch.empty(0, dtype=ex.inp.dtype)  # its dtype, until the wait fills it
-            wire.parts.append(_Pending(wire, empty, ex.what, ex.micro_group))
+            wire.parts.append(Pending(wire, empty, ex.what, ex.micro_group))
         return list(wire.parts)
 
     def _issue(
@@ -394,16 +353,16 @@ class _Run:
         in_splits: list[int],
         phase: int,
         label: str,
-    ) -> _Wire:
+    ) -> Wire:
         self.p.watchdog.mark(phase, label)
         work = dist.all_to_all_single(
             out, inp, out_splits, in_splits, group=self.p.process_group, async_op=True
         )
         self.in_flight += 1
         self.stats.collectives += 1
-        return _Wire(work, out, inp, label)
+        return Wire(work, out, inp, label)
 
-    def _count(self, ex: _Exchange) -> None:
+    def _count(self, ex: Exchange) -> None:
         """Add an exchange's payload bytes (status flags are not payload) to the stats."""
         size = ex.inp.element_size()
         peers = self.p.world - 1 if ex.status else 0
@@ -412,7 +371,7 @@ class _Run:
             sum(ex.out_splits) - ex.out_splits[self.p.rank] - peers
         ) * size
 
-    def _wait(self, pending: _Pending) -> None:
+    def _wait(self, pending: Pending) -> None:
         wire = pending.wire
         if wire.work is None:  # a fused all-to-all already waited for
             return
@@ -421,19 +380,16 @@ class _Run:
         wire.work = None  # drop the handle as soon as it completed
         self.in_flight -= 1
         if wire.layout:
-            for part, runs in zip(wire.parts, wire.layout, strict=True):
-                data = torch.cat([wire.out.narrow(0, o, n) for o, n in runs])
-                part.out = data if data.dtype == part.out.dtype else data.view(part.out.dtype)
-            wire.out = wire.inp = torch.empty(0)
+            split_received(wire)
         self.stats.wait_s += time.perf_counter() - start
 
-    def _gather_exchange(self, g: GroupSchedule) -> _Exchange:
+    def _gather_exchange(self, g: GroupSchedule) -> Exchange:
         try:
-            inp = _pack(g.send, g.gather_dtype, self.p.device)
+            inp = pack(g.send, g.gather_dtype, self.p.device)
         except Exception as exc:
             self.fail(f"packing the gather of micro-group {g.index}", exc)
             inp = torch.zeros(sum(g.gather_in), dtype=g.gather_dtype, device=self.p.device)
-        return _Exchange(inp, g.gather_out, g.gather_in, "gather", g.index, 10 + 2 * g.index)
+        return Exchange(inp, g.gather_out, g.gather_in, "gather", g.index, 10 + 2 * g.index)
 
     def _compute_group(self, g: GroupSchedule, recv: torch.Tensor) -> list[torch.Tensor]:
         start = time.perf_counter()
@@ -450,7 +406,7 @@ class _Run:
         self.stats.group_compute_s.append(time.perf_counter() - start)
         return outs
 
-    def _scatter_exchange(self, g: GroupSchedule, outs: list[torch.Tensor]) -> _Exchange:
+    def _scatter_exchange(self, g: GroupSchedule, outs: list[torch.Tensor]) -> Exchange:
         try:
             if g.status:  # every segment starts with "has the sender failed so far"
                 flag = torch.full(
@@ -466,16 +422,16 @@ class _Run:
                     parts += [piece_of(outs, pc).reshape(-1) for pc in g.scatter_pieces[lo:hi]]
             else:
                 parts = [piece_of(outs, pc).reshape(-1) for pc in g.scatter_pieces]
-            inp = _cat(parts, g.scatter_dtype, self.p.device)
+            inp = concat(parts, g.scatter_dtype, self.p.device)
         except Exception as exc:
             self.fail(f"packing the scatter of micro-group {g.index}", exc)
             inp = torch.full(
                 (sum(g.scatter_in),), 1.0, dtype=g.scatter_dtype, device=self.p.device
             )  # every status element says "failed"
         phase = 11 + 2 * g.index
-        return _Exchange(inp, g.scatter_out, g.scatter_in, "scatter", g.index, phase, g.status)
+        return Exchange(inp, g.scatter_out, g.scatter_in, "scatter", g.index, phase, g.status)
 
-    def _receive(self, pending: _Pending, g: GroupSchedule) -> None:
+    def _receive(self, pending: Pending, g: GroupSchedule) -> None:
         self._wait(pending)
         out = pending.out
         if g.status_index is not None:  # one host read per step: which ranks failed
@@ -486,49 +442,9 @@ class _Run:
             self.received.append((out.narrow(0, d.offset, numel).view(d.count, *d.shape), d))
 
 
-@dataclass(frozen=True, slots=True)
-class _Exchange:
-    """One micro-group's gather or scatter, packed and ready to travel."""
-
-    inp: torch.Tensor
-    out_splits: list[int]
-    in_splits: list[int]
-    what: str
-    micro_group: int
-    phase: int
-    status: bool = False
-
-
-def _labels(exchanges: Sequence[_Exchange]) -> str:
-    return " and ".join(f"the {ex.what} of micro-group {ex.micro_group}" for ex in exchanges)
-
-
 def piece_of(outs: Sequence[torch.Tensor], piece: Piece) -> torch.Tensor:
     """A run of direction fragments ``(k, fr, fc)`` read from a batch's computed stack."""
     return piece.selector.read(outs[piece.batch].narrow(0, piece.start, piece.count))
-
-
-def _pack(views: Sequence[SendView], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    if not views:
-        return torch.empty(0, dtype=dtype, device=device)
-    if len(views) == 1 and isinstance(views[0], torch.Tensor) and views[0].dim() == 1:
-        return views[0].to(dtype)
-    flat = [_flat(v) for v in views]
-    return torch.cat(flat).to(dtype)
-
-
-def _flat(view: SendView) -> torch.Tensor:
-    """A sent fragment as a 1-D tensor (a copy for a strided or selected block)."""
-    if isinstance(view, tuple):
-        mat, selector = view
-        return selector.read(mat.unsqueeze(0)).reshape(-1)
-    return view if view.dim() == 1 else view.reshape(-1)
-
-
-def _cat(parts: Sequence[torch.Tensor], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    if not parts:
-        return torch.empty(0, dtype=dtype, device=device)
-    return torch.cat(list(parts)).to(dtype)
 
 
 def _assemble(batch: OwnerBatch, recv: torch.Tensor, device: torch.device) -> torch.Tensor:
