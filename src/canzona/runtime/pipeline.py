@@ -321,8 +321,7 @@ class _Run:
     def _single(self, ex: Exchange) -> Pending:
         """Issue one exchange as its own all-to-all."""
         out = torch.empty(sum(ex.out_splits), dtype=ex.inp.dtype, device=self.p.device)
-        label = f"the {ex.what} of micro-group {ex.micro_group}"
-        wire = self._issue(out, ex.inp, ex.out_splits, ex.in_splits, ex.phase, label)
+        wire = self._issue(out, ex.inp, ex.out_splits, ex.in_splits, ex.phase, labels([ex]))
         self._count(ex)
         part = Pending(wire, out, ex.what, ex.micro_group)
         wire.parts.append(part)
