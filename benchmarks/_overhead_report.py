@@ -141,6 +141,7 @@ def _render_profile(rows: Sequence[dict[str, Any]]) -> list[str]:
         f"{FLOOR_CALLS} after a barrier, from the last rank's entry to the last rank's exit, "
         "per row); a step makes three when nothing fails: the header check, the micro-group's "
         "gather, and its scatter, which carries every rank's success flag (the vote)."
+        + _issue_sentence(shown)
         if floors
         else ""
     )
@@ -306,3 +307,22 @@ def draw(result: dict[str, Any], path: Path) -> bool:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
+
+
+def _issue_sentence(shown: Sequence[dict[str, Any]]) -> str:
+    """The host time of issuing one small all-to-all, through c10d's wrapper and directly."""
+    pairs = [
+        (r["profile"]["issue_wrapper_s"], r["profile"]["issue_direct_s"])
+        for r in shown
+        if "issue_direct_s" in r["profile"]
+    ]
+    if not pairs:
+        return ""
+    wrapper = [w * 1e6 for w, _ in pairs]
+    direct = [d * 1e6 for _, d in pairs]
+    return (
+        f" Issuing one takes rank 0 {min(wrapper):.0f} to {max(wrapper):.0f} µs through "
+        f"`dist.all_to_all_single` and {min(direct):.0f} to {max(direct):.0f} µs through the "
+        "call on the process group that the runtime makes (`canzona.runtime.alltoall`, "
+        "without the wrapper's checks), medians per row, taken in turn."
+    )

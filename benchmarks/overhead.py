@@ -185,21 +185,35 @@ def _gather_times(start: float, end: float) -> tuple[list[float], list[float]]:
     return [float(t[0]) for t in out], [float(t[1]) for t in out]
 
 
-def _all_to_all_floor(world: int) -> float:
-    """Median seconds of one small all-to-all, from the last rank's entry to the last exit.
+def _all_to_all_floor(world: int) -> dict[str, float]:
+    """One small all-to-all: its latency and the host time of issuing it, medians in seconds.
 
-    The latency of one of the step's small collectives when every rank enters it together:
-    what a step pays per collective before any host work or waiting for a peer.
+    ``latency``: from the last rank's entry to the last exit, when every rank enters it
+    together: what a step pays per collective before any host work or waiting for a peer.
+    ``issue_wrapper`` / ``issue_direct``: rank 0's time in the call that issues it, through
+    ``dist.all_to_all_single`` and through the runtime's own call on the process group
+    (``canzona.runtime.alltoall``), taken in turn.
     """
+    from canzona.runtime.alltoall import all_to_all
+
     inp, out = torch.zeros(4 * world), torch.empty(4 * world)
-    seen = []
-    for _ in range(FLOOR_CALLS + 5):
-        dist.barrier()
-        start = time.perf_counter()
-        dist.all_to_all_single(out, inp, async_op=True).wait()
-        starts, ends = _gather_times(start, time.perf_counter())
-        seen.append(max(ends) - max(starts))
-    return statistics.median(seen[5:])
+    seen: dict[str, list[float]] = {"latency": [], "issue_wrapper": [], "issue_direct": []}
+    for i in range(FLOOR_CALLS + 5):
+        for how in ("issue_wrapper", "issue_direct"):
+            dist.barrier()
+            start = time.perf_counter()
+            if how == "issue_wrapper":
+                work = dist.all_to_all_single(out, inp, async_op=True)
+            else:
+                work = all_to_all(out, inp, (), (), None)
+            issued = time.perf_counter()
+            work.wait()
+            starts, ends = _gather_times(start, time.perf_counter())
+            if i >= 5:
+                seen[how].append(issued - start)
+                if how == "issue_wrapper":
+                    seen["latency"].append(max(ends) - max(starts))
+    return {k: statistics.median(v) for k, v in seen.items()}
 
 
 def _fingerprint(tensors: Sequence[torch.Tensor]) -> str:
@@ -260,7 +274,10 @@ def _distributed_case(
         if impl in SAME_MATH and timed == steps:  # comparable with the one-process reference
             prints[impl] = _fingerprint([_local(p) for _, p in named])
     if profile:
-        profile["all_to_all_s"] = _all_to_all_floor(world)
+        floor = _all_to_all_floor(world)
+        profile["all_to_all_s"] = floor["latency"]
+        profile["issue_wrapper_s"] = floor["issue_wrapper"]
+        profile["issue_direct_s"] = floor["issue_direct"]
     return {"times": times, "fingerprints": prints, "profile": profile}
 
 

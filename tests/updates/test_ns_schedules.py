@@ -243,3 +243,21 @@ def test_norm_scale_must_be_positive_and_finite(scale: float) -> None:
 def test_flops_count_the_schedule_length() -> None:
     steps = len(resolve_ns_coefficients("polar_express"))
     assert newton_schulz_flops(8, 2, steps=steps) == 8 * (4 * 4 * 8 + 2 * 8)
+
+
+def test_resolved_schedules_are_reused_only_for_the_same_values() -> None:
+    """A step resolves the schedule once per batch, so results are reused by value.
+    Catches: a cache keyed by equality alone (``True == 1``: a refused bool would be accepted
+    after an accepted 1), or by the list object (a list changed in place would keep its old
+    schedule)."""
+    assert resolve_ns_coefficients((1, 2.0, 3.0), 2) == ((1.0, 2.0, 3.0),) * 2
+    with pytest.raises(ValueError, match="three real numbers"):
+        resolve_ns_coefficients((True, 2.0, 3.0), 2)
+    with pytest.raises(ValueError, match=r"ns_steps .*got True"):
+        resolve_ns_coefficients((1, 2.0, 3.0), True)  # type: ignore[arg-type]
+    schedule = [[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]
+    assert resolve_ns_coefficients(schedule) == ((1.0, 2.0, 3.0), (4.0, 5.0, 6.0))
+    schedule[1][0] = 7.0
+    assert resolve_ns_coefficients(schedule) == ((1.0, 2.0, 3.0), (7.0, 5.0, 6.0))
+    assert resolve_ns_coefficients("quintic", 3) == resolve_ns_coefficients("quintic", 3)
+    assert len(resolve_ns_coefficients("quintic", 3)) == 3

@@ -38,6 +38,8 @@ from canzona.updates.batched import adamw_moments_, adamw_params_
 
 ADAMW = "adamw"
 _NOT_HYPER = ("params", "param_names")
+#: Types whose values :func:`_plain` passes through unchanged (checked first: it runs per step).
+_SCALARS = frozenset({float, int, bool, str, type(None), torch.dtype})
 #: Steps without any matrix gradient after which the optimizer warns that it updates nothing.
 NO_GRAD_WARN_STEPS = 3
 
@@ -58,6 +60,8 @@ def _plain(value: Any) -> Any:
     value when it has one element; any other object only by its type (its ``repr`` may
     hold a memory address that differs between processes).
     """
+    if type(value) in _SCALARS:
+        return value
     if value is None or isinstance(value, bool | int | float | str | torch.dtype):
         return value
     if isinstance(value, Tensor):
@@ -172,11 +176,15 @@ class MatrixOptimizer(CopyMixin, CheckpointMixin, Optimizer):
         return params, names, gids
 
     def _hyper_fingerprint(self) -> str:
-        rows = []
-        for group in self.param_groups:
-            row = [(key, _plain(group[key])) for key in sorted(group) if key not in _NOT_HYPER]
-            rows.append(tuple(row))
-        return fingerprint(tuple(rows))
+        rows = tuple(
+            tuple(
+                (key, _plain(value))
+                for key, value in sorted(group.items())
+                if key not in _NOT_HYPER
+            )
+            for group in self.param_groups
+        )
+        return fingerprint(rows)
 
     # ------------------------------------------------------------------ phases
     def _validate_group(self, group: dict[str, Any]) -> None:

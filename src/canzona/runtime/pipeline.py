@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from canzona.runtime.alltoall import all_to_all
 from canzona.runtime.checks import reports_of, vote
 from canzona.runtime.config import PipelineConfig, UpdateFailedError
 from canzona.runtime.exchanges import (
@@ -354,9 +355,7 @@ class _Run:
         label: str,
     ) -> Wire:
         self.p.watchdog.mark(phase, label)
-        work = dist.all_to_all_single(
-            out, inp, out_splits, in_splits, group=self.p.process_group, async_op=True
-        )
+        work = all_to_all(out, inp, out_splits, in_splits, self.p.process_group)
         self.in_flight += 1
         self.stats.collectives += 1
         return Wire(work, out, inp, label)

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from canzona.runtime.alltoall import all_to_all
 from canzona.runtime.config import CollectiveTimeoutError
 
 _PREFIX = "canzona/progress"
@@ -195,7 +196,7 @@ def gather_ints(values: list[int], *, watchdog: Watchdog, phase: int, what: str)
         mine = mine.pin_memory().to(device, non_blocking=True)
     out = torch.empty(world * n, dtype=torch.int64, device=device)
     watchdog.mark(phase, what)
-    work = dist.all_to_all_single(out, mine, group=watchdog.process_group, async_op=True)
+    work = all_to_all(out, mine, (), (), watchdog.process_group)
     watchdog.wait(work, what)
     rows: list[list[int]] = out.view(world, n).tolist()
     return rows

@@ -8,6 +8,7 @@ them; the host pays one dispatch per op and list instead of one per op and tenso
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -24,6 +25,21 @@ __all__ = [
     "muon_prepare_batch_",
     "soap_apply_batch_",
 ]
+
+
+#: The last 0-dim CPU factors of :func:`mul_` (a constant decay is one per step and dtype).
+_FACTORS: dict[tuple[float, float, torch.dtype], Tensor] = {}
+
+
+def _factor(value: float, dtype: torch.dtype) -> Tensor:
+    """A 0-dim CPU tensor holding ``value`` in ``dtype`` (reused: the ops only read it)."""
+    key = (value, math.copysign(1.0, value), dtype)  # 0.0 == -0.0, but not as factors
+    factor = _FACTORS.get(key)
+    if factor is None:
+        if len(_FACTORS) >= 8:
+            _FACTORS.clear()
+        factor = _FACTORS[key] = torch.tensor(value, dtype=dtype)
+    return factor
 
 
 def mul_(tensors: Sequence[Tensor], value: float) -> None:
@@ -48,7 +64,7 @@ def mul_(tensors: Sequence[Tensor], value: float) -> None:
     dtypes = {t.dtype for t in tensors}
     if len(dtypes) == 1:
         dtype = torch.promote_types(dtypes.pop(), torch.float32)
-        torch._foreach_mul_(list(tensors), torch.tensor(value, dtype=dtype))
+        torch._foreach_mul_(list(tensors), _factor(value, dtype))
         return
     for t in tensors:
         t.mul_(value)

@@ -267,7 +267,7 @@ def newton_schulz(
         return _ns_matrix(x, schedule, eps, dtype, scale)
     m, n = x.shape[-2:]
     count = math.prod(x.shape[:-2])
-    stack = x.reshape(count, m, n)
+    stack = x if x.ndim == 3 else x.reshape(count, m, n)
     if count == 0:
         return torch.empty(x.shape, dtype=dtype, device=x.device)
     if batched is None:
@@ -275,7 +275,8 @@ def newton_schulz(
             count, m, n, dtype=dtype, device=x.device, schedule=schedule, norm_scale=scale
         )
     run = _ns_stack if batched else _ns_loop
-    return run(stack, schedule, eps, dtype, scale).reshape(x.shape)
+    out = run(stack, schedule, eps, dtype, scale)
+    return out if x.ndim == 3 else out.reshape(x.shape)
 
 
 def newton_schulz_flops(rows: int, cols: int, steps: int = DEFAULT_NS_STEPS) -> int:

@@ -34,6 +34,9 @@ DEFAULT_NS_COEFFICIENTS: Triple = MUON_DEFAULTS.ns_coefficients
 DEFAULT_NS_STEPS = MUON_DEFAULTS.ns_steps
 #: Schedules and step counts are limited to ``[0, MAX_NS_STEPS)`` iterations, as torch's Muon.
 MAX_NS_STEPS = 100
+#: Schedules already resolved, by :func:`_cache_key` (a step resolves one per batch).
+_RESOLVED: dict[tuple[object, ...], Schedule] = {}
+_RESOLVED_MAX = 64
 
 # Polar Express, arXiv 2505.16932: the published polynomials before the safety scaling. They are
 # the paper's optimal composition for singular values in [1e-3, 1] (lower bound 1e-3, cushion
@@ -189,6 +192,47 @@ def resolve_ns_coefficients(value: NSCoefficients, ns_steps: int | None = None) 
             iterations, or ``ns_steps`` that contradicts the length of an explicit schedule.
             The message names the offending value.
     """
+    key = _cache_key(value, ns_steps)
+    if key is not None:
+        cached = _RESOLVED.get(key)
+        if cached is not None:
+            return cached
+    schedule = _resolve(value, ns_steps)
+    if key is not None:
+        if len(_RESOLVED) >= _RESOLVED_MAX:
+            _RESOLVED.clear()
+        _RESOLVED[key] = schedule
+    return schedule
+
+
+def _cache_key(value: object, ns_steps: object) -> tuple[object, ...] | None:
+    """A key under which :func:`resolve_ns_coefficients` may reuse a result, or None.
+
+    Only names and tuples or lists of plain ``int``/``float`` values (at most two levels)
+    are keyed: their value decides the result. Anything else (a tensor, a bool, which
+    the validation refuses but which compares equal to 1) is resolved every time.
+    """
+    if type(ns_steps) is not int and ns_steps is not None:
+        return None
+    if type(value) is str:
+        return (value, ns_steps)
+    if type(value) is not tuple and type(value) is not list:
+        return None
+    leaves: list[object] = []
+    for x in value:
+        kind = type(x)
+        if kind is float or kind is int:
+            leaves.append(x)
+        elif kind is tuple or kind is list:
+            if not all(type(y) is float or type(y) is int for y in x):
+                return None
+            leaves.append(tuple(x))
+        else:
+            return None
+    return (tuple(leaves), ns_steps)
+
+
+def _resolve(value: NSCoefficients, ns_steps: int | None) -> Schedule:
     steps = None if ns_steps is None else _check_steps(ns_steps)
     if isinstance(value, str):
         named = _named(value)
