@@ -199,7 +199,9 @@ def render(payload: dict[str, Any], plot: str | None) -> str:
         "## Runtime overhead: step time against the number of matrices",
         "",
         f"`{payload['command']}` ({payload['mode']} mode, {payload['date']}, commit "
-        f"`{payload['commit']}`): N small fp32 matrices, Muon with one fp32 Newton–Schulz "
+        f"`{payload['commit']}`, {payload.get('cpu', 'unknown CPU')}, "
+        f"{payload['machine']['cpu_count']} cores, torch {payload['machine']['torch']}): "
+        "N small fp32 matrices, Muon with one fp32 Newton–Schulz "
         "iteration (almost no math), `Shard(0)` on a `(world,)` mesh of forked gloo ranks, one "
         "thread per rank; median step time of the slowest rank over "
         f"{payload['preset']['steps']} timed steps after 2 warm-up steps (the `redistribute` "
@@ -263,6 +265,9 @@ def render(payload: dict[str, Any], plot: str | None) -> str:
         markdown_table(["target", "limit", "measured", ""], tgt),
         "",
     ]
+    reference = _machine_reference(payload)
+    if reference:
+        lines += [reference, ""]
     spread = _launch_fits(rows)
     if spread:
         lines += [spread, ""]
@@ -325,4 +330,31 @@ def _issue_sentence(shown: Sequence[dict[str, Any]]) -> str:
         f"`dist.all_to_all_single` and {min(direct):.0f} to {max(direct):.0f} µs through the "
         "call on the process group that the runtime makes (`canzona.runtime.alltoall`, "
         "without the wrapper's checks), medians per row, taken in turn."
+    )
+
+
+def _machine_reference(payload: dict[str, Any]) -> str:
+    """The target case's fit against this run's own yardsticks: what the machine costs.
+
+    The absolute limits are in µs and ms of the machine they were set on; a fit in the same
+    run of one process's ``AdamW(foreach=True)`` (a step with one dispatch per op and list,
+    no collective) and the latency of one small all-to-all say how fast this machine is.
+    """
+    fits = {(f["shape"], f["world"], f["impl"]): f for f in payload["fits"]}
+    ours = fits.get(("8x8", 2, "canzona"))
+    adamw = fits.get(("8x8", 1, "adamw_foreach"))
+    floors = [
+        r["profile"]["all_to_all_s"]
+        for r in payload["rows"]
+        if (r["shape"], r["world"]) == ("8x8", 2) and "all_to_all_s" in r.get("profile", {})
+    ]
+    if ours is None or adamw is None or not floors:
+        return ""
+    floor = statistics.median(floors) * 1e3
+    return (
+        "The same run's yardsticks: one process's `AdamW(foreach=True)` costs "
+        f"{adamw['slope_us']:.1f} µs per 8x8 matrix (fit at world 1), so `canzona`'s slope at "
+        f"world 2 is {ours['slope_us'] / adamw['slope_us']:.2f}× that; one small all-to-all "
+        f"takes {floor:.2f} ms (median over the rows), so the fixed cost is "
+        f"{ours['fixed_ms'] / floor:.1f} of them (a step makes three)."
     )

@@ -48,6 +48,7 @@ import _peers
 import canzona
 from _overhead_report import FLOOR_CALLS, IMPLS, SLOW_STEPS, draw, fit_line, render
 from _ranks import launch
+from kernels import cpu_description
 
 from _report import (
     DOC,
@@ -479,6 +480,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     drawn = draw(payload, plot)
     payload["plot"] = str(plot) if drawn else None
     payload["machine"] = machine_info()
+    payload["cpu"] = cpu_description()
     path = write_json("overhead" if full else f"overhead_{name}", payload, out_dir=out_dir)
     doc = args.doc or (DOC if full else out_dir / "benchmarks_quick.md")
     rel = Path(os.path.relpath(plot, doc.parent)).as_posix() if drawn else None
