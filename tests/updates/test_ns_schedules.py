@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch.optim._muon import _zeropower_via_newtonschulz as torch_ns
@@ -248,8 +250,8 @@ def test_flops_count_the_schedule_length() -> None:
 def test_resolved_schedules_are_reused_only_for_the_same_values() -> None:
     """A step resolves the schedule once per batch, so results are reused by value.
     Catches: a cache keyed by equality alone (``True == 1``: a refused bool would be accepted
-    after an accepted 1), or by the list object (a list changed in place would keep its old
-    schedule)."""
+    after an accepted 1, a -0.0 would come back as 0.0), or by the list object (a list
+    changed in place would keep its old schedule)."""
     assert resolve_ns_coefficients((1, 2.0, 3.0), 2) == ((1.0, 2.0, 3.0),) * 2
     with pytest.raises(ValueError, match="three real numbers"):
         resolve_ns_coefficients((True, 2.0, 3.0), 2)
@@ -259,5 +261,7 @@ def test_resolved_schedules_are_reused_only_for_the_same_values() -> None:
     assert resolve_ns_coefficients(schedule) == ((1.0, 2.0, 3.0), (4.0, 5.0, 6.0))
     schedule[1][0] = 7.0
     assert resolve_ns_coefficients(schedule) == ((1.0, 2.0, 3.0), (7.0, 5.0, 6.0))
+    assert math.copysign(1.0, resolve_ns_coefficients((3.0, 0.0, 2.0), 1)[0][1]) == 1.0
+    assert math.copysign(1.0, resolve_ns_coefficients((3.0, -0.0, 2.0), 1)[0][1]) == -1.0
     assert resolve_ns_coefficients("quintic", 3) == resolve_ns_coefficients("quintic", 3)
     assert len(resolve_ns_coefficients("quintic", 3)) == 3

@@ -210,7 +210,9 @@ def _cache_key(value: object, ns_steps: object) -> tuple[object, ...] | None:
 
     Only names and tuples or lists of plain ``int``/``float`` values (at most two levels)
     are keyed: their value decides the result. Anything else (a tensor, a bool, which
-    the validation refuses but which compares equal to 1) is resolved every time.
+    the validation refuses but which compares equal to 1) is resolved every time, and so
+    is a schedule with a zero coefficient (``0.0 == -0.0``, but the iteration may keep
+    the sign of a zero).
     """
     if type(ns_steps) is not int and ns_steps is not None:
         return None
@@ -221,11 +223,11 @@ def _cache_key(value: object, ns_steps: object) -> tuple[object, ...] | None:
     leaves: list[object] = []
     for x in value:
         kind = type(x)
-        if kind is float or kind is int:
+        if (kind is float or kind is int) and x != 0:
             leaves.append(x)
-        elif kind is tuple or kind is list:
-            if not all(type(y) is float or type(y) is int for y in x):
-                return None
+        elif (kind is tuple or kind is list) and all(
+            (type(y) is float or type(y) is int) and y != 0 for y in x
+        ):
             leaves.append(tuple(x))
         else:
             return None
