@@ -19,7 +19,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from canzona.plan import STRATEGIES, GroupedCost, MatrixSpec, MuonCost, assign_owners, build_plan
+from canzona.plan import (
+    STRATEGIES,
+    GroupedCost,
+    MatrixSpec,
+    MuonCost,
+    Plan,
+    assign_owners,
+    build_plan,
+)
 from canzona.plan.measured import MeasuredCost
 from canzona.plan.models import model_specs
 from canzona.plan.report import compare_strategies
@@ -204,6 +212,18 @@ def _priced(specs: list[MatrixSpec]) -> GroupedCost:
     return GroupedCost(models={"0": cost})
 
 
+def _group_calls(plan: Plan, specs: list[MatrixSpec]) -> int:
+    """Stacked calls the owners make per step: one per micro-group, owner and call class."""
+    by_name = {s.name: s for s in specs}
+    return len(
+        {
+            (g.index, owner, by_name[n].cost_key, by_name[n].m, by_name[n].n, by_name[n].itemsize)
+            for g in plan.micro_groups
+            for n, owner in zip(g.names, g.owners, strict=True)
+        }
+    )
+
+
 def time_priced_calls(repeats: int) -> list[dict[str, Any]]:
     """``build_plan`` with calls priced (fixed part + per matrix), per head, median seconds."""
     out = []
@@ -225,6 +245,8 @@ def time_priced_calls(repeats: int) -> list[dict[str, Any]]:
                 "matrices": len(specs),
                 "build_plan_seconds": statistics.median(seconds),
                 "calls": len({(plan.assignment.owner[s.name], s.shape) for s in specs}),
+                "micro_groups": len(plan.micro_groups),
+                "group_calls": _group_calls(plan, specs),
                 "repeats": repeats,
             }
         )
@@ -343,11 +365,18 @@ def render(payload: dict[str, Any]) -> str:
         "With calls priced (the runtime's measured costs: a fixed part per stacked call, "
         f"here {FIXED_S * 1e6:.0f} µs plus {SECONDS_PER_FLOP * 1e12:.0f} ps per FLOP), "
         "`build_plan` ends with the pass that gathers same-shape matrices on fewer owners "
-        "(`plan/consolidate.py`, bounded by a work budget); median of "
+        "(`plan/consolidate.py`, bounded by a work budget), and its micro-groups keep an "
+        "owner's same-class matrices together where that finishes no later "
+        "(`plan/micro_groups.py`); median of "
         f"{priced[0]['repeats']} runs, models split per head: "
         + "; ".join(
             f"{r['model']} ({r['matrices']} matrices) @ {r['world']}: "
             f"{r['build_plan_seconds']:.2f} s"
+            + (
+                f" ({r['micro_groups']} micro-groups, {r['group_calls']} stacked calls)"
+                if "group_calls" in r
+                else ""
+            )
             for r in priced
         )
         + ".",

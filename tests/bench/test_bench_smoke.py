@@ -235,6 +235,29 @@ def test_plan_quality_quick(tmp_path: Path) -> None:
     assert f"commit `{saved['commit']}`" in _section(doc, "plan_quality")
 
 
+def test_replay_plans_width_128(tmp_path: Path) -> None:
+    import replay_plans
+
+    rows = replay_plans.main(["--model", "w128", "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "replay_plans.json").read_text())
+    assert COMMIT.match(saved["commit"]) and saved["cases"] == rows
+    published = json.loads(replay_plans.SOURCE.read_text())
+    assert saved["source_commit"] == published["commit"]
+    assert [r["case"] for r in rows] == ["muon/w128/fsdp/w2", "muon/w128/fsdp/w4"]
+    for row, world in zip(rows, (2, 4), strict=True):
+        stored = next(
+            c["runs"]["canzona"]
+            for c in published["cases"]
+            if (c["model"], c["world"], c["mesh"]) == ("w128", world, "fsdp")
+        )
+        assert row["published"]["predicted_s"] == stored["plan"]["predicted_s"]
+        replayed = row["replayed"]
+        assert len(replayed["predicted_s"]) == len(replayed["calls"]) == world
+        assert all(s > 0 for s in replayed["predicted_s"])
+        # the stored table prices the same work: the replayed plan is no slower to compute
+        assert max(replayed["predicted_s"]) <= max(stored["plan"]["predicted_s"])
+
+
 def test_overhead_tiny(tmp_path: Path) -> None:
     import overhead
 

@@ -9,17 +9,29 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from canzona.plan import STRATEGIES, MatrixSpec, assign_owners, cost_model, micro_groups
+from canzona.plan import (
+    STRATEGIES,
+    Assignment,
+    MatrixSpec,
+    MicroGroup,
+    assign_owners,
+    cost_model,
+    micro_groups,
+)
+from canzona.plan.cost import CostModel
+from canzona.plan.measured import MeasuredCost
 
 from _plan_strategies import instances
 
 FAST = settings(max_examples=60, deadline=None)
 
 
-def _check_cover_and_capacity(specs: list[MatrixSpec], strategy: str, p: int, cap: int) -> None:
-    a = assign_owners(specs, p, strategy=strategy)
-    groups = micro_groups(specs, a, capacity_bytes=cap)
-    model = cost_model("muon")
+def _check_cover_and_capacity(
+    specs: list[MatrixSpec], strategy: str, p: int, cap: int, model: CostModel | None = None
+) -> None:
+    model = model or cost_model("muon")
+    a = assign_owners(specs, p, strategy=strategy, optimizer=model)
+    groups = micro_groups(specs, a, capacity_bytes=cap, optimizer=model)
     flops = {s.name: model.flops(s) for s in specs}
     memory = {s.name: model.memory_bytes(s) for s in specs}
     names = [n for g in groups for n in g.names]
@@ -59,9 +71,14 @@ def test_cumulative_loads_stay_within_one_matrix_at_every_boundary(
     inst: tuple[list[MatrixSpec], int], strategy: str, cap: int
 ) -> None:
     specs, p = inst
-    a = assign_owners(specs, p, strategy=strategy)
-    groups = micro_groups(specs, a, capacity_bytes=cap)
-    model = cost_model("muon")
+    _check_boundaries(specs, strategy, p, cap, cost_model("muon"))
+
+
+def _check_boundaries(
+    specs: list[MatrixSpec], strategy: str, p: int, cap: int, model: CostModel
+) -> None:
+    a = assign_owners(specs, p, strategy=strategy, optimizer=model)
+    groups = micro_groups(specs, a, capacity_bytes=cap, optimizer=model)
     flops = {s.name: model.flops(s) for s in specs}
     memory = {s.name: model.memory_bytes(s) for s in specs}
     largest = max(flops.values(), default=0.0)
@@ -79,6 +96,33 @@ def test_cumulative_loads_stay_within_one_matrix_at_every_boundary(
         for r in range(p):
             assert done[r] - last[r] <= floor + tol
         assert max(done[s] for s in later) - floor <= largest + tol
+
+
+def _priced(specs: list[MatrixSpec], fixed: float) -> MeasuredCost:
+    """Measured seconds for ``specs``' shapes: ``fixed`` per call plus the FLOPs at 1 GFLOP/s."""
+    base = cost_model("muon")
+    per = {(s.m, s.n): 1e-9 * base.flops(MatrixSpec("s", (s.m, s.n))) for s in specs}
+    return MeasuredCost(
+        base=base,
+        table=tuple((mn, fixed + t) for mn, t in sorted(per.items())),
+        batches=tuple((mn, fixed, t) for mn, t in sorted(per.items())),
+    )
+
+
+@FAST
+@given(
+    instances(),
+    st.sampled_from(["canzona", "round_robin", "count"]),
+    st.integers(1, 40_000),
+    st.sampled_from([1e-7, 1e-5, 1e-3]),
+)
+def test_groups_with_priced_calls_keep_every_guarantee(
+    inst: tuple[list[MatrixSpec], int], strategy: str, cap: int, fixed: float
+) -> None:
+    # where calls have a fixed part the plan may keep call classes together instead
+    specs, p = inst
+    _check_cover_and_capacity(specs, strategy, p, cap, _priced(specs, fixed))
+    _check_boundaries(specs, strategy, p, cap, _priced(specs, fixed))
 
 
 @FAST
@@ -169,3 +213,99 @@ def test_micro_groups_validation() -> None:
     with pytest.raises(ValueError, match="duplicate"):
         micro_groups(specs * 2, a, capacity_bytes=10)
     assert micro_groups([], assign_owners([], 2), capacity_bytes=10) == []
+
+
+def _calls(groups: list[MicroGroup], specs: list[MatrixSpec], a: Assignment) -> int:
+    """Calls the owners make: distinct (group, rank, shape, payload size)."""
+    by_name = {s.name: s for s in specs}
+    return len(
+        {
+            (g.index, a.owner[n], by_name[n].m, by_name[n].n, by_name[n].itemsize)
+            for g in groups
+            for n in g.names
+        }
+    )
+
+
+def _w128_rank() -> list[MatrixSpec]:
+    # one owner's share of a width-128 model: bf16 payloads of 96, 64 and 96 KiB
+    shapes = {"down": (128, 384), "o": (128, 256), "up": (384, 128)}
+    return [MatrixSpec(f"{k}{i}", s, 2) for k, s in shapes.items() for i in range(2)]
+
+
+def _timed(seconds: dict[tuple[int, int], float], share: float) -> MeasuredCost:
+    """Measured seconds per shape, ``share`` of each a stacked call's fixed part."""
+    return MeasuredCost(
+        base=cost_model("muon"),
+        table=tuple(seconds.items()),
+        batches=tuple((mn, share * t, (1 - share) * t) for mn, t in seconds.items()),
+    )
+
+
+def test_an_owner_keeps_its_call_classes_together() -> None:
+    # 240 KiB in flight: cost order alone sends (o0, o1, up0) and then up1 alone, four
+    # calls; kept together, each class is one call in three groups all the same
+    seconds = {(128, 384): 0.65e-3, (128, 256): 0.60e-3, (384, 128): 0.54e-3}
+    specs, cost = _w128_rank(), _timed(seconds, 0.5)
+    a = assign_owners(specs, 1, optimizer=cost)
+    groups = micro_groups(specs, a, capacity_bytes=240 * 1024, optimizer=cost)
+    assert [set(g.names) for g in groups] == [{"down0", "down1"}, {"o0", "o1"}, {"up0", "up1"}]
+    assert _calls(groups, specs, a) == 3
+
+
+def test_keeping_classes_together_never_adds_a_group() -> None:
+    # 2 KiB in flight, costs x > y > w, half of each a call's fixed part: cost order fills
+    # two groups exactly ({x, y0}, {y1, w}); keeping the y pair together would make one
+    # call fewer but need three groups ({x}, {y0, y1}, {w})
+    specs = [
+        MatrixSpec("x", (16, 16)),
+        MatrixSpec("y0", (8, 32)),
+        MatrixSpec("y1", (8, 32)),
+        MatrixSpec("w", (4, 64)),
+    ]
+    cost = _timed({(16, 16): 3e-3, (8, 32): 2e-3, (4, 64): 1e-3}, 0.5)
+    groups = micro_groups(
+        specs, assign_owners(specs, 1, optimizer=cost), capacity_bytes=2048, optimizer=cost
+    )
+    assert [set(g.names) for g in groups] == [{"x", "y0"}, {"y1", "w"}]
+
+
+def test_classes_are_kept_together_only_where_groups_finish_no_later() -> None:
+    # rank 1 holds an 8x32 and two 32x8 matrices, rank 0 one 16x32 (2 KiB in flight).
+    # With a small fixed part per call the cost-order groups finish first ({m1 | m0, m2},
+    # {m3}: rank 1's second call hides under rank 0's); with a large one the class-kept
+    # groups do ({m1 | m0}, {m2, m3}: one call fewer). Without fixed parts (FLOPs) the
+    # cost-order groups stand.
+    specs = [
+        MatrixSpec("m0", (8, 32), ranks=(1,)),
+        MatrixSpec("m1", (16, 32), ranks=(0,)),
+        MatrixSpec("m2", (32, 8), ranks=(1,)),
+        MatrixSpec("m3", (32, 8), ranks=(1,)),
+    ]
+    seconds = {(8, 32): 1e-3, (16, 32): 1.5e-3, (32, 8): 1e-3}
+    found = {}
+    for share in (0.0, 0.01, 0.9):
+        cost = _timed(seconds, share)
+        a = assign_owners(specs, 2, optimizer=cost)
+        groups = micro_groups(specs, a, capacity_bytes=2048, optimizer=cost)
+        found[share] = [set(g.names) for g in groups]
+    flops = micro_groups(specs, assign_owners(specs, 2), capacity_bytes=2048)
+    assert [set(g.names) for g in flops] == found[0.0] == found[0.01]
+    assert found[0.01] == [{"m1", "m0", "m2"}, {"m3"}]
+    assert found[0.9] == [{"m1", "m0"}, {"m2", "m3"}]
+
+
+def test_a_rank_that_saves_a_class_for_the_next_group_holds_the_others_back() -> None:
+    # rank 0: a (1 KiB), then the pair y0, y1 (1 KiB each) that 2 KiB in flight can only
+    # hold together in a group of their own; rank 1: sixteen 256-byte squares. After a,
+    # rank 0 is full for the first group, and rank 1 must stop one matrix past it.
+    specs = [MatrixSpec("a", (16, 16), ranks=(0,))]
+    specs += [MatrixSpec(f"y{i}", (8, 32), ranks=(0,)) for i in range(2)]
+    specs += [MatrixSpec(f"s{i:02d}", (8, 8), ranks=(1,)) for i in range(16)]
+    cost = _timed({(16, 16): 2e-3, (8, 32): 1e-3, (8, 8): 1e-3}, 0.5)
+    groups = micro_groups(
+        specs, assign_owners(specs, 2, optimizer=cost), capacity_bytes=2048, optimizer=cost
+    )
+    assert {"y0", "y1"} <= set(groups[1].names)  # the pair is kept together
+    assert groups[0].names == ("a", "s00", "s01", "s02")
+    _check_boundaries(specs, "canzona", 2, 2048, cost)

@@ -232,7 +232,7 @@ def _replicated(
     )
 
 
-def _call_parts(model: CostModel, spec: MatrixSpec) -> tuple[float, float]:
+def call_parts(model: CostModel, spec: MatrixSpec) -> tuple[float, float]:
     """``(fixed part of one stacked call on the spec's class, the spec's own cost)``.
 
     Measured models split a call (:meth:`MeasuredCost.call_parts`); others give ``(0, flops)``.
@@ -244,7 +244,7 @@ def _call_parts(model: CostModel, spec: MatrixSpec) -> tuple[float, float]:
     return 0.0, model.flops(spec)
 
 
-def _call_class(spec: MatrixSpec) -> tuple[str | None, int, int, int]:
+def call_class(spec: MatrixSpec) -> tuple[str | None, int, int, int]:
     """What the runtime stacks into one call: param group (cost key), shape, payload size."""
     return spec.cost_key, spec.m, spec.n, spec.itemsize
 
@@ -259,12 +259,12 @@ def _stack_sizes(
     """
     largest: dict[tuple[str | None, int, int, int], int] = {}
     for spec, nbytes in zip(specs, memory, strict=True):
-        key = _call_class(spec)
+        key = call_class(spec)
         largest[key] = max(largest.get(key, 0), nbytes)
     everything = max(1, len(specs))
     out = []
     for spec in specs:
-        size = largest[_call_class(spec)]
+        size = largest[call_class(spec)]
         out.append(everything if capacity is None or size <= 0 else max(1, capacity // size))
     return out
 
@@ -316,7 +316,7 @@ def _greedy(
             calls = CallCosts(
                 costs=[w_bytes * moved[i] + w_flops * parts[i][1] for i in order],
                 fixed=[w_flops * parts[i][0] for i in order],
-                classes=[_call_class(specs[i]) for i in order],
+                classes=[call_class(specs[i]) for i in order],
                 stack=_stack_sizes([specs[i] for i in order], [memory[i] for i in order], capacity),
             )
             movable = [() if specs[i].holders is not None else specs[i].ranks for i in order]
@@ -400,7 +400,7 @@ def assign_owners(
     else:
         parts, memory = [], []
         if strategy == "canzona":
-            parts = [_call_parts(model, s) for s in specs]
+            parts = [call_parts(model, s) for s in specs]
             memory = [model.memory_bytes(s) for s in specs]
         owners = _greedy(
             specs, num_ranks, strategy, flops, nbytes, alpha, refine, parts, memory, capacity_bytes

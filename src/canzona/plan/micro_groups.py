@@ -7,8 +7,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from canzona.plan.assign import Assignment
-from canzona.plan.cost import CostModel, resolve_cost_model
+from canzona.plan.assign import Assignment, call_class, call_parts
+from canzona.plan.cost import CostModel, GroupedCost, resolve_cost_model
+from canzona.plan.measured import MeasuredCost
 from canzona.plan.spec import MatrixSpec
 
 __all__ = ["MicroGroup", "micro_groups"]
@@ -83,21 +84,39 @@ def _finish(
     )
 
 
+def _sort_class(spec: MatrixSpec) -> tuple[str, int, int, int]:
+    """:func:`call_class` with a sortable cost key."""
+    key, m, n, size = call_class(spec)
+    return key or "", m, n, size
+
+
 def _owned_groups(
     specs: Sequence[MatrixSpec],
     assignment: Assignment,
     capacity: int,
     flops: Sequence[float],
     memory: Sequence[int],
+    classes: Sequence[tuple[str, int, int, int]] = (),
 ) -> list[list[int]]:
-    """Fill groups from per-rank queues, always serving the rank that is furthest behind."""
+    """Fill groups from per-rank queues, always serving the rank that is furthest behind.
+
+    Given ``classes`` (each matrix's call class: what its owner stacks into one call), a rank
+    keeps the matrices of a class together. Equal costs queue by class, and a rank that
+    already holds matrices in the open group does not start a class whose queued run would
+    not fit in the group's remaining capacity but fits in an empty group: it is full for
+    this group instead.
+    """
     p = assignment.num_ranks
+    coherent = bool(classes)
     queues: list[list[int]] = [[] for _ in range(p)]
     for i, spec in enumerate(specs):
         queues[assignment.owner[spec.name]].append(i)
     for queue in queues:
-        # served from the end of the list: costliest first, ties by bytes then name
-        queue.sort(key=lambda i: (-flops[i], -memory[i], specs[i].name))
+        # served from the end of the list: costliest first, ties by bytes (then class) then name
+        if coherent:
+            queue.sort(key=lambda i: (-flops[i], -memory[i], classes[i], specs[i].name))
+        else:
+            queue.sort(key=lambda i: (-flops[i], -memory[i], specs[i].name))
         queue.reverse()
     done = [0.0] * p
     groups: list[list[int]] = []
@@ -105,24 +124,89 @@ def _owned_groups(
         heap = [(done[r], r) for r in range(p) if queues[r]]
         heapq.heapify(heap)
         in_flight = [0] * p
+        held: list[set[tuple[str, int, int, int]]] = [set() for _ in range(p)]
         chosen: list[int] = []
         full_floor = math.inf  # lowest cumulative load of a rank that ran out of capacity
         while heap:
             load, rank = heapq.heappop(heap)
             if load > full_floor:
                 break  # everyone left is ahead of a rank that is already full
-            i = queues[rank][-1]
-            if in_flight[rank] and in_flight[rank] + memory[i] > capacity:
+            queue = queues[rank]
+            i = queue[-1]
+            if in_flight[rank] and (
+                in_flight[rank] + memory[i] > capacity
+                or (
+                    coherent
+                    and classes[i] not in held[rank]
+                    and _defers(queue, classes, memory, in_flight[rank], capacity)
+                )
+            ):
                 full_floor = min(full_floor, load)
                 continue
-            queues[rank].pop()
+            queue.pop()
+            if coherent:
+                held[rank].add(classes[i])
             in_flight[rank] += memory[i]
             done[rank] += flops[i]
             chosen.append(i)
-            if queues[rank]:
+            if queue:
                 heapq.heappush(heap, (done[rank], rank))
         groups.append(chosen)
     return groups
+
+
+def _defers(
+    queue: Sequence[int],
+    classes: Sequence[tuple[str, int, int, int]],
+    memory: Sequence[int],
+    in_flight: int,
+    capacity: int,
+) -> bool:
+    """Whether the run of the queue's next class should wait for an empty group."""
+    cls = classes[queue[-1]]
+    run = 0
+    for i in reversed(queue):
+        if classes[i] != cls:
+            break
+        run += memory[i]
+    return run <= capacity < in_flight + run
+
+
+def _finish_time(
+    groups: Sequence[Sequence[int]],
+    owners: Sequence[int],
+    classes: Sequence[tuple[str, int, int, int]],
+    parts: Sequence[tuple[float, float]],
+) -> float:
+    """Sum over groups of the busiest owner's cost, each call class's fixed part once."""
+    total = 0.0
+    for chosen in groups:
+        loads: dict[int, float] = {}
+        calls: set[tuple[int, tuple[str, int, int, int]]] = set()
+        for i in chosen:
+            fixed, own = parts[i]
+            call = (owners[i], classes[i])
+            if call not in calls:
+                calls.add(call)
+                own += fixed
+            loads[owners[i]] = loads.get(owners[i], 0.0) + own
+        total += max(loads.values(), default=0.0)
+    return total
+
+
+def _call_parts(model: CostModel, specs: Sequence[MatrixSpec]) -> list[tuple[float, float]]:
+    """Per matrix, a call's fixed part and its own cost; none without measured costs."""
+    if not isinstance(model, MeasuredCost | GroupedCost):
+        return []
+    seen: dict[tuple[str | None, tuple[int, ...], int], tuple[float, float]] = {}
+    out = []
+    for s in specs:  # measured costs price a matrix by its key, shape and payload size alone
+        key = (s.cost_key, s.shape, s.itemsize)
+        parts = seen.get(key)
+        if parts is None:
+            parts = seen[key] = call_parts(model, s)
+        out.append(parts)
+    return out
 
 
 def _replicated_groups(
@@ -189,6 +273,16 @@ def micro_groups(
     cumulative loads of ranks with work left differ by at most one matrix and a pipeline that
     keeps a group in flight never stalls for more than one matrix.
 
+    An owner stacks the matrices of one call class (param group, shape, payload size) that
+    a group gives it into one call, and each call has a fixed part (measured costs price
+    it: :meth:`~canzona.plan.MeasuredCost.call_parts`). A second grouping keeps classes
+    together: equal costs queue by class, and a rank that already holds matrices in the open
+    group is full when its next class's queued run would not fit in the group but fits in
+    an empty one. Where calls have a fixed part, it is used when it needs no more groups
+    and its groups finish no later: the sum over groups of the busiest rank's cost, each
+    call's fixed part counted once, is at most the first grouping's. Stopping early is
+    stopping full, so the consequence above holds for both.
+
     For a replicated assignment every eligible rank receives every matrix: matrices are added
     in descending cost order and a group is sealed when one more would exceed the capacity on
     some rank (a single oversized matrix again forms its own group).
@@ -218,8 +312,20 @@ def micro_groups(
     model = resolve_cost_model(optimizer)
     flops = [model.flops(s) for s in specs]
     memory = [model.memory_bytes(s) for s in specs]
-    build = _replicated_groups if assignment.replicated else _owned_groups
-    chosen = build(specs, assignment, capacity_bytes, flops, memory)
+    if assignment.replicated:
+        chosen = _replicated_groups(specs, assignment, capacity_bytes, flops, memory)
+    else:
+        chosen = _owned_groups(specs, assignment, capacity_bytes, flops, memory)
+        parts = _call_parts(model, specs) if len(chosen) > 1 else []
+        if any(fixed > 0 for fixed, _ in parts):
+            classes = [_sort_class(s) for s in specs]
+            coherent = _owned_groups(specs, assignment, capacity_bytes, flops, memory, classes)
+            if coherent != chosen and len(coherent) <= len(chosen):
+                owners = [assignment.owner[s.name] for s in specs]
+                if _finish_time(coherent, owners, classes, parts) <= _finish_time(
+                    chosen, owners, classes, parts
+                ):
+                    chosen = coherent
     return [
         _finish(index, group, specs, assignment, flops, memory)
         for index, group in enumerate(chosen)
