@@ -373,7 +373,8 @@ def render(payload: dict[str, Any]) -> str:
             f"{r['model']} ({r['matrices']} matrices) @ {r['world']}: "
             f"{r['build_plan_seconds']:.2f} s"
             + (
-                f" ({r['micro_groups']} micro-groups, {r['group_calls']} stacked calls)"
+                f" ({r['micro_groups']} micro-group{'s' * (r['micro_groups'] != 1)}, "
+                f"{r['group_calls']} stacked calls)"
                 if "group_calls" in r
                 else ""
             )
