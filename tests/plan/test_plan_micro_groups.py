@@ -309,3 +309,34 @@ def test_a_rank_that_saves_a_class_for_the_next_group_holds_the_others_back() ->
     assert {"y0", "y1"} <= set(groups[1].names)  # the pair is kept together
     assert groups[0].names == ("a", "s00", "s01", "s02")
     _check_boundaries(specs, "canzona", 2, 2048, cost)
+
+
+def _cut(specs: list[MatrixSpec], cap: int) -> list[set[str]]:
+    groups = micro_groups(specs, assign_owners(specs, 2), capacity_bytes=cap)
+    return [set(g.names) for g in groups]
+
+
+def test_a_full_rank_takes_a_smaller_matrix_where_groups_finish_earlier() -> None:
+    # 3 KiB in flight. Rank 0: a 32x16 and a 16x32 (2 KiB each) and a 16x16 (1 KiB);
+    # rank 1: one 24x24. Cost order sends {32x16 | 24x24}, {16x32, 16x16}; the 16x16 fits
+    # beside the 32x16, under the 24x24's shadow, and the second group shrinks to one matrix.
+    specs = [
+        MatrixSpec("m0", (16, 16), ranks=(0,)),
+        MatrixSpec("m1", (24, 24), ranks=(1,)),
+        MatrixSpec("m2", (32, 16), ranks=(0,)),
+        MatrixSpec("m3", (16, 32), ranks=(0,)),
+    ]
+    assert _cut(specs, 3072) == [{"m2", "m0", "m1"}, {"m3"}]
+
+
+def test_a_smaller_matrix_is_not_taken_where_groups_would_finish_later() -> None:
+    # rank 1's 8x8 fits beside its 24x24 in the first group, but the first group is rank
+    # 1's anyway and the second would then be rank 0's 16x32 against a lone 16x16
+    specs = [
+        MatrixSpec("m0", (16, 32), ranks=(0,)),
+        MatrixSpec("m1", (24, 24), ranks=(1,)),
+        MatrixSpec("m2", (8, 8), ranks=(1,)),
+        MatrixSpec("m3", (16, 16), ranks=(1,)),
+        MatrixSpec("m4", (24, 24), ranks=(0,)),
+    ]
+    assert _cut(specs, 3072) == [{"m4", "m1"}, {"m0", "m3", "m2"}]

@@ -14,6 +14,9 @@ from canzona.plan.spec import MatrixSpec
 
 __all__ = ["MicroGroup", "micro_groups"]
 
+#: How far down its queue a full rank looks for a smaller matrix (first fit).
+LOOKAHEAD = 64
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MicroGroup:
@@ -97,8 +100,13 @@ def _owned_groups(
     flops: Sequence[float],
     memory: Sequence[int],
     classes: Sequence[tuple[str, int, int, int]] = (),
+    *,
+    first_fit: bool = False,
 ) -> list[list[int]]:
     """Fill groups from per-rank queues, always serving the rank that is furthest behind.
+
+    With ``first_fit`` a rank whose next matrix does not fit in the open group takes the
+    costliest of its next :data:`LOOKAHEAD` queued matrices that does, before it is full.
 
     Given ``classes`` (each matrix's call class: what its owner stacks into one call), a rank
     keeps the matrices of a class together. Equal costs queue by class, and a rank that
@@ -132,7 +140,11 @@ def _owned_groups(
             if load > full_floor:
                 break  # everyone left is ahead of a rank that is already full
             queue = queues[rank]
-            i = queue[-1]
+            at = len(queue) - 1
+            i = queue[at]
+            if in_flight[rank] and in_flight[rank] + memory[i] > capacity and first_fit:
+                at = _fitting(queue, memory, capacity - in_flight[rank])
+                i = queue[at] if at >= 0 else i
             if in_flight[rank] and (
                 in_flight[rank] + memory[i] > capacity
                 or (
@@ -143,7 +155,7 @@ def _owned_groups(
             ):
                 full_floor = min(full_floor, load)
                 continue
-            queue.pop()
+            queue.pop(at)
             if coherent:
                 held[rank].add(classes[i])
             in_flight[rank] += memory[i]
@@ -153,6 +165,14 @@ def _owned_groups(
                 heapq.heappush(heap, (done[rank], rank))
         groups.append(chosen)
     return groups
+
+
+def _fitting(queue: Sequence[int], memory: Sequence[int], room: int) -> int:
+    """Position of the costliest of the queue's next :data:`LOOKAHEAD` that fits, else -1."""
+    for at in range(len(queue) - 1, max(-1, len(queue) - 1 - LOOKAHEAD), -1):
+        if memory[queue[at]] <= room:
+            return at
+    return -1
 
 
 def _defers(
@@ -175,29 +195,35 @@ def _defers(
 def _finish_time(
     groups: Sequence[Sequence[int]],
     owners: Sequence[int],
-    classes: Sequence[tuple[str, int, int, int]],
+    classes: Sequence[tuple[str, int, int, int]] | None,
     parts: Sequence[tuple[float, float]],
 ) -> float:
-    """Sum over groups of the busiest owner's cost, each call class's fixed part once."""
+    """Sum over groups of the busiest owner's cost, each call class's fixed part once.
+
+    ``classes`` None: no fixed parts (only the matrices' own costs add up).
+    """
     total = 0.0
     for chosen in groups:
         loads: dict[int, float] = {}
         calls: set[tuple[int, tuple[str, int, int, int]]] = set()
         for i in chosen:
             fixed, own = parts[i]
-            call = (owners[i], classes[i])
-            if call not in calls:
-                calls.add(call)
-                own += fixed
+            if classes is not None:
+                call = (owners[i], classes[i])
+                if call not in calls:
+                    calls.add(call)
+                    own += fixed
             loads[owners[i]] = loads.get(owners[i], 0.0) + own
         total += max(loads.values(), default=0.0)
     return total
 
 
-def _call_parts(model: CostModel, specs: Sequence[MatrixSpec]) -> list[tuple[float, float]]:
-    """Per matrix, a call's fixed part and its own cost; none without measured costs."""
+def _call_parts(
+    model: CostModel, specs: Sequence[MatrixSpec], flops: Sequence[float]
+) -> list[tuple[float, float]]:
+    """Per matrix, a call's fixed part and its own cost (no fixed part without measured costs)."""
     if not isinstance(model, MeasuredCost | GroupedCost):
-        return []
+        return [(0.0, f) for f in flops]
     seen: dict[tuple[str | None, tuple[int, ...], int], tuple[float, float]] = {}
     out = []
     for s in specs:  # measured costs price a matrix by its key, shape and payload size alone
@@ -207,6 +233,41 @@ def _call_parts(model: CostModel, specs: Sequence[MatrixSpec]) -> list[tuple[flo
             parts = seen[key] = call_parts(model, s)
         out.append(parts)
     return out
+
+
+def _best_grouping(
+    chosen: list[list[int]],
+    specs: Sequence[MatrixSpec],
+    assignment: Assignment,
+    capacity: int,
+    flops: Sequence[float],
+    memory: Sequence[int],
+    model: CostModel,
+) -> list[list[int]]:
+    """The cost-order grouping, or another with no more groups that finishes no later.
+
+    Candidates: call classes kept together (where calls have a fixed part; taken on a tie,
+    since it makes fewer calls), then first fit (taken only when it finishes strictly
+    earlier). A grouping's finish time is :func:`_finish_time`.
+    """
+    parts = _call_parts(model, specs, flops)
+    owners = [assignment.owner[s.name] for s in specs]
+    priced = any(fixed > 0 for fixed, _ in parts)
+    classes = [_sort_class(s) for s in specs] if priced else None
+    best = _finish_time(chosen, owners, classes, parts)
+    count = len(chosen)
+    if classes is not None:
+        kept = _owned_groups(specs, assignment, capacity, flops, memory, classes)
+        if kept != chosen and len(kept) <= count:
+            finish = _finish_time(kept, owners, classes, parts)
+            if finish <= best:
+                chosen, best = kept, finish
+    fitted = _owned_groups(specs, assignment, capacity, flops, memory, first_fit=True)
+    if fitted != chosen and len(fitted) <= count:
+        finish = _finish_time(fitted, owners, classes, parts)
+        if finish < best:
+            chosen = fitted
+    return chosen
 
 
 def _replicated_groups(
@@ -280,8 +341,11 @@ def micro_groups(
     group is full when its next class's queued run would not fit in the group but fits in
     an empty one. Where calls have a fixed part, it is used when it needs no more groups
     and its groups finish no later: the sum over groups of the busiest rank's cost, each
-    call's fixed part counted once, is at most the first grouping's. Stopping early is
-    stopping full, so the consequence above holds for both.
+    call's fixed part counted once, is at most the first grouping's. A third grouping lets
+    a rank whose next matrix does not fit take the costliest of its next few that does
+    (first fit); it is used when it needs no more groups and finishes strictly earlier.
+    Stopping early is stopping full and every rank still takes only when it is furthest
+    behind, so the consequence above holds for all three.
 
     For a replicated assignment every eligible rank receives every matrix: matrices are added
     in descending cost order and a group is sealed when one more would exceed the capacity on
@@ -316,16 +380,8 @@ def micro_groups(
         chosen = _replicated_groups(specs, assignment, capacity_bytes, flops, memory)
     else:
         chosen = _owned_groups(specs, assignment, capacity_bytes, flops, memory)
-        parts = _call_parts(model, specs) if len(chosen) > 1 else []
-        if any(fixed > 0 for fixed, _ in parts):
-            classes = [_sort_class(s) for s in specs]
-            coherent = _owned_groups(specs, assignment, capacity_bytes, flops, memory, classes)
-            if coherent != chosen and len(coherent) <= len(chosen):
-                owners = [assignment.owner[s.name] for s in specs]
-                if _finish_time(coherent, owners, classes, parts) <= _finish_time(
-                    chosen, owners, classes, parts
-                ):
-                    chosen = coherent
+        if len(chosen) > 1:
+            chosen = _best_grouping(chosen, specs, assignment, capacity_bytes, flops, memory, model)
     return [
         _finish(index, group, specs, assignment, flops, memory)
         for index, group in enumerate(chosen)
