@@ -39,7 +39,7 @@ import step_latency
 from _plan_facts import plan_facts
 from _ranks import launch
 from canzona.plan import CostModel, GroupedCost
-from canzona.plan.measured import MeasuredCost
+from canzona.plan.measured import measured_from_params
 
 from _report import RESULTS, ROOT, write_json
 
@@ -54,18 +54,7 @@ def stored_cost(tables: Mapping[str, Any], bases: Mapping[int, CostModel]) -> Gr
         base = bases[int(key)]
         if getattr(base, "ns_steps", PUBLISHED_NS_STEPS) != PUBLISHED_NS_STEPS:
             base = dataclasses.replace(base, ns_steps=PUBLISHED_NS_STEPS)  # type: ignore[type-var]
-        models[key] = MeasuredCost(
-            base=base,
-            table=tuple(((int(m), int(n)), float(s)) for m, n, s in entry["table"]),
-            fit=(float(entry["fit"][0]), float(entry["fit"][1])),
-            class_fits=tuple(
-                (str(k), int(v), float(a), float(b)) for k, v, a, b in entry["class_fits"]
-            ),
-            bytes_per_s=float(entry["bytes_per_s"]),
-            batches=tuple(
-                ((int(m), int(n)), float(f), float(g)) for m, n, f, g in entry["batches"]
-            ),
-        )
+        models[key] = measured_from_params(base, entry)
     return GroupedCost(models, name=next(iter(models.values())).name)
 
 

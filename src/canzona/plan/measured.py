@@ -269,6 +269,23 @@ def save_cost_table(path: Path, cost: MeasuredCost | GroupedCost, meta: Mapping[
     path.write_text(json.dumps(body, indent=2, sort_keys=True) + "\n")
 
 
+def measured_from_params(base: CostModel, entry: Mapping[str, Any]) -> MeasuredCost:
+    """A measured cost model from :meth:`MeasuredCost.params`' fields, priced over ``base``."""
+    return MeasuredCost(
+        base=base,
+        table=tuple(((int(m), int(n)), float(s)) for m, n, s in entry["table"]),
+        fit=(float(entry["fit"][0]), float(entry["fit"][1])),
+        class_fits=tuple(
+            (str(kind), int(value), float(a), float(b))
+            for kind, value, a, b in entry.get("class_fits", ())
+        ),
+        bytes_per_s=float(entry["bytes_per_s"]),
+        batches=tuple(
+            ((int(m), int(n)), float(f), float(g)) for m, n, f, g in entry.get("batches", ())
+        ),
+    )
+
+
 def load_cost_table(path: Path, *, key: str = "0") -> MeasuredCost:
     """Read one measured cost model written by :func:`save_cost_table`.
 
@@ -281,18 +298,6 @@ def load_cost_table(path: Path, *, key: str = "0") -> MeasuredCost:
             raise ValueError(f"format {body.get('format')!r}, expected {TABLE_FORMAT}")
         entry = body["models"][key]
         base = cost_model(entry["base"]["name"], **entry["base"]["params"])
-        return MeasuredCost(
-            base=base,
-            table=tuple(((int(m), int(n)), float(s)) for m, n, s in entry["table"]),
-            fit=(float(entry["fit"][0]), float(entry["fit"][1])),
-            class_fits=tuple(
-                (str(kind), int(value), float(a), float(b))
-                for kind, value, a, b in entry.get("class_fits", ())
-            ),
-            bytes_per_s=float(entry["bytes_per_s"]),
-            batches=tuple(
-                ((int(m), int(n)), float(f), float(g)) for m, n, f, g in entry.get("batches", ())
-            ),
-        )
+        return measured_from_params(base, entry)
     except (OSError, AttributeError, KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"{str(path)!r} is not a canzona cost table: {exc}") from None
