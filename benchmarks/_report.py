@@ -8,12 +8,15 @@ import os
 import platform
 import re
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 DOC = ROOT / "docs" / "benchmarks.md"
+QUICK = RESULTS / "quick"
+QUICK_DOC = QUICK / "benchmarks_quick.md"
 
 
 def machine_info() -> dict[str, Any]:
@@ -125,3 +128,25 @@ def markdown_table(headers: list[str], rows: list[list[Any]]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def publish(
+    name: str,
+    payload: dict[str, Any],
+    render: Callable[[dict[str, Any]], str],
+    *,
+    mode: str,
+    out: Path | None = None,
+    doc: Path | None = None,
+) -> Path:
+    """Write a script's JSON and its Markdown section, print the section; the JSON's path.
+
+    Full mode writes under ``benchmarks/results/`` and into docs/benchmarks.md, other modes
+    under ``benchmarks/results/quick/``; ``out`` and ``doc`` override either.
+    """
+    path = write_json(name, payload, out_dir=out or (RESULTS if mode == "full" else QUICK))
+    markdown = render(payload)
+    update_section(name, markdown, doc=doc or (DOC if mode == "full" else QUICK_DOC))
+    print(markdown)
+    print(f"wrote {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")
+    return path

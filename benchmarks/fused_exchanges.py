@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import canzona
 from _ranks import launch
 
-from _report import DOC, RESULTS, ROOT, machine_info, markdown_table, update_section, write_json
+from _report import machine_info, markdown_table, publish
 
 KW: dict[str, Any] = {
     "lr": 0.02,
@@ -299,12 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         "worlds": worlds,
         "bench_seconds": time.perf_counter() - start,
     }
-    out = args.out or (RESULTS if name == "full" else RESULTS / "quick")
-    path = write_json("fused_exchanges", payload, out_dir=out)
-    doc = args.doc or (DOC if name == "full" else RESULTS / "quick" / "benchmarks_quick.md")
-    update_section("fused_exchanges", render(payload), doc=doc)
-    print(render(payload))
-    print(f"wrote {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")
+    publish("fused_exchanges", payload, render, mode=name, out=args.out, doc=args.doc)
     return 0
 
 

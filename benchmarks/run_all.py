@@ -1,8 +1,9 @@
 """Run every benchmark in one mode: ``run_all.py --quick|--full`` (the ``nox -s bench`` entry).
 
 Each script runs in its own process (one intra-op thread, ``OMP_NUM_THREADS=1``), in the order
-plan_quality, kernels, step_latency, overhead, fused_exchanges, train_step, and writes its JSON
-(which names the commit it was produced from) under ``benchmarks/results/``. Full mode also
+plan_quality, kernels, alloc_faults, step_latency, overhead, fused_exchanges, train_step, and
+writes its JSON (which names the commit it was produced from) under ``benchmarks/results/``.
+Full mode also
 rewrites each script's section of ``docs/benchmarks.md`` and its images under ``docs/img/``
 (the published numbers); quick mode, about six minutes on 2 cores, writes its JSON, Markdown
 and charts under ``benchmarks/results/quick/`` and leaves the published files alone.
@@ -23,12 +24,21 @@ from collections.abc import Sequence
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SCRIPTS = ("plan_quality", "kernels", "step_latency", "overhead", "fused_exchanges", "train_step")
+SCRIPTS = (
+    "plan_quality",
+    "kernels",
+    "alloc_faults",
+    "step_latency",
+    "overhead",
+    "fused_exchanges",
+    "train_step",
+)
 QUICK = HERE / "results" / "quick"
 QUICK_DOC = str(QUICK / "benchmarks_quick.md")
 QUICK_OUTPUTS = {
     "plan_quality": ["--out", str(QUICK), "--doc", QUICK_DOC, "--plot", str(QUICK / "loads.png")],
     "kernels": ["--out-dir", str(QUICK), "--doc", QUICK_DOC],
+    "alloc_faults": ["--out", str(QUICK), "--doc", QUICK_DOC],
     "step_latency": ["--out", str(QUICK), "--doc", QUICK_DOC, "--chart", str(QUICK / "chart.png")],
     "overhead": ["--out", str(QUICK), "--doc", QUICK_DOC, "--plot", str(QUICK / "overhead.png")],
     "fused_exchanges": ["--out", str(QUICK), "--doc", QUICK_DOC],

@@ -306,6 +306,27 @@ def test_fused_exchanges_tiny(tmp_path: Path) -> None:
     assert f"commit `{saved['commit']}`" in section and "| world |" in section
 
 
+def test_alloc_faults_tiny(tmp_path: Path) -> None:
+    import alloc_faults
+
+    doc = tmp_path / "b.md"
+    assert alloc_faults.main(["--tiny", "--out", str(tmp_path), "--doc", str(doc)]) == 0
+    saved = json.loads((tmp_path / "alloc_faults.json").read_text())
+    assert COMMIT.match(saved["commit"]) and saved["mode"] == "tiny"
+    assert [run["setting"] for run in saved["settings"]] == list(alloc_faults.SETTINGS)
+    for run in saved["settings"]:
+        env = alloc_faults.SETTINGS[run["setting"]]
+        assert run["env"] == env
+        assert run["seen_env"] == {k: env.get(k) for k in run["seen_env"]}  # in the child
+        assert len(run["seen_env"]) == 2
+        assert run["shapes"] == [list(s) for s in alloc_faults._batches(32)]
+        for mode in ("back_to_back", "in_turn"):
+            assert len(run[mode]) == 5 and all(c["ms"] > 0 and c["faults"] >= 0 for c in run[mode])
+        assert run["first_touch"]["faults"] > 512  # a fresh 4 MiB block (1024 pages) faults in
+    section = _section(doc, "alloc_faults")
+    assert f"commit `{saved['commit']}`" in section and "| fixed thresholds | 4×96×32 |" in section
+
+
 def test_overhead_report_fits_each_launch() -> None:
     from _overhead_report import _launch_fits, fit_line
 
