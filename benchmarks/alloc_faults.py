@@ -56,7 +56,7 @@ SETTINGS: dict[str, dict[str, str]] = {
 }
 PRESETS: dict[str, dict[str, Any]] = {
     # the owner batches (k, m, n) of step_latency's qwen3-like model at world 2
-    "full": {"width": 512, "repeats": 5, "rounds": 6, "touch_mib": 100},
+    "full": {"width": 512, "repeats": 9, "rounds": 10, "touch_mib": 100},
     "quick": {"width": 256, "repeats": 3, "rounds": 4, "touch_mib": 32},
     "tiny": {"width": 32, "repeats": 2, "rounds": 2, "touch_mib": 4},
 }
