@@ -23,6 +23,9 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from _report import QUICK
+from _report import QUICK_DOC as _QUICK_DOC
+
 HERE = Path(__file__).resolve().parent
 SCRIPTS = (
     "plan_quality",
@@ -33,8 +36,7 @@ SCRIPTS = (
     "fused_exchanges",
     "train_step",
 )
-QUICK = HERE / "results" / "quick"
-QUICK_DOC = str(QUICK / "benchmarks_quick.md")
+QUICK_DOC = str(_QUICK_DOC)
 QUICK_OUTPUTS = {
     "plan_quality": ["--out", str(QUICK), "--doc", QUICK_DOC, "--plot", str(QUICK / "loads.png")],
     "kernels": ["--out-dir", str(QUICK), "--doc", QUICK_DOC],
