@@ -55,7 +55,6 @@ SETTINGS: dict[str, dict[str, str]] = {
     },
 }
 PRESETS: dict[str, dict[str, Any]] = {
-    # the owner batches (k, m, n) of step_latency's qwen3-like model at world 2
     "full": {"width": 512, "repeats": 9, "rounds": 10, "touch_mib": 100},
     "quick": {"width": 256, "repeats": 3, "rounds": 4, "touch_mib": 32},
     "tiny": {"width": 32, "repeats": 2, "rounds": 2, "touch_mib": 4},
@@ -63,6 +62,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 def _batches(width: int) -> list[tuple[int, int, int]]:
+    """The owner batches ``(k, m, n)`` of step_latency's Qwen3-like model at world 2."""
     h = width
     return [(4, 3 * h, h), (4, h, h), (2, 2 * h, h), (2, h, 2 * h), (1, h, 3 * h)]
 
@@ -166,12 +166,12 @@ def render(payload: dict[str, Any]) -> str:
         rows,
     )
     touch = runs[0]["first_touch"]
+    fixed = " ".join(f"{k}={v}" for k, v in SETTINGS["fixed thresholds"].items())
     tail = (
         f"\n\nFirst touch: {touch['faults']} faults cost "
         f"{touch['s_per_fault'] * 1e6:.2f} µs each ({touch['first_s'] * 1e3:.1f} ms for a fresh "
         f"block, {touch['second_s'] * 1e3:.1f} ms to fill it again). *Fixed thresholds*: "
-        "`MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=2147483648`, which keep freed "
-        "blocks up to 32 MiB mapped."
+        f"`{fixed}`, which keep freed blocks up to 32 MiB mapped."
     )
     return head + table + tail
 

@@ -3,10 +3,10 @@
 Each script runs in its own process (one intra-op thread, ``OMP_NUM_THREADS=1``), in the order
 plan_quality, kernels, alloc_faults, step_latency, overhead, fused_exchanges, train_step, and
 writes its JSON (which names the commit it was produced from) under ``benchmarks/results/``.
-Full mode also
-rewrites each script's section of ``docs/benchmarks.md`` and its images under ``docs/img/``
-(the published numbers); quick mode, about six minutes on 2 cores, writes its JSON, Markdown
-and charts under ``benchmarks/results/quick/`` and leaves the published files alone.
+Full mode also rewrites each script's section of ``docs/benchmarks.md`` and its images under
+``docs/img/`` (the published numbers); quick mode, about six minutes on 2 cores, writes its
+JSON, Markdown and charts under ``benchmarks/results/quick/`` and leaves the published files
+alone.
 
     python benchmarks/run_all.py --quick                  # what ``nox -s bench`` runs
     python benchmarks/run_all.py --full                   # the published numbers
