@@ -9,9 +9,18 @@ from typing import Any
 
 from _report import markdown_table
 
-IMPLS = ("canzona", "replicated", "redistribute", "torchtitan", "torch_muon", "adamw_foreach")
+IMPLS = (
+    "canzona",
+    "canzona_gc_on",
+    "replicated",
+    "redistribute",
+    "torchtitan",
+    "torch_muon",
+    "adamw_foreach",
+)
 LABELS = {
     "canzona": "`canzona.Muon`, `canzona` plan",
+    "canzona_gc_on": "`canzona.Muon`, `canzona` plan, `pause_gc=False`",
     "replicated": "`canzona.Muon`, `replicated` plan",
     "redistribute": "`DTensor.redistribute` Muon (every rank gathers every matrix)",
     "torchtitan": "torchtitan 0.3.0 DistMuon",
@@ -22,6 +31,8 @@ LABELS = {
 FLOOR_CALLS = 100
 #: Implementations with one collective per matrix (seconds per step at large N): timed steps.
 SLOW_STEPS = {"redistribute": 3}
+#: Implementations that run only in the target case (shape, world): diagnostics.
+ONLY_IN = {"canzona_gc_on": ("8x8", 2)}
 
 
 def fit_line(points: Sequence[tuple[int, float]]) -> tuple[float, float]:
@@ -91,6 +102,35 @@ def _adamw_launches(rows: Sequence[dict[str, Any]], n: int = 1024) -> str:
             f"owners' Newton–Schulz and {prof['apply_s'] * 1e3:.2f} ms the apply."
         )
     return text
+
+
+def _gc_sentence(rows: Sequence[dict[str, Any]]) -> str:
+    """``canzona`` (collector paused in the step) against ``pause_gc=False``, launch by launch."""
+    case = sorted(
+        (r for r in rows if (r["shape"], r["world"]) == ONLY_IN["canzona_gc_on"]),
+        key=lambda r: r["n"],
+    )
+    parts = []
+    for r in case:
+        ours = r.get("launches", {}).get("canzona", [])
+        on = r.get("launches", {}).get("canzona_gc_on", [])
+        pairs = [
+            (a, b)
+            for a, b in zip(ours, on, strict=False)
+            if isinstance(a, float) and isinstance(b, float)
+        ]
+        if pairs:
+            ratios = ", ".join(f"{a / b:.3f}" for a, b in pairs)
+            parts.append(f"N = {r['n']}: {ratios}")
+    if not parts:
+        return ""
+    return (
+        "The collector paused during the step (`PipelineConfig(pause_gc=True)`, the default) "
+        "against left on (`pause_gc=False`), at world 2 on 8x8 matrices, step time paused / on "
+        "within each launch (both run in the same processes, one after the other): "
+        + "; ".join(parts)
+        + "."
+    )
 
 
 def _same_rows(rows: Sequence[dict[str, Any]]) -> str:
@@ -274,6 +314,9 @@ def render(payload: dict[str, Any], plot: str | None) -> str:
     adamw = _adamw_launches(rows)
     if adamw:
         lines += [adamw, ""]
+    paused = _gc_sentence(rows)
+    if paused:
+        lines += [paused, ""]
     if plot:
         lines += [f"![step time against N]({plot})", ""]
     return "\n".join(lines)

@@ -46,7 +46,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _peers
 import canzona
-from _overhead_report import FLOOR_CALLS, IMPLS, SLOW_STEPS, draw, fit_line, render
+from _overhead_report import FLOOR_CALLS, IMPLS, ONLY_IN, SLOW_STEPS, draw, fit_line, render
 from _ranks import launch
 from kernels import cpu_description
 
@@ -91,7 +91,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 TARGETS = {"slope_us": 15.0, "fixed_ms": 1.0, "vs_adamw": 1.5, "vs_torchtitan": 0.25}
 #: Implementations running canzona's fp32 Newton–Schulz: bitwise comparable with the
 #: one-process ``canzona.Muon`` (torchtitan's DistMuon runs its own, in bf16).
-SAME_MATH = ("canzona", "replicated", "redistribute")
+SAME_MATH = ("canzona", "canzona_gc_on", "replicated", "redistribute")
 
 
 class RedistributeMuon(torch.optim.Optimizer):
@@ -250,6 +250,9 @@ def _distributed_case(
     profile: dict[str, float] = {}
     makers: dict[str, Callable[[list[tuple[str, nn.Parameter]]], torch.optim.Optimizer]] = {
         "canzona": lambda ps: canzona.Muon(ps, **CANZONA_KW),
+        "canzona_gc_on": lambda ps: canzona.Muon(
+            ps, **CANZONA_KW, pipeline=canzona.PipelineConfig(pause_gc=False)
+        ),
         "replicated": lambda ps: canzona.Muon(
             ps, **CANZONA_KW, plan=canzona.PlanConfig(strategy="replicated")
         ),
@@ -337,10 +340,15 @@ def run(preset: dict[str, Any]) -> dict[str, Any]:
                     ]
                     reference = runs[0]["reference_rows"]
                 else:
-                    again = tuple(i for i in impls if i not in SLOW_STEPS)
+                    here = tuple(
+                        i
+                        for i in impls
+                        if ONLY_IN.get(i, (shape_name, world)) == (shape_name, world)
+                    )
+                    again = tuple(i for i in here if i not in SLOW_STEPS)
                     runs = [
                         launch(_distributed_case, world, count, shape, preset["steps"], todo)[0]
-                        for todo in (impls, *[again] * (repeats - 1))
+                        for todo in (here, *[again] * (repeats - 1))
                     ]
                     if world in reference:
                         row["same_as_one_process"] = {

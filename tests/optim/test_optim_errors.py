@@ -422,6 +422,7 @@ def test_a_group_keeps_its_algorithm_once_it_has_state(name: str, switch: str) -
         ({"overlap": 1}, "overlap must be a bool, got 1"),
         ({"atomic": None}, "atomic must be a bool, got None"),
         ({"keep_buffers": "yes"}, "keep_buffers must be a bool or None, got 'yes'"),
+        ({"pause_gc": 1}, "pause_gc must be a bool, got 1"),
     ],
 )
 def test_bad_pipeline_config(kwargs: dict[str, Any], match: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import math
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -344,6 +345,18 @@ class MatrixOptimizer(CopyMixin, CheckpointMixin, Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        paused = self.pipeline_config.pause_gc and gc.isenabled()
+        if paused:
+            gc.disable()
+        try:
+            self._step()
+        finally:
+            if paused:
+                gc.enable()
+        return loss
+
+    def _step(self) -> None:
+        """The step after the closure (see :meth:`step`)."""
         params, names, gids = self._flat()
         if self._algorithms:
             self._check_algorithms(params, names, gids)
@@ -372,13 +385,12 @@ class MatrixOptimizer(CopyMixin, CheckpointMixin, Optimizer):
             if start.skip:
                 self.skipped_steps += 1
                 self.last_step_stats = StepStats(rank=self._runtime.rank, skipped=True)
-                return loss
+                return
             self._step_params = params
             self.last_step_stats = self._run_step(start, table, params, names, gids, failure)
         finally:
             self._runtime.abandon()
             self._step_params = []
-        return loss
 
     def _run_step(
         self,
