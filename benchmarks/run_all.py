@@ -1,8 +1,9 @@
 """Run every benchmark in one mode: ``run_all.py --quick|--full`` (the ``nox -s bench`` entry).
 
 Each script runs in its own process (one intra-op thread, ``OMP_NUM_THREADS=1``), in the order
-plan_quality, kernels, alloc_faults, step_latency, overhead, fused_exchanges, train_step, and
-writes its JSON (which names the commit it was produced from) under ``benchmarks/results/``.
+plan_quality, kernels, alloc_faults, step_latency, overhead, gc_in_step, fused_exchanges,
+train_step, and writes its JSON (which names the commit it was produced from) under
+``benchmarks/results/``.
 Full mode also rewrites each script's section of ``docs/benchmarks.md`` and its images under
 ``docs/img/`` (the published numbers); quick mode, about six minutes on 2 cores, writes its
 JSON, Markdown and charts under ``benchmarks/results/quick/`` and leaves the published files
@@ -33,6 +34,7 @@ SCRIPTS = (
     "alloc_faults",
     "step_latency",
     "overhead",
+    "gc_in_step",
     "fused_exchanges",
     "train_step",
 )
@@ -41,6 +43,7 @@ QUICK_OUTPUTS = {
     "plan_quality": ["--out", str(QUICK), "--doc", QUICK_DOC, "--plot", str(QUICK / "loads.png")],
     "kernels": ["--out-dir", str(QUICK), "--doc", QUICK_DOC],
     "alloc_faults": ["--out", str(QUICK), "--doc", QUICK_DOC],
+    "gc_in_step": ["--out", str(QUICK), "--doc", QUICK_DOC],
     "step_latency": ["--out", str(QUICK), "--doc", QUICK_DOC, "--chart", str(QUICK / "chart.png")],
     "overhead": ["--out", str(QUICK), "--doc", QUICK_DOC, "--plot", str(QUICK / "overhead.png")],
     "fused_exchanges": ["--out", str(QUICK), "--doc", QUICK_DOC],

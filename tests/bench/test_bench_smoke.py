@@ -327,6 +327,27 @@ def test_alloc_faults_tiny(tmp_path: Path) -> None:
     assert f"commit `{saved['commit']}`" in section and "| fixed thresholds | 4×96×32 |" in section
 
 
+def test_gc_in_step_tiny(tmp_path: Path) -> None:
+    """Both settings run in one launch and end with the same parameters; the section names them."""
+    import gc_in_step
+
+    doc = tmp_path / "b.md"
+    assert gc_in_step.main(["--tiny", "--out", str(tmp_path), "--doc", str(doc)]) == 0
+    saved = json.loads((tmp_path / "gc_in_step.json").read_text())
+    assert COMMIT.match(saved["commit"]) and saved["mode"] == "tiny"
+    assert [r["n"] for r in saved["rows"]] == [64]
+    for row in saved["rows"]:
+        assert (
+            row["same_parameters"] is True and row["objects"] > 0 and row["full_collection_s"] > 0
+        )
+        assert set(row["variants"]) == {"paused", "on"}
+        for variant in row["variants"].values():
+            assert variant["step_s"] > 0 and set(variant["per_step"]) == {"0", "1", "2"}
+    section = _section(doc, "gc_in_step")
+    assert f"commit `{saved['commit']}`" in section
+    assert "| 64 | `pause_gc=True` |" in section and "| 64 | `pause_gc=False` |" in section
+
+
 def test_overhead_report_fits_each_launch() -> None:
     from _overhead_report import _launch_fits, fit_line
 
