@@ -73,6 +73,17 @@ def test_unknown_algorithm(name: str, algorithm: str | None) -> None:
         assert len(opt.param_groups) == 1
 
 
+def test_param_names_of_another_length_are_refused_at_the_step() -> None:
+    a, b = nn.Parameter(torch.ones(3, 3)), nn.Parameter(torch.ones(3, 3))
+    opt = canzona.Muon([("a", a), ("b", b)], ns_dtype=torch.float32)
+    a.grad, b.grad = torch.ones(3, 3), torch.ones(3, 3)
+    opt.param_groups[0]["param_names"].pop()  # names no longer line up with params
+    before = a.detach().clone()
+    with pytest.raises(ValueError, match="param group 0 has 2 params but 1 param_names"):
+        opt.step()
+    assert torch.equal(a, before)
+
+
 def test_complex_parameters_are_refused() -> None:
     with pytest.raises(ValueError, match="complex"):
         canzona.Muon([nn.Parameter(torch.zeros(3, 3, dtype=torch.complex64))])

@@ -156,11 +156,26 @@ def test_calibration_cache_setting_is_checked() -> None:
             canzona.PipelineConfig(calibration_cache=bad)  # type: ignore[arg-type]
 
 
+def _calibrate_muon(shapes: list[Shape], **limits: float) -> Any:
+    """One rank's calibration of a Muon table over ``shapes`` (with ``_timed`` patched)."""
+    from canzona.plan import MuonCost
+    from canzona.runtime.watchdog import Watchdog
+
+    return calibrate_module.calibrate(
+        shapes,
+        _table(canzona.Muon, lr=0.02),
+        lambda batch, full: full,
+        {0: MuonCost()},
+        watchdog=Watchdog(None, 0, 1, 60.0),
+        device=CPU,
+        **limits,
+    )
+
+
 def test_calibration_fits_each_shape_class(monkeypatch: pytest.MonkeyPatch) -> None:
     """Catches: a calibration whose table has no class fits (untimed shapes priced by one
     fit over every shape)."""
     from canzona.plan import MuonCost
-    from canzona.runtime.watchdog import Watchdog
 
     rate = {32: 1e-9, 64: 4e-9}  # seconds per FLOP by the smaller side
 
@@ -170,16 +185,32 @@ def test_calibration_fits_each_shape_class(monkeypatch: pytest.MonkeyPatch) -> N
 
     monkeypatch.setattr(calibrate_module, "_timed", timed)
     shapes = [Shape(0, m, n, 1, torch.float32) for m, n in ((32, 64), (32, 128), (64, 64))]
-    cost = calibrate_module.calibrate(
-        shapes,
-        _table(canzona.Muon, lr=0.02),
-        lambda batch, full: full,
-        {0: MuonCost()},
-        watchdog=Watchdog(None, 0, 1, 60.0),
-        device=CPU,
-    )
+    cost = _calibrate_muon(shapes)
     model = cost.models["0"]
     assert [(k, v) for k, v, _, _ in model.class_fits] == [("side", 32)]
     thin = (32, 1024)
     want = rate[32] * MuonCost().flops(canzona.plan.MatrixSpec("s", thin))
     assert model.seconds(*thin) == pytest.approx(want, rel=1e-9)
+
+
+def test_calibration_ends_within_its_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Catches: a calibration that starts timing a shape whose timing ends past the budget
+    (the first step then pays more than the budget says)."""
+    from canzona.plan import MuonCost
+
+    spent: list[float] = []
+
+    def timed(shape: Shape, *_: Any) -> tuple[float, float]:
+        call = 1e-9 * MuonCost().flops(canzona.plan.MatrixSpec("s", (shape.m, shape.n)))
+        took = calibrate_module._cost(call * shape.k) + 0.01  # the calls and an eviction
+        spent.append(took)
+        return call, took
+
+    monkeypatch.setattr(calibrate_module, "_timed", timed)
+    sides = (64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+    shapes = [Shape(0, m, m, 1, torch.float32) for m in sides]
+    cost = _calibrate_muon(shapes, budget_s=1.0, shape_cap_s=10.0)
+    timed_shapes = [shape for shape, _ in cost.models["0"].table]
+    assert sum(spent) <= 1.0
+    assert 3 <= len(timed_shapes) < len(sides)  # the budget, not the cap, stopped it
+    assert timed_shapes == [(m, m) for m in sides[: len(timed_shapes)]]

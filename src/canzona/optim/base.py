@@ -169,11 +169,17 @@ class MatrixOptimizer(CopyMixin, CheckpointMixin, Optimizer):
         names: list[str] = []
         gids: list[int] = []
         for gid, group in enumerate(self.param_groups):
-            pnames = group.get("param_names")
-            for j, p in enumerate(group["params"]):
-                names.append(pnames[j] if pnames else f"param{len(params)}")
-                params.append(p)
-                gids.append(gid)
+            ps, pnames = group["params"], group.get("param_names")
+            if pnames:
+                if len(pnames) != len(ps):
+                    raise ValueError(
+                        f"param group {gid} has {len(ps)} params but {len(pnames)} param_names"
+                    )
+                names += pnames
+            else:
+                names += [f"param{k}" for k in range(len(params), len(params) + len(ps))]
+            params += ps
+            gids += [gid] * len(ps)
         return params, names, gids
 
     def _hyper_fingerprint(self) -> str:

@@ -260,6 +260,12 @@ def _companion(shape: Shape) -> Shape:
     return replace(shape, k=1 if shape.k > 1 else 2)
 
 
+def _cost(call_s: float) -> float:
+    """Seconds that timing a call of ``call_s`` takes: the warm-up and the timed repeats."""
+    repeats = REPEATS if call_s < SHORT_CALL_S else LONG_REPEATS
+    return call_s * (1 + repeats)
+
+
 def _timed(
     shape: Shape, table: StepTable, compute: ComputeFn, device: torch.device, rank: int
 ) -> tuple[float, float]:
@@ -287,7 +293,8 @@ def calibrate(
     """Time the owner math of every shape (within a budget), agree on one table, fit the rest.
 
     Every rank times the shapes it can within ``budget_s`` (cheapest first; a shape whose
-    predicted time exceeds ``shape_cap_s``, or whose math raises, is not timed
+    predicted time exceeds ``shape_cap_s``, whose timing would end past the budget (its
+    calls predicted from the shapes timed so far), or whose math raises, is not timed
     there), in CPU time with one intra-op thread; one all-gather gives every rank each
     shape's median over the ranks, so every rank plans with identical numbers.
     Shapes no rank timed are predicted per param group from a log-log fit of time against
@@ -319,21 +326,28 @@ def calibrate(
     timed = [hits[i][0] if i in hits else -1.0 for i in range(len(shapes))]
     second = [hits[i][1] if i in hits else -1.0 for i in range(len(shapes))]
     spent = 0.0
-    rate = 0.0  # seconds per FLOP seen so far
+    rate = 0.0  # seconds per FLOP of one call, the largest seen so far
+    extra = 0.0  # seconds a timing spends besides its calls (cache eviction), the largest seen
     for i in order:
         s = shapes[i]
         work = bases[s.key].flops(MatrixSpec("s", (s.m, s.n))) * s.k
         if i not in hits:
-            if spent > budget_s or (rate and work * rate > shape_cap_s):
-                continue
+            call = work * rate
+            if rate and (call > shape_cap_s or spent + _cost(call) + extra > budget_s):
+                continue  # a timing that would end past the budget: predicted instead
             timed[i], took = _timed(s, table, compute, device, watchdog.rank)
             spent += took
+            if timed[i] > 0:
+                extra = max(extra, took - _cost(timed[i] * s.k))
         if work > 0 and timed[i] > 0:
             rate = max(rate, timed[i] * s.k / work)
     # with what is left, each timed shape at a second batch size: the fixed cost of a call
     for i in order:
         other = _companion(shapes[i])
-        if i in hits or spent > budget_s or not 0 < timed[i] * shapes[i].k < SHORT_CALL_S:
+        call = timed[i] * other.k
+        if i in hits or not 0 < timed[i] * shapes[i].k < SHORT_CALL_S:
+            continue
+        if spent + _cost(call) + extra > budget_s:
             continue
         second[i], took = _timed(other, table, compute, device, watchdog.rank)
         spent += took

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import compress
 from pathlib import Path
 
 import torch
@@ -139,7 +140,9 @@ class MatrixRuntime:
 
     def layouts(self, names: Sequence[str], tensors: Sequence[torch.Tensor]) -> list[ParamLayout]:
         """Storage layouts of the parameters (cached while the parameter list is unchanged)."""
-        key = tuple((id(t), n) for n, t in zip(names, tensors, strict=True))
+        if len(names) != len(tensors):
+            raise ValueError(f"{len(names)} names for {len(tensors)} parameters")
+        key = (tuple(map(id, tensors)), tuple(names))
         if key != self._layout_key:
             self._resolve_group(tensors)
             self._layout_version += 1
@@ -192,7 +195,7 @@ class MatrixRuntime:
         if failed or (failure is not None and self.process_group is None):
             self._raise_failures(failure, names)
         # without a header (check_every_step=False) a failure reaches the others at the vote
-        active = frozenset(i for i, g in enumerate(has_grad) if g)
+        active = frozenset(compress(range(len(has_grad)), has_grad))
         if flagged:
             return StepStart(active, True, {}, previous)
         pipeline = self._pipeline(table, active, tensors)
@@ -396,7 +399,7 @@ class MatrixRuntime:
         self, table: StepTable, active: frozenset[int], tensors: Sequence[torch.Tensor]
     ) -> Pipeline:
         """The pipeline of the current plan for this table and set of active parameters."""
-        matrix_active = tuple(p for p in table.matrix if p in active)
+        matrix_active = tuple(filter(active.__contains__, table.matrix))
         key = (self._plan_version, table.version, matrix_active)
         pipeline = self._pipelines.get(key)
         if pipeline is not None and not pipeline.retired:

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from canzona.runtime.alltoall import all_to_all
 from canzona.runtime.checks import reports_of, vote
@@ -483,10 +484,18 @@ def _apply(
             batches[key] = batch
         if data.dtype != d.dtype:
             data = data.to(d.dtype)
+        if d.whole is not None:  # whole 2-D parameters: one matrix each
+            batch.directions += data.unbind(0)
+            batch.params += d.whole
+            batch.targets += [
+                t._local_tensor if isinstance(t, DTensor) else t
+                for t in map(tensors.__getitem__, d.whole)
+            ]
+            continue
         if len(d.targets) == d.count and all(
             t.pos is None and t.rects is None and t.rows is None for t in d.targets
         ):
-            batch.directions += data.unbind(0)  # 2-D parameters: one matrix each
+            batch.directions += data.unbind(0)  # matricised N-D weights: one matrix each
             batch.params += [t.param for t in d.targets]
             batch.targets += [_local(tensors, t) for t in d.targets]
             continue

@@ -122,6 +122,8 @@ class Delivery:
         dtype: Direction dtype the apply receives.
         targets: The run's targets in order (each updated at once).
         count: Matrices in the run.
+        whole: The targets' parameters when each is one whole 2-D parameter (one matrix
+            each, the common case the apply takes without looking at every target), else None.
     """
 
     offset: int
@@ -131,6 +133,14 @@ class Delivery:
     dtype: torch.dtype
     targets: tuple[Target, ...]
     count: int
+    whole: tuple[int, ...] | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        plain = len(self.targets) == self.count and all(
+            t.pos is None and t.rects is None and t.rows is None and not t.flat
+            for t in self.targets
+        )
+        object.__setattr__(self, "whole", tuple(t.param for t in self.targets) if plain else None)
 
 
 @dataclass(slots=True)

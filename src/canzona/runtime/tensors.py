@@ -82,7 +82,8 @@ def local_grad(name: str, p: torch.Tensor) -> torch.Tensor:
                 f"parameter {name!r} is a DTensor but its gradient is a plain tensor; "
                 "set .grad to a DTensor with the parameter's placements"
             )
-        if grad._spec.placements is not p._spec.placements and grad.placements != p.placements:
+        # the specs' own tuples: the ``placements`` properties cost a Python call each
+        if grad._spec.placements != p._spec.placements:
             grad = grad.redistribute(p.device_mesh, p.placements)
         return grad._local_tensor
     return grad
