@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import gc
-import math
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
 import torch
@@ -17,7 +16,7 @@ from canzona.optim.copies import CopyMixin
 from canzona.optim.owner_state import OwnerState
 from canzona.optim.prepare import GroupWork, StepWork, build_work
 from canzona.optim.transaction import Backup, StepTransaction
-from canzona.optim.validation import check_group
+from canzona.optim.validation import check_common, check_group
 from canzona.plan import GroupedCost, PlanConfig, Split, cost_model
 from canzona.runtime import (
     ApplyBatch,
@@ -590,17 +589,4 @@ class MatrixOptimizer(CopyMixin, CheckpointMixin, Optimizer):
             )
 
     # ------------------------------------------------------------------ helpers
-    @staticmethod
-    def _check_common(
-        lr: float | Tensor, weight_decay: float, adamw_betas: Sequence[float], adamw_eps: float
-    ) -> None:
-        if isinstance(lr, Tensor) and lr.numel() != 1:
-            raise ValueError("Tensor lr must be 1-element")
-        if not scalar(lr) >= 0.0:
-            raise ValueError(f"Invalid learning rate: {lr}")
-        if not weight_decay >= 0.0:
-            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-        if len(adamw_betas) != 2 or not all(0.0 <= b < 1.0 for b in adamw_betas):
-            raise ValueError(f"Invalid adamw_betas: {adamw_betas}")
-        if not adamw_eps >= 0.0 or math.isnan(adamw_eps):
-            raise ValueError(f"Invalid adamw_eps: {adamw_eps}")
+    _check_common = staticmethod(check_common)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -66,8 +67,9 @@ def calibrate_model(
     params, _, gids = opt._flat()
     table = opt._step_table(params, gids)
     payload = table.row(0).payload_dtype
-    shapes = sorted({(s.m, s.n) for s in specs})
-    wanted = [runtime_calibrate.Shape(0, m, n, 1, payload) for m, n in shapes]
+    counts = Counter((s.m, s.n) for s in specs)
+    shapes = sorted(counts)
+    wanted = [runtime_calibrate.Shape(0, m, n, 1, payload, counts[m, n]) for m, n in shapes]
     base = cost_model(optimizer, **opt._cost_params(opt.param_groups[0]))
     disk = None if cache is None else DiskCache(cache, runtime_calibrate.device_name(dev))
     held = disk.load() if disk is not None else {}

@@ -1,8 +1,9 @@
-"""Checks of a param group's parameters, names, split and flatten flag (at add_param_group)."""
+"""Checks of what an optimizer is given: param groups (at add_param_group) and shared settings."""
 
 from __future__ import annotations
 
-from collections.abc import Set
+import math
+from collections.abc import Sequence, Set
 from typing import Any
 
 import torch
@@ -66,3 +67,19 @@ def check_group(group: dict[str, Any], owner: str, taken: Set[str], offset: int)
 def _shown(labels: list[str]) -> str:
     """The first parameter names of a group, for a message."""
     return ", ".join(repr(n) for n in labels[:3]) + (", ..." if len(labels) > 3 else "")
+
+
+def check_common(
+    lr: float | torch.Tensor, weight_decay: float, adamw_betas: Sequence[float], adamw_eps: float
+) -> None:
+    """Raise ``ValueError`` naming the value for an invalid setting every optimizer shares."""
+    if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+        raise ValueError("Tensor lr must be 1-element")
+    if not float(lr) >= 0.0:
+        raise ValueError(f"Invalid learning rate: {lr}")
+    if not weight_decay >= 0.0:
+        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+    if len(adamw_betas) != 2 or not all(0.0 <= b < 1.0 for b in adamw_betas):
+        raise ValueError(f"Invalid adamw_betas: {adamw_betas}")
+    if not adamw_eps >= 0.0 or math.isnan(adamw_eps):
+        raise ValueError(f"Invalid adamw_eps: {adamw_eps}")

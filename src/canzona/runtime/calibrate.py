@@ -8,7 +8,7 @@ import math
 import platform
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -59,6 +59,8 @@ class Shape:
     n: int
     k: int
     dtype: torch.dtype
+    #: Matrices of this shape in the model (what orders the timing; not part of the key).
+    count: int = field(default=1, compare=False)
 
 
 def shapes_of(items: Sequence[Item], table: StepTable, world: int) -> list[Shape]:
@@ -76,7 +78,8 @@ def shapes_of(items: Sequence[Item], table: StepTable, world: int) -> list[Shape
         counts[key] = counts.get(key, 0) + 1
     out = []
     for (gid, m, n, dtype), count in sorted(counts.items(), key=lambda kv: repr(kv[0])):
-        out.append(Shape(gid, m, n, max(1, min(MAX_BATCH, math.ceil(count / world))), dtype))
+        k = max(1, min(MAX_BATCH, math.ceil(count / world)))
+        out.append(Shape(gid, m, n, k, dtype, count))
     return out
 
 
@@ -292,7 +295,8 @@ def calibrate(
 ) -> GroupedCost:
     """Time the owner math of every shape (within a budget), agree on one table, fit the rest.
 
-    Every rank times the shapes it can within ``budget_s`` (cheapest first; a shape whose
+    Every rank times the shapes it can within ``budget_s`` (the cheapest first, then by the
+    owner work the model has of each, ``count`` times FLOPs, most first; a shape whose
     predicted time exceeds ``shape_cap_s``, whose timing would end past the budget (its
     calls predicted from the shapes timed so far), or whose math raises, is not timed
     there), in CPU time with one intra-op thread; one all-gather gives every rank each
@@ -316,10 +320,11 @@ def calibrate(
         One :class:`~canzona.plan.measured.MeasuredCost` per param group (keyed by
         ``str(batch_key)``), collective-identical on every rank.
     """
-    order = sorted(
-        range(len(shapes)),
-        key=lambda i: bases[shapes[i].key].flops(MatrixSpec("s", (shapes[i].m, shapes[i].n))),
-    )
+    flops = [bases[s.key].flops(MatrixSpec("s", (s.m, s.n))) for s in shapes]
+    cheap = sorted(range(len(shapes)), key=flops.__getitem__)
+    # the cheapest shape first (its rate prices the others before they are timed), then the
+    # shapes that carry most of the model's owner work: what the budget cannot time is fitted
+    order = cheap[:1] + sorted(cheap[1:], key=lambda i: -shapes[i].count * flops[i])
     keys = [entry_key(s, table, device) for s in shapes] if cache is not None else []
     stored: dict[str, Entry] = cache.load() if cache is not None else {}
     hits = {i: stored[k] for i, k in enumerate(keys) if k in stored}
@@ -330,7 +335,7 @@ def calibrate(
     extra = 0.0  # seconds a timing spends besides its calls (cache eviction), the largest seen
     for i in order:
         s = shapes[i]
-        work = bases[s.key].flops(MatrixSpec("s", (s.m, s.n))) * s.k
+        work = flops[i] * s.k
         if i not in hits:
             call = work * rate
             if rate and (call > shape_cap_s or spent + _cost(call) + extra > budget_s):
