@@ -268,7 +268,7 @@ def note(t: dict[str, Any], case: dict[str, Any], payload: dict[str, Any]) -> st
             f"step, as the median of five calls (in the thread's CPU time: one intra-op "
             f"thread per rank; a short call after touching 32 MiB, so with cold caches) with "
             f"the batch an owner is expected to stack and, for a short call, at a second "
-            f"batch size, and takes the median over the ranks; the prediction prices each "
+            f"batch size, and takes the lower median over the ranks; the prediction prices each "
             f"batch a micro-group stacks as one call, and the step's owner time is measured "
             f"in wall time: the load average during the case was "
             f"{load:.1f}"

@@ -172,3 +172,17 @@ def test_owners_priced_per_call_gather_classes_and_stay_exact(dist: Any) -> None
     for o in out:
         assert o["chunks"] == 3
         assert all(eq for eq, _ in o["compare"].values()), o["compare"]
+
+
+def test_the_ranks_agree_on_the_lower_median(monkeypatch: Any) -> None:
+    """Catches: the mean of the two middle timings of an even count (with two ranks a stall
+    on one of them, which only adds time, then moves the agreed price)."""
+    from canzona.runtime.watchdog import Watchdog
+
+    def gather(rows: torch.Tensor, mine: torch.Tensor, group: Any = None) -> None:
+        rows.copy_(torch.tensor([1.0, 5.0, 7.0, -1.0, 3.0, 8.0, 2.0, -1.0], dtype=rows.dtype))
+
+    monkeypatch.setattr(calibrate_module.dist, "all_gather_single", gather)
+    watchdog = Watchdog(None, 0, 4, 60.0)
+    agreed = calibrate_module._median_over_ranks([1.0, 5.0], watchdog, torch.device("cpu"))
+    assert agreed == [2.0, 5.0]  # of (1, 7, 3, 2): 2; of (5, -1, 8, -1): 5 and 8 -> 5

@@ -212,9 +212,13 @@ def time_shape(
 
 
 def _median_over_ranks(timed: list[float], watchdog: Watchdog, device: torch.device) -> list[float]:
-    """Per timing, the median of the ranks that took it (-1 when none did).
+    """Per timing, the lower median of the ranks that took it (-1 when none did).
 
-    One all-gather; the same numbers on every rank.
+    One all-gather; the same numbers on every rank. Interference only adds time (another
+    process on the core, a stalled page, a virtual CPU descheduled while its thread's clock
+    runs on), so of an even count the lower middle timing is taken: with two ranks, a stall
+    on one of them is outvoted by the other (a one-rank stall once priced a 2304 x 768 call
+    at 5.6 times its time and the plan on it was wrong by as much).
     """
     mine = torch.tensor(timed, dtype=torch.float64, device=device)
     rows = torch.empty(watchdog.world * len(timed), dtype=torch.float64, device=device)
@@ -223,7 +227,7 @@ def _median_over_ranks(timed: list[float], watchdog: Watchdog, device: torch.dev
     out = []
     for i in range(len(timed)):
         values = sorted(row[i] for row in table if row[i] >= 0)
-        out.append(_median(values) if values else -1.0)
+        out.append(values[(len(values) - 1) // 2] if values else -1.0)
     return out
 
 
@@ -300,7 +304,7 @@ def calibrate(
     predicted time exceeds ``shape_cap_s``, whose timing would end past the budget (its
     calls predicted from the shapes timed so far), or whose math raises, is not timed
     there), in CPU time with one intra-op thread; one all-gather gives every rank each
-    shape's median over the ranks, so every rank plans with identical numbers.
+    shape's lower median over the ranks, so every rank plans with identical numbers.
     Shapes no rank timed are predicted per param group from a log-log fit of time against
     the closed-form FLOPs of the timed ones of their class (the same smaller side, else the
     same aspect bucket: ``plan.measured.shape_classes``), else of all of them. With the
