@@ -98,7 +98,7 @@ def _adamw_launches(rows: Sequence[dict[str, Any]], n: int = 1024) -> str:
         text += (
             f" Of rank 0's median step ({prof['step_s'] * 1e3:.2f} ms), "
             f"{before * 1e3:.2f} ms come before the matrix phase (the momentum update into "
-            f"the payloads and the header check), {prof['compute_s'] * 1e3:.2f} ms are the "
+            f"the payloads), {prof['compute_s'] * 1e3:.2f} ms are the "
             f"owners' Newton–Schulz and {prof['apply_s'] * 1e3:.2f} ms the apply."
         )
     return text
@@ -179,9 +179,10 @@ def _render_profile(rows: Sequence[dict[str, Any]]) -> list[str]:
         f" One small all-to-all between these two processes takes {min(floors) * 1e3:.2f} to "
         f"{max(floors) * 1e3:.2f} ms when both ranks enter it together (median of "
         f"{FLOOR_CALLS} after a barrier, from the last rank's entry to the last rank's exit, "
-        "per row); a step makes three when nothing fails: the header check, the micro-group's "
-        "gather, and its scatter, which carries every rank's success flag (the vote)."
-        + _issue_sentence(shown)
+        "per row); a steady step (every timed one) makes two when nothing fails: the "
+        "micro-group's gather, which carries every rank's header (the cross-rank check), and "
+        "its scatter, which carries every rank's success flag (the vote); the first two steps "
+        "after a plan make one more, the header check on its own." + _issue_sentence(shown)
         if floors
         else ""
     )
@@ -202,16 +203,17 @@ def _render_profile(rows: Sequence[dict[str, Any]]) -> list[str]:
         "### Where a `canzona` step goes (world 2, 8x8, rank 0)",
         "",
         "Rank 0's medians over the timed steps (`optimizer.last_step_stats` and the step's own "
-        "time). *Before the matrix phase*: the step's table and payloads, the header check "
-        "(one small all-to-all that every rank's inputs and plan digest agree) and the AdamW "
-        "route; *gather/scatter waits*: blocked on the micro-groups' all-to-alls; *owner "
+        "time). *Before the matrix phase*: the step's table and payloads and the AdamW route "
+        "(the header check, that every rank's inputs and plan digest agree, rides the first "
+        "gather in these steady steps); *gather/scatter waits*: blocked on the micro-groups' "
+        "all-to-alls; *owner "
         "math*: Newton–Schulz and momentum on the owners' batches; *apply*: writing the "
         "directions into the local shards after the vote; *rest of the matrix phase*: "
         "casting and packing the payloads, issuing the all-to-alls and reading the vote "
         "(the status elements of the last scatter). *All-to-alls*: those of the matrix "
-        "phase (the header check is one more). *Ranks' start spread*: how far apart the "
+        "phase, the header check included. *Ranks' start spread*: how far apart the "
         "ranks entered `step()` after the barrier before it (the first rank in waits for "
-        "the last at the header check, and the step time, the slowest rank's, includes "
+        "the last at the first gather, and the step time, the slowest rank's, includes "
         "it); *from the last rank's start*: from the last rank's entry to the last rank's "
         "return. The intercept of the fit (the fixed cost) is what remains at N = 0 of "
         "these columns." + floor,
@@ -399,5 +401,5 @@ def _machine_reference(payload: dict[str, Any]) -> str:
         f"{adamw['slope_us']:.1f} µs per 8x8 matrix (fit at world 1), so `canzona`'s slope at "
         f"world 2 is {ours['slope_us'] / adamw['slope_us']:.2f}× that; one small all-to-all "
         f"takes {floor:.2f} ms (median over the rows), so the fixed cost is "
-        f"{ours['fixed_ms'] / floor:.1f} of them (a step makes three)."
+        f"{ours['fixed_ms'] / floor:.1f} of them (a steady step makes two)."
     )

@@ -90,7 +90,9 @@ def test_a_distributed_step_synchronises_only_where_documented(tmp_path: Path) -
     """Two ranks on the GPU (gloo): bitwise torch.optim.Muon, CUDA-event calibration, 2 syncs.
 
     The two host reads of a healthy step (docs/design.md, "Host synchronisation"): the
-    header's all-to-all (watchdog.py) and the vote on the last scatter (pipeline.py).
+    header (its own all-to-all in watchdog.py at the second step; from the third, steady,
+    its slot in the first gather, in pipeline.py) and the vote on the last scatter
+    (pipeline.py).
     """
     reports = _gpu_ranks.launch("gloo", 2, tmp_path)
     print(json.dumps(reports))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-import warnings
 from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
@@ -16,7 +15,7 @@ from canzona.optim.copies import CopyMixin
 from canzona.optim.owner_state import OwnerState
 from canzona.optim.prepare import GroupWork, StepWork, build_work
 from canzona.optim.transaction import Backup, StepTransaction
-from canzona.optim.validation import check_common, check_group
+from canzona.optim.validation import check_common, check_group, watch_gradients
 from canzona.plan import GroupedCost, PlanConfig, Split, cost_model
 from canzona.runtime import (
     ApplyBatch,
@@ -26,6 +25,7 @@ from canzona.runtime import (
     MatrixRuntime,
     ParamRow,
     PipelineConfig,
+    StepDeclined,
     StepStart,
     StepStats,
     StepTable,
@@ -40,8 +40,6 @@ ADAMW = "adamw"
 _NOT_HYPER = ("params", "param_names")
 #: Types whose values :func:`_plain` passes through unchanged (checked first: it runs per step).
 _SCALARS = frozenset({float, int, bool, str, type(None), torch.dtype})
-#: Steps without any matrix gradient after which the optimizer warns that it updates nothing.
-NO_GRAD_WARN_STEPS = 3
 
 
 def scalar(value: float | Tensor) -> float:
@@ -362,6 +360,14 @@ class MatrixOptimizer(CopyMixin, CheckpointMixin, Optimizer):
 
     def _step(self) -> None:
         """The step after the closure (see :meth:`step`)."""
+        try:
+            self._attempt()
+        except StepDeclined:
+            # the header that rode the first gather found this step unlike the last agreed
+            # one on some rank; everything was undone: again, with the check on its own
+            self._attempt()
+
+    def _attempt(self) -> None:
         params, names, gids = self._flat()
         if self._algorithms:
             self._check_algorithms(params, names, gids)
@@ -386,7 +392,10 @@ class MatrixOptimizer(CopyMixin, CheckpointMixin, Optimizer):
         try:
             if start.previous is not None:
                 self._migrate_owner_state(start.previous, params, gids)
-            self._watch_gradients(start, table)
+            if not start.declined:
+                self._steps_without_grads = watch_gradients(
+                    type(self).__name__, self._steps_without_grads, start.active, table.matrix
+                )
             if start.skip:
                 self.skipped_steps += 1
                 self.last_step_stats = StepStats(rank=self._runtime.rank, skipped=True)
@@ -414,7 +423,7 @@ class MatrixOptimizer(CopyMixin, CheckpointMixin, Optimizer):
         )
         txn.on_rollback(self._owner.rollback)
         work: StepWork | None = None
-        if failure is None:
+        if failure is None and not start.declined:
             try:
                 work = self._step_work(start, table, params, gids, txn)
                 self._prepare(work, start, names, txn)
@@ -436,7 +445,7 @@ class MatrixOptimizer(CopyMixin, CheckpointMixin, Optimizer):
         stats.backup_bytes = txn.backup_bytes + self._owner.backup_bytes
         txn.commit()
         self._owner.commit()
-        assert work is not None  # a failed prepare fails the vote
+        assert work is not None  # a failed prepare fails the vote; a declined step raised
         for group_work in work.groups:
             if group_work.adamw:
                 self._adamw_params(group_work)
@@ -567,25 +576,6 @@ class MatrixOptimizer(CopyMixin, CheckpointMixin, Optimizer):
                 betas=tuple(group["adamw_betas"]),
                 eps=group["adamw_eps"],
                 weight_decay=group["weight_decay"],
-            )
-
-    def _watch_gradients(self, start: StepStart, table: StepTable) -> None:
-        """Warn (on every rank alike) when no matrix has had a gradient for a few steps."""
-        if self._steps_without_grads < 0:
-            return
-        if any(i in start.active for i in table.matrix) or not table.matrix:
-            self._steps_without_grads = -1  # seen one: never warn
-            return
-        self._steps_without_grads += 1
-        if self._steps_without_grads == NO_GRAD_WARN_STEPS:
-            warnings.warn(
-                f"{type(self).__name__}: none of its {len(table.matrix)} matrix parameters has "
-                f"had a gradient in {NO_GRAD_WARN_STEPS} steps, so nothing was updated. The "
-                "likely cause: the optimizer was built before fully_shard or "
-                "parallelize_module replaced the model's parameters; build it afterwards "
-                "(canzona.param_groups(model) on the sharded model).",
-                RuntimeWarning,
-                stacklevel=3,
             )
 
     # ------------------------------------------------------------------ helpers

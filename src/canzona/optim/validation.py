@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence, Set
 from typing import Any
 
@@ -12,6 +13,8 @@ from canzona.plan import Split
 from canzona.runtime import validate_param
 
 ADAMW = "adamw"
+#: Steps without any matrix gradient after which the optimizer warns that it updates nothing.
+NO_GRAD_WARN_STEPS = 3
 
 
 def check_group(group: dict[str, Any], owner: str, taken: Set[str], offset: int) -> None:
@@ -83,3 +86,33 @@ def check_common(
         raise ValueError(f"Invalid adamw_betas: {adamw_betas}")
     if not adamw_eps >= 0.0 or math.isnan(adamw_eps):
         raise ValueError(f"Invalid adamw_eps: {adamw_eps}")
+
+
+def watch_gradients(owner: str, steps_without: int, active: Set[int], matrix: Sequence[int]) -> int:
+    """Warn (on every rank alike) when no matrix has had a gradient for a few steps.
+
+    Args:
+        owner: The optimizer's class name (for the message).
+        steps_without: Steps so far without a matrix gradient (-1: one was seen, never warn).
+        active: Parameters with a gradient in this step.
+        matrix: The matrix parameters.
+
+    Returns:
+        The count after this step.
+    """
+    if steps_without < 0:
+        return steps_without
+    if any(i in active for i in matrix) or not matrix:
+        return -1  # seen one: never warn
+    steps_without += 1
+    if steps_without == NO_GRAD_WARN_STEPS:
+        warnings.warn(
+            f"{owner}: none of its {len(matrix)} matrix parameters has "
+            f"had a gradient in {NO_GRAD_WARN_STEPS} steps, so nothing was updated. The "
+            "likely cause: the optimizer was built before fully_shard or "
+            "parallelize_module replaced the model's parameters; build it afterwards "
+            "(canzona.param_groups(model) on the sharded model).",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+    return steps_without

@@ -1,6 +1,7 @@
 """The distributed runtime: storage layouts, cross-rank checks, gather -> compute -> scatter."""
 
 from canzona.runtime.buffers import FlatBuffer
+from canzona.runtime.checks import check_all_ok
 from canzona.runtime.config import (
     CollectiveTimeoutError,
     GradientMismatchError,
@@ -8,11 +9,11 @@ from canzona.runtime.config import (
     PlanMismatchError,
     UpdateFailedError,
 )
-from canzona.runtime.engine import MatrixRuntime, StepStart, check_all_ok, snapshot
+from canzona.runtime.engine import MatrixRuntime, StepStart
 from canzona.runtime.layout import Fragment, LayoutError, fragment_for
-from canzona.runtime.pipeline import Failure, StepStats
+from canzona.runtime.pipeline import Failure, StepDeclined, StepStats
 from canzona.runtime.routing import Item
-from canzona.runtime.statecomm import Snapshot, StateEntry, export_state, import_state
+from canzona.runtime.statecomm import Snapshot, StateEntry, export_state, import_state, snapshot
 from canzona.runtime.table import ApplyBatch, ComputeBatch, ParamRow, StepTable
 from canzona.runtime.tensors import (
     all_finite,
@@ -41,6 +42,7 @@ __all__ = [
     "PlanMismatchError",
     "Snapshot",
     "StateEntry",
+    "StepDeclined",
     "StepStart",
     "StepStats",
     "StepTable",

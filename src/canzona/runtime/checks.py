@@ -4,14 +4,23 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Hashable, Sequence
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
 from canzona.runtime.config import GradientMismatchError, PlanMismatchError
 from canzona.runtime.watchdog import Watchdog, gather_ints
 
+if TYPE_CHECKING:
+    from canzona.runtime.engine import MatrixRuntime
+
 _CHUNKS = 3  # 40-bit chunks per digest: exact in int64
 VOTE = 1_000_000  # progress-marker phase of the success vote: after every micro-group
+_FIXED = 1 + 3 * _CHUNKS  # header words before the gradient-presence digest
+#: int64 words of the header that rides a step's first gather: the header, the ready flag
+#: and padding to 16 bytes (the slot is reinterpreted in the gather's dtype)
+RIDE_WORDS = 18
+RIDE_READY = _FIXED + _CHUNKS + 3  # where the ready flag sits in it
 
 
 def ranks_by_value(values: Sequence[Hashable]) -> list[tuple[Hashable, list[int]]]:
@@ -32,6 +41,49 @@ def digest_chunks(hexdigest: str) -> list[int]:
 def grads_digest(has_grad: Sequence[bool]) -> str:
     """sha256 of a gradient-presence bitmap."""
     return hashlib.sha256(bytes(1 if g else 0 for g in has_grad)).hexdigest()
+
+
+def header_values(
+    *,
+    num_params: int,
+    structure: str,
+    plan: str,
+    hparams: str,
+    has_grad: Sequence[bool],
+    failed: bool,
+    nonfinite: bool,
+    needs_setup: bool,
+) -> list[int]:
+    """A rank's header: counts and digests that must agree, then its three flags."""
+    return [
+        num_params,
+        *digest_chunks(structure),
+        *digest_chunks(plan),
+        *digest_chunks(hparams),
+        *digest_chunks(grads_digest(has_grad)),
+        int(failed),
+        int(nonfinite),
+        int(needs_setup),
+    ]
+
+
+def ride_header(header: list[int], ready: bool) -> list[int]:
+    """The header that rides a step's first gather: ``header``, ``ready``, padding.
+
+    ``ready`` says that this rank's step matches the last agreed one (same plan, same
+    parameters with gradients, nothing failed), so it prepared its payloads by that plan.
+    """
+    words = [*header, int(ready)]
+    return words + [0] * (RIDE_WORDS - len(words))
+
+
+def ride_agrees(rows: Sequence[Sequence[int]]) -> bool:
+    """Whether a step whose header rode its first gather goes on.
+
+    Only when every rank was ready and every header is equal; anything else runs the step
+    again with :func:`check_header`.
+    """
+    return all(row == rows[0] for row in rows) and rows[0][RIDE_READY] == 1
 
 
 def check_header(
@@ -63,19 +115,18 @@ def check_header(
         GradientMismatchError: on every rank, when gradient presence differs (after one
             more all-gather that finds which parameters and ranks).
     """
-    values = [
-        num_params,
-        *digest_chunks(structure),
-        *digest_chunks(plan),
-        *digest_chunks(hparams),
-    ]
-    grads = digest_chunks(grads_digest(has_grad))
-    gathered = gather_ints(
-        [*values, *grads, int(failed), int(nonfinite), int(needs_setup)],
-        watchdog=watchdog,
-        phase=0,
-        what="the step's cross-rank check",
+    header = header_values(
+        num_params=num_params,
+        structure=structure,
+        plan=plan,
+        hparams=hparams,
+        has_grad=has_grad,
+        failed=failed,
+        nonfinite=nonfinite,
+        needs_setup=needs_setup,
     )
+    values = header[:_FIXED]
+    gathered = gather_ints(header, watchdog=watchdog, phase=0, what="the step's cross-rank check")
     flagged = any(r[-2] for r in gathered)
     if any(r[-3] for r in gathered):
         return False, flagged, True
@@ -190,3 +241,10 @@ def reports_of(
     reports: list[str | None] = [None] * watchdog.world
     dist.all_gather_object(reports, report, group=watchdog.process_group)
     return [(r, reports[r] or "failed") for r in failed]
+
+
+def check_all_ok(ok: bool, runtime: MatrixRuntime) -> list[int]:
+    """Ranks of the runtime's process group where ``ok`` is False (no collective when local)."""
+    if runtime.process_group is None:
+        return [] if ok else [runtime.rank]
+    return failing_ranks(ok, watchdog=runtime.watchdog)

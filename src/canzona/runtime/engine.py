@@ -14,7 +14,13 @@ import torch.distributed as dist
 from canzona.plan import CostModel, GroupedCost, Plan, PlanConfig, build_plan
 from canzona.runtime.calibrate import calibrate, device_name, shapes_of
 from canzona.runtime.calibration_cache import DiskCache
-from canzona.runtime.checks import check_header, check_plan_digest, failing_ranks, vote
+from canzona.runtime.checks import (
+    check_header,
+    check_plan_digest,
+    header_values,
+    ride_header,
+    vote,
+)
 from canzona.runtime.config import PipelineConfig, UpdateFailedError
 from canzona.runtime.pipeline import Failure, Pipeline, StepStats
 from canzona.runtime.routing import (
@@ -26,7 +32,7 @@ from canzona.runtime.routing import (
     route_all,
 )
 from canzona.runtime.schedule import ScheduleBuilder
-from canzona.runtime.statecomm import Snapshot
+from canzona.runtime.statecomm import Snapshot, snapshot
 from canzona.runtime.table import ApplyFn, ComputeFn, StepTable
 from canzona.runtime.tensors import local_tensor, process_group_of, tensor_device
 from canzona.runtime.topology import ParamLayout, Topology, agree, describe, structure_digest
@@ -47,12 +53,16 @@ class StepStart:
             until :meth:`MatrixRuntime.run` returns).
         previous: After a re-plan, the old plan's snapshot (owner-held state moves from
             it to the new owners); None otherwise.
+        declined: The header rides the first gather and this rank's step does not match
+            the last agreed one: prepare nothing (:meth:`MatrixRuntime.run` then raises
+            :class:`~canzona.runtime.pipeline.StepDeclined` on every rank).
     """
 
     active: frozenset[int]
     skip: bool
     payload: dict[int, torch.Tensor]
     previous: Snapshot | None
+    declined: bool = False
 
 
 class MatrixRuntime:
@@ -94,6 +104,13 @@ class MatrixRuntime:
         self._plan_version = 0
         self._pipelines: dict[tuple[object, ...], Pipeline] = {}
         self._current: Pipeline | None = None
+        # the header rides the first gather while steps repeat the last agreed one:
+        # (plan digest, gradient presence) of this step, of the last successful step,
+        # and (pipeline, gradient presence, table version) to ride with
+        self._begun: tuple[str, tuple[bool, ...]] | None = None
+        self._last_ok: tuple[str, tuple[bool, ...]] | None = None
+        self._ride: tuple[Pipeline, tuple[bool, ...], int] | None = None
+        self._header: list[int] | None = None
         self.watchdog = Watchdog(None, 0, 1, pipeline_config.timeout_s)
         # (process group, rank, world, watchdog) the current plan was made for: parameters added
         # later can make the job distributed before the old plan's state is moved
@@ -118,6 +135,12 @@ class MatrixRuntime:
         """Forget the plan (e.g. after ``add_param_group``); the next step re-plans."""
         self._planned = False
         self._pipelines.clear()
+        self._forget_ride()
+
+    def _forget_ride(self) -> None:
+        """The next step runs its cross-rank check on its own (and the one after too)."""
+        self._ride = self._last_ok = self._begun = None
+        self._header = None
 
     def _resolve_group(self, tensors: Sequence[torch.Tensor]) -> None:
         group = process_group_of(self.config.process_group)
@@ -179,26 +202,93 @@ class MatrixRuntime:
             failure: Something already failed on this rank (every rank then raises).
             compute: The owner math, timed when a plan with measured costs is built.
 
+        In a steady step (the last two succeeded with the same plan and parameters with
+        gradients, the step is atomic and no check is switched off) nothing is exchanged
+        here: the header rides the first gather (see :meth:`run`) and the step reuses the
+        last one's schedule.
+
         Raises:
             UpdateFailedError: on every rank, when ``failure`` was given on some rank.
         """
         self.watchdog.step += 1
-        previous, flagged, failed = self._sync(
-            names,
-            tensors,
-            table,
-            has_grad=has_grad,
-            nonfinite=nonfinite,
-            failed=failure is not None,
-            compute=compute,
+        self._header = None
+        if self._rides():
+            return self._begin_riding(names, tensors, table, has_grad, nonfinite, failure)
+        try:
+            previous, flagged, failed = self._sync(
+                names,
+                tensors,
+                table,
+                has_grad=has_grad,
+                nonfinite=nonfinite,
+                failed=failure is not None,
+                compute=compute,
+            )
+            if failed or (failure is not None and self.process_group is None):
+                self._raise_failures(failure, names)
+            # without a header (check_every_step=False) a failure reaches the others at the vote
+            active = frozenset(compress(range(len(has_grad)), has_grad))
+            if flagged:
+                self._forget_ride()
+                return StepStart(active, True, {}, previous)
+            pipeline = self._pipeline(table, active, tensors)
+            self._hold(pipeline)
+            self._begun = (self.digest, tuple(has_grad))
+            return StepStart(active, False, pipeline.schedule.payload, previous)
+        except BaseException:
+            self._forget_ride()
+            raise
+
+    def _rides(self) -> bool:
+        """Whether this step's header rides its first gather (the same on every rank)."""
+        c = self.config
+        return (
+            self._ride is not None
+            and self.process_group is not None
+            and c.atomic  # a declined step is undone exactly, like a failed one
+            and c.check_every_step
+            and not c.skip_nonfinite  # a skip must not follow a prepare
         )
-        if failed or (failure is not None and self.process_group is None):
-            self._raise_failures(failure, names)
-        # without a header (check_every_step=False) a failure reaches the others at the vote
-        active = frozenset(compress(range(len(has_grad)), has_grad))
-        if flagged:
-            return StepStart(active, True, {}, previous)
-        pipeline = self._pipeline(table, active, tensors)
+
+    def _begin_riding(
+        self,
+        names: Sequence[str],
+        tensors: Sequence[torch.Tensor],
+        table: StepTable,
+        has_grad: Sequence[bool],
+        nonfinite: bool,
+        failure: Failure | None,
+    ) -> StepStart:
+        assert self._ride is not None
+        pipeline, grads, version = self._ride
+        structure = self._structure_of(self.layouts(names, tensors), table)
+        needs_setup = not self._planned or structure != self._structure
+        ready = (
+            not needs_setup
+            and failure is None
+            and not nonfinite
+            and version == table.version
+            and tuple(has_grad) == grads
+        )
+        header = header_values(
+            num_params=len(tensors),
+            structure=structure,
+            plan=self.digest,
+            hparams=table.fingerprint,
+            has_grad=has_grad,
+            failed=failure is not None,
+            nonfinite=nonfinite,
+            needs_setup=needs_setup,
+        )
+        self._header = ride_header(header, ready)
+        self._begun = (self.digest, grads)
+        self.watchdog.tag = f"{self._instance}-{structure[:16]}"
+        active = frozenset(compress(range(len(grads)), grads))
+        self._hold(pipeline)
+        return StepStart(active, False, pipeline.schedule.payload, None, declined=not ready)
+
+    def _hold(self, pipeline: Pipeline) -> None:
+        """Make ``pipeline`` the step's, its buffers allocated."""
         for other in self._pipelines.values():
             # kept buffers: one schedule's at a time (another set of parameters with
             # gradients has its own schedule); a retired one may still be in use
@@ -206,7 +296,6 @@ class MatrixRuntime:
                 other.schedule.free()
         pipeline.schedule.acquire()
         self._current = pipeline
-        return StepStart(active, False, pipeline.schedule.payload, previous)
 
     def run(
         self,
@@ -218,14 +307,40 @@ class MatrixRuntime:
         apply: ApplyFn,
         failure: Failure | None = None,
     ) -> StepStats:
-        """Run the step begun by :meth:`begin_step` (see :meth:`Pipeline.run`)."""
+        """Run the step begun by :meth:`begin_step` (see :meth:`Pipeline.run`).
+
+        Raises:
+            StepDeclined: on every rank, when the header rode the first gather and some
+                rank's step did not match the last agreed one, or the headers differ.
+        """
         pipeline = self._current
         if pipeline is None:
             raise RuntimeError("MatrixRuntime.begin_step() must run before run()")
         self._current = None
-        return pipeline.run(
-            table=table, tensors=tensors, names=names, compute=compute, apply=apply, failure=failure
-        )
+        begun, ride, self._header = self._begun, self._header, None
+        try:
+            stats = pipeline.run(
+                table=table,
+                tensors=tensors,
+                names=names,
+                compute=compute,
+                apply=apply,
+                failure=failure,
+                ride=ride,
+            )
+        except BaseException:
+            self._forget_ride()
+            raise
+        # agreed facts only (the plan digest, the gradient presence the header compared):
+        # every rank makes the same choice
+        steady = begun is not None and begun == self._last_ok
+        heads = pipeline.schedule.micro_groups
+        if steady and heads and heads[0].header is not None and begun is not None:
+            self._ride = (pipeline, begun[1], table.version)
+        else:
+            self._ride = None
+        self._last_ok = begun
+        return stats
 
     def abandon(self) -> None:
         """Release a begun step's buffers without running it."""
@@ -271,30 +386,8 @@ class MatrixRuntime:
         compute: ComputeFn | None = None,
     ) -> tuple[Snapshot | None, bool, bool]:
         layouts = self.layouts(names, tensors)
-        # frozen configs and the table's version: the key costs nothing per matrix
-        key = (
-            self._layout_version,
-            table.version,
-            table.config,
-            self.plan_config,
-            self.config.overlap,
-            self.config.depth,
-            self.config.fuse_bytes,
-        )
-        if self._structure_key != key:
-            self._structure_key = key
-            self._config_now = repr(
-                (
-                    table.config,
-                    self.plan_config,
-                    self.config.overlap,
-                    self.config.depth,
-                    self.config.fuse_bytes,
-                    table.matrix,
-                )
-            )
-            self._structure_now = structure_digest(layouts, self._config_now)
-        config, structure = self._config_now, self._structure_now
+        structure = self._structure_of(layouts, table)
+        config = self._config_now
         needs_setup = not self._planned or structure != self._structure
         self.watchdog.tag = f"{self._instance}-{structure[:16]}"
         flagged = nonfinite
@@ -322,6 +415,33 @@ class MatrixRuntime:
             self._setup(layouts, structure, config, table, compute)
         return previous, flagged, failed
 
+    def _structure_of(self, layouts: Sequence[ParamLayout], table: StepTable) -> str:
+        """The structure digest of the parameters and configuration (cached per key)."""
+        # frozen configs and the table's version: the key costs nothing per matrix
+        key = (
+            self._layout_version,
+            table.version,
+            table.config,
+            self.plan_config,
+            self.config.overlap,
+            self.config.depth,
+            self.config.fuse_bytes,
+        )
+        if self._structure_key != key:
+            self._structure_key = key
+            self._config_now = repr(
+                (
+                    table.config,
+                    self.plan_config,
+                    self.config.overlap,
+                    self.config.depth,
+                    self.config.fuse_bytes,
+                    table.matrix,
+                )
+            )
+            self._structure_now = structure_digest(layouts, self._config_now)
+        return self._structure_now
+
     def _setup(
         self,
         layouts: Sequence[ParamLayout],
@@ -330,6 +450,7 @@ class MatrixRuntime:
         table: StepTable,
         compute: ComputeFn | None,
     ) -> None:
+        self._forget_ride()
         self.topology = agree(
             layouts,
             process_group=self.process_group,
@@ -451,27 +572,3 @@ class MatrixRuntime:
 
 def _held(shape: tuple[int, ...]) -> bool:
     return all(s > 0 for s in shape)
-
-
-def snapshot(runtime: MatrixRuntime) -> Snapshot:
-    """What state movement needs from ``runtime`` (valid until its next re-plan)."""
-    if runtime.topology is None:
-        raise RuntimeError("the runtime has no plan yet")
-    process_group, rank, world, watchdog = runtime.planned_on
-    return Snapshot(
-        items=tuple(runtime.items),
-        routes=dict(runtime.routes),
-        topology=runtime.topology,
-        process_group=process_group,
-        rank=rank,
-        world=world,
-        replica_dedup=runtime.plan_config.replica_dedup,
-        watchdog=watchdog,
-    )
-
-
-def check_all_ok(ok: bool, runtime: MatrixRuntime) -> list[int]:
-    """Ranks of the runtime's process group where ``ok`` is False (no collective when local)."""
-    if runtime.process_group is None:
-        return [] if ok else [runtime.rank]
-    return failing_ranks(ok, watchdog=runtime.watchdog)

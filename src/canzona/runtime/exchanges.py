@@ -23,6 +23,7 @@ class Exchange:
         micro_group: Index of the micro-group.
         phase: The progress marker's phase of the exchange.
         status: Every segment starts with the sender's status flag (the vote).
+        header: Every segment starts with this many elements of the header's slot.
     """
 
     inp: torch.Tensor
@@ -32,6 +33,7 @@ class Exchange:
     micro_group: int
     phase: int
     status: bool = False
+    header: int = 0
 
 
 @dataclass

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from canzona.runtime.alltoall import all_to_all
-from canzona.runtime.checks import reports_of, vote
+from canzona.runtime.checks import RIDE_READY, reports_of, ride_agrees, vote
 from canzona.runtime.config import PipelineConfig, UpdateFailedError
 from canzona.runtime.exchanges import (
     Exchange,
@@ -47,6 +47,8 @@ class StepStats:
     after the step's success vote; ``total_s`` is the whole matrix phase of the step.
     ``backup_bytes`` is what the optimizer copied to undo a failed step
     (``PipelineConfig(atomic=True)``): the extra memory a step holds for atomicity.
+    ``header_rode``: the step's cross-rank check travelled in its first gather (a steady
+    step) instead of a collective of its own.
     """
 
     rank: int = 0
@@ -63,6 +65,7 @@ class StepStats:
     total_s: float = 0.0
     backup_bytes: int = 0
     skipped: bool = False
+    header_rode: bool = False
     group_compute_s: list[float] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
@@ -82,7 +85,17 @@ class StepStats:
             "total_s": self.total_s,
             "backup_bytes": self.backup_bytes,
             "skipped": self.skipped,
+            "header_rode": self.header_rode,
         }
+
+
+class StepDeclined(Exception):
+    """The headers that rode the step's first gather say it cannot go on as planned.
+
+    Raised on every rank alike (all read the same headers) once every collective the step
+    issued has completed; the optimizer undoes the step and runs it again with the check
+    as a collective of its own, which then re-plans or raises the usual error.
+    """
 
 
 @dataclass
@@ -153,6 +166,7 @@ class Pipeline:
         compute: ComputeFn,
         apply: ApplyFn,
         failure: Failure | None = None,
+        ride: list[int] | None = None,
     ) -> StepStats:
         """Compute every active matrix's direction, agree that every rank succeeded, apply.
 
@@ -167,15 +181,28 @@ class Pipeline:
             compute: Owner-side math of one batch.
             apply: Storage-side update of one batch.
             failure: What already failed on this rank in this step (e.g. the prepare).
+            ride: The header (:func:`~canzona.runtime.checks.ride_header`) that travels in
+                the first gather's slot; its ready flag unset, this rank prepared nothing
+                and computes nothing.
 
         Raises:
             UpdateFailedError: on every rank, naming the failing ranks and what failed
                 there, when anything failed on any rank; nothing was applied anywhere.
+            StepDeclined: on every rank, when the headers that rode the first gather
+                disagree or some rank was not ready; nothing was applied anywhere.
         """
         run = _Run(self, table, compute, failure)
+        if ride is not None:
+            slot = self.schedule.micro_groups[0].header
+            assert slot is not None and self.process_group is not None
+            words = torch.tensor(ride, dtype=torch.int64)
+            if self.device.type != "cpu":  # from pinned memory the copy does not block the host
+                words = words.pin_memory().to(self.device, non_blocking=True)
+            slot.view(torch.int64).copy_(words)
+            run.riding, run.hold = True, ride[RIDE_READY] == 0
         t0 = time.perf_counter()
         try:
-            if run.failure is None:
+            if run.failure is None and not run.hold:
                 try:  # the payloads travel in their payload dtype
                     for prepared, payload in self.schedule.casts:
                         payload.tensor.copy_(prepared.tensor)
@@ -237,6 +264,8 @@ class _Run:
         self.received: list[tuple[torch.Tensor, Delivery]] = []
         self.failed_ranks: list[int] | None = None  # from the last scatter's status
         self.in_flight = 0  # all-to-alls issued and not yet waited for
+        self.riding = False  # the header rides the first gather
+        self.hold = False  # ... and says this rank is not ready: compute nothing
 
     def fail(self, where: str, exc: BaseException, params: Sequence[int] = ()) -> None:
         if self.failure is None:
@@ -245,7 +274,7 @@ class _Run:
     # ------------------------------------------------------------------ compute
     def _compute(self, batch: OwnerBatch, full: torch.Tensor | None, where: str) -> torch.Tensor:
         """The batch's directions; after a failure, zeros of the scatter's dtype."""
-        if self.failure is None and full is not None:
+        if self.failure is None and not self.hold and full is not None:
             try:
                 cb = ComputeBatch(batch.items, batch.key, self.table.hparams[batch.key])
                 start, cpu = time.perf_counter(), time.thread_time()
@@ -266,7 +295,7 @@ class _Run:
         for batch in self.p.schedule.local:
             full = None
             try:
-                if self.failure is None:
+                if self.failure is None and not self.hold:
                     full = torch.stack(batch.inputs)
             except Exception as exc:
                 self.fail("stacking local matrices", exc, [it.param for it in batch.items])
@@ -302,6 +331,8 @@ class _Run:
                 issued += 1
             pending = gathers.pop(k)
             self._wait(pending)
+            if k == 0 and self.riding:
+                self._read_header(g, pending.out, gathers.values())
             outs = self._compute_group(g, pending.out)
             del pending
             if self.p.schedule.replicated:  # every rank keeps its own fragment: no scatter
@@ -319,6 +350,17 @@ class _Run:
                 self._receive(*in_flight.pop(0))
         while in_flight:
             self._receive(*in_flight.pop(0))
+
+    def _read_header(self, g: GroupSchedule, recv: torch.Tensor, issued: Iterable[Pending]) -> None:
+        """Go on only if every rank's header in the first gather agrees (one host read)."""
+        assert g.header_index is not None
+        words = recv.index_select(0, g.header_index).view(torch.int64)
+        if ride_agrees(words.view(self.p.world, -1).tolist()):
+            self.stats.header_rode = True
+            return
+        for pending in list(issued):  # the buffers must outlive every collective issued
+            self._wait(pending)
+        raise StepDeclined("the header that rode the first gather declined the step")
 
     def _single(self, ex: Exchange) -> Pending:
         """Issue one exchange as its own all-to-all."""
@@ -364,7 +406,7 @@ class _Run:
     def _count(self, ex: Exchange) -> None:
         """Add an exchange's payload bytes (status flags are not payload) to the stats."""
         size = ex.inp.element_size()
-        peers = self.p.world - 1 if ex.status else 0
+        peers = (self.p.world - 1) * (int(ex.status) + ex.header)
         self.stats.bytes_sent += (sum(ex.in_splits) - ex.in_splits[self.p.rank] - peers) * size
         self.stats.bytes_received += (
             sum(ex.out_splits) - ex.out_splits[self.p.rank] - peers
@@ -388,7 +430,10 @@ class _Run:
         except Exception as exc:
             self.fail(f"packing the gather of micro-group {g.index}", exc)
             inp = torch.zeros(sum(g.gather_in), dtype=g.gather_dtype, device=self.p.device)
-        return Exchange(inp, g.gather_out, g.gather_in, "gather", g.index, 10 + 2 * g.index)
+        head = 0 if g.header is None else g.header.numel()
+        return Exchange(
+            inp, g.gather_out, g.gather_in, "gather", g.index, 10 + 2 * g.index, header=head
+        )
 
     def _compute_group(self, g: GroupSchedule, recv: torch.Tensor) -> list[torch.Tensor]:
         start = time.perf_counter()

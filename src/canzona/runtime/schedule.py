@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from canzona.runtime.buffers import FlatBuffer, Selector
+from canzona.runtime.checks import RIDE_WORDS
 from canzona.runtime.layout import Fragment
 from canzona.runtime.routing import Item, Route
 from canzona.runtime.schedule_parts import (
@@ -205,9 +206,11 @@ class ScheduleBuilder:
         }
         local, local_kept = self._local()
         last = max((k for k, items in enumerate(self.groups) if items), default=-1)
+        first = min((k for k, items in enumerate(self.groups) if items), default=-1)
         status = not self.replicated
         groups = [
-            self._group(k, items, status and k == last) for k, items in enumerate(self.groups)
+            self._group(k, items, status and k == last, self.world > 1 and k == first)
+            for k, items in enumerate(self.groups)
         ]
         schedule = Schedule(
             buffers, casts, payload, local, local_kept, [g for g in groups if g], self.replicated
@@ -343,14 +346,27 @@ class ScheduleBuilder:
         return out
 
     # ------------------------------------------------------------------ groups
-    def _group(self, index: int, items: list[Item], status: bool) -> GroupSchedule | None:
+    def _group(
+        self, index: int, items: list[Item], status: bool, header: bool
+    ) -> GroupSchedule | None:
         if not items:
             return None
         table = self.table
         gather_dtype = common_dtype([table.row(it.param).payload_dtype for it in items])
         scatter_dtype = common_dtype([table.row(it.param).direction_dtype for it in items])
-        send, gather_in = self._sends(items, gather_dtype)
-        batches, gather_out = self._owner_batches(items)
+        slot = None
+        if header:  # int64 words seen as gather elements: the bytes travel unchanged
+            words = torch.zeros(RIDE_WORDS, dtype=torch.int64, device=self.device)
+            slot = words.view(gather_dtype)
+        send, gather_in = self._sends(items, slot)
+        head = 0 if slot is None else slot.numel()
+        batches, gather_out = self._owner_batches(items, head)
+        header_index = None
+        if slot is not None:
+            starts = [sum(gather_out[:src]) for src in range(self.world)]
+            header_index = torch.tensor(
+                [s + j for s in starts for j in range(head)], dtype=torch.int64, device=self.device
+            )
         pieces: list[Piece] = []
         scatter_in = [0] * self.world
         kept: list[tuple[Piece, Delivery]] = []
@@ -390,15 +406,23 @@ class ScheduleBuilder:
                 if status and not self.replicated
                 else None
             ),
+            header=slot,
+            header_index=header_index,
         )
 
     def _sends(
-        self, items: list[Item], dtype: torch.dtype
+        self, items: list[Item], slot: torch.Tensor | None
     ) -> tuple[tuple[SendView, ...], list[int]]:
-        """This rank's payloads in wire order (contiguous ranges merged) and per-rank sizes."""
+        """This rank's payloads in wire order (contiguous ranges merged) and per-rank sizes.
+
+        With ``slot``, every destination's segment starts with it (the header's slot).
+        """
         parts: list[SendPart] = []
         sizes = [0] * self.world
         for dest in range(self.world):
+            if slot is not None:
+                parts.append(slot)
+                sizes[dest] += slot.numel()
             for item in items:
                 route = self.routes.get(item.name)
                 if route is None or route.frag is None or dest not in route.send_to:
@@ -427,8 +451,13 @@ class ScheduleBuilder:
                 views.append(part)  # type: ignore[arg-type]
         return tuple(views), sizes
 
-    def _owner_batches(self, items: list[Item]) -> tuple[list[OwnerBatch], list[int]]:
-        """The batches this rank computes and how the gather fills them."""
+    def _owner_batches(
+        self, items: list[Item], head: int = 0
+    ) -> tuple[list[OwnerBatch], list[int]]:
+        """The batches this rank computes and how the gather fills them.
+
+        Every source's segment starts with ``head`` elements (the header's slot).
+        """
         mine = [it for it in items if (r := self.routes.get(it.name)) is not None and r.computes]
         batches: list[OwnerBatch] = []
         position: dict[str, tuple[int, int]] = {}
@@ -444,7 +473,7 @@ class ScheduleBuilder:
                 entries.setdefault(src, []).append((b, j, frag))
         base = 0
         for src in range(self.world):
-            offset = base
+            offset = base + head
             by_batch: dict[int, list[tuple[int, Fragment]]] = {}
             for b, j, frag in entries.get(src, []):
                 by_batch.setdefault(b, []).append((j, frag))

@@ -157,6 +157,12 @@ class GroupSchedule:
     where every rank receives every matrix), the same number on every rank: it decides
     which exchanges travel together
     (:attr:`~canzona.runtime.config.PipelineConfig.fuse_bytes`).
+
+    The step's first micro-group reserves, at the start of every gather segment, a slot
+    for the step's header (``header``: the slot this rank sends, in the gather dtype;
+    ``header_index``: where every sender's slot sits in the receive buffer), so that in a
+    steady step the cross-rank check rides the first gather instead of a collective of
+    its own (see :meth:`~canzona.runtime.engine.MatrixRuntime.begin_step`).
     """
 
     index: int
@@ -175,6 +181,8 @@ class GroupSchedule:
     status: bool = False
     piece_bounds: list[int] = field(default_factory=list)
     status_index: torch.Tensor | None = None
+    header: torch.Tensor | None = None
+    header_index: torch.Tensor | None = None
 
 
 @dataclass(slots=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -14,6 +15,9 @@ from canzona.runtime.layout import Fragment, fragment_for, full_fragment
 from canzona.runtime.routing import Item, Route, _unravel
 from canzona.runtime.topology import ParamLayout, Topology
 from canzona.runtime.watchdog import Watchdog
+
+if TYPE_CHECKING:
+    from canzona.runtime.engine import MatrixRuntime
 
 StateKey = tuple[int, str]  # (parameter index, state name)
 
@@ -326,3 +330,20 @@ def import_state(
     by_name = {it.name: it for it in snap.items}
     for (name, key), full in assembled.items():
         put(by_name[name], key, full)
+
+
+def snapshot(runtime: MatrixRuntime) -> Snapshot:
+    """What state movement needs from ``runtime`` (valid until its next re-plan)."""
+    if runtime.topology is None:
+        raise RuntimeError("the runtime has no plan yet")
+    process_group, rank, world, watchdog = runtime.planned_on
+    return Snapshot(
+        items=tuple(runtime.items),
+        routes=dict(runtime.routes),
+        topology=runtime.topology,
+        process_group=process_group,
+        rank=rank,
+        world=world,
+        replica_dedup=runtime.plan_config.replica_dedup,
+        watchdog=watchdog,
+    )
