@@ -503,6 +503,15 @@ def explain(payload: dict[str, Any]) -> list[str]:
                 if lean
                 else ""
             )
+            one = runs.get("canzona_one_group")
+            if one:  # the case's capacity cuts the plan; the default one would not
+                lean_txt += (
+                    f". The case's capacity ({c['capacity_mb']:g} MB) cuts the plan into "
+                    f"{canz['micro_groups']} micro-groups, each with its own collectives and "
+                    f"smaller kernel calls; in one group (the default capacity holds this "
+                    f"model) the step takes {_ms(one['step_s'])} ms "
+                    f"({_ratio(one['step_s'] / runs['replicated']['step_s'])} × replicated)"
+                )
             notes.append(
                 f"{head}. `canzona` step {_ms(canz['step_s'])} ms = owner compute (slowest "
                 f"rank {_ms(max(canz['compute_s']))} ms wall, {_ms(max(canz['compute_cpu_s']))} "
