@@ -24,12 +24,14 @@ from _cases import SHAPES, full_of, full_tensors, grad_steps, reference_muon, sh
 from _dist import mesh
 
 TIMEOUT = 120
-NAMES = ("square", "tall", "wide")
+#: Two matrices of each shape: on four ranks, a tiny capacity cuts them into micro-groups.
+SHAPE_OF = {f"{n}{k}": SHAPES[n] for k in ("", "_b") for n in ("square", "tall", "wide")}
+NAMES = tuple(SHAPE_OF)
 KW: dict[str, Any] = {"lr": 0.02, "momentum": 0.9, "weight_decay": 0.1}
 
 
 def _params() -> list[tuple[str, nn.Parameter]]:
-    fulls = full_tensors({n: SHAPES[n] for n in NAMES})
+    fulls = full_tensors(SHAPE_OF)
     return sharded_params(fulls, mesh((4,)), {n: (Shard(0),) for n in NAMES})
 
 
@@ -45,15 +47,17 @@ def _set(
         p.grad = None if name in skip else grad
 
 
-def _steady(strategy: str, steps: int, atomic: bool = True) -> dict[str, Any]:
+def _steady(
+    strategy: str, steps: int, atomic: bool = True, capacity_mb: float = 512.0
+) -> dict[str, Any]:
     params = _params()
     opt = canzona.Muon(
         params,
         **KW,
-        plan=canzona.PlanConfig(strategy=strategy),
+        plan=canzona.PlanConfig(strategy=strategy, capacity_mb=capacity_mb),
         pipeline=canzona.PipelineConfig(atomic=atomic),
     )
-    grads = grad_steps({n: SHAPES[n] for n in NAMES}, steps)
+    grads = grad_steps(SHAPE_OF, steps)
     rode, sent, collectives = [], [], []
     for g in grads:
         _set(params, g, set())
@@ -82,6 +86,7 @@ def _steady(strategy: str, steps: int, atomic: bool = True) -> dict[str, Any]:
         "rode": rode,
         "sent": sent,
         "expected_sent": expected,
+        "micro_groups": opt.last_step_stats.micro_groups,
         "collectives": collectives,
         "params": {n: full_of(p) for n, p in params},
     }
@@ -90,13 +95,19 @@ def _steady(strategy: str, steps: int, atomic: bool = True) -> dict[str, Any]:
 def test_steady_steps_ride_the_first_gather_and_stay_bitwise(dist: Any) -> None:
     """Catches: a header that never rides (or rides from the first step, before any plan was
     agreed), a header slot counted as payload bytes or misread by the owners' assembly (the
-    result would differ from ``torch.optim.Muon``), for both strategies that scatter or not."""
-    fulls = full_tensors({n: SHAPES[n] for n in NAMES})
-    grads = grad_steps({n: SHAPES[n] for n in NAMES}, 5)
+    result would differ from ``torch.optim.Muon``), for both strategies that scatter or not,
+    and with one matrix per micro-group, whose first gathers travel fused."""
+    fulls = full_tensors(SHAPE_OF)
+    grads = grad_steps(SHAPE_OF, 5)
     want = reference_muon(fulls, grads, **KW)
-    for strategy in ("canzona", "replicated"):
-        out = dist(4).run(_steady, strategy, 5, timeout=TIMEOUT)
+    for strategy, capacity, groups in (
+        ("canzona", 512.0, 1),
+        ("replicated", 512.0, 1),
+        ("canzona", 1e-4, 2),
+    ):
+        out = dist(4).run(_steady, strategy, 5, True, capacity, timeout=TIMEOUT)
         for rank in out:
+            assert rank["micro_groups"] == groups, (strategy, capacity, rank["micro_groups"])
             assert rank["rode"] == [False, False, True, True, True], strategy
             # the header's slot is not payload, ridden or not
             assert rank["sent"] == [rank["expected_sent"]] * 5, (strategy, rank)
@@ -114,7 +125,7 @@ def test_a_step_that_is_not_atomic_never_rides(dist: Any) -> None:
 def _grad_dropped_everywhere() -> dict[str, Any]:
     params = _params()
     opt = canzona.Muon(params, **KW)
-    grads = grad_steps({n: SHAPES[n] for n in NAMES}, 7)
+    grads = grad_steps(SHAPE_OF, 7)
     rode = []
     for step, g in enumerate(grads):
         _set(params, g, {"tall"} if step == 3 else set())
@@ -125,8 +136,8 @@ def _grad_dropped_everywhere() -> dict[str, Any]:
 
 def _one_device_skipping(skip_step: int, steps: int) -> dict[str, torch.Tensor]:
     """``canzona.Muon`` on plain tensors, ``tall`` without a gradient at ``skip_step``."""
-    fulls = full_tensors({n: SHAPES[n] for n in NAMES})
-    grads = grad_steps({n: SHAPES[n] for n in NAMES}, steps)
+    fulls = full_tensors(SHAPE_OF)
+    grads = grad_steps(SHAPE_OF, steps)
     params = [(n, nn.Parameter(t.clone())) for n, t in fulls.items()]
     opt = canzona.Muon(params, **KW)
     for step, g in enumerate(grads):
@@ -153,7 +164,7 @@ def test_a_gradient_missing_everywhere_after_steady_steps_reruns_the_step(dist: 
 def _mismatch_after_steady(what: str) -> dict[str, Any]:
     params = _params()
     opt = canzona.Muon(params, **KW)
-    grads = grad_steps({n: SHAPES[n] for n in NAMES}, 4)
+    grads = grad_steps(SHAPE_OF, 4)
     for g in grads[:3]:
         _set(params, g, set())
         opt.step()
@@ -186,3 +197,47 @@ def test_a_mismatch_after_steady_steps_raises_everywhere_and_changes_nothing(dis
             assert rank["result"]["kind"] == kind, (what, rank["result"])
             assert text in rank["result"]["message"], (what, rank["result"])
             assert rank["changed"] == [], (what, rank["changed"])
+
+
+def _nan_on_rank0_after_steady() -> dict[str, Any]:
+    fulls = full_tensors(SHAPE_OF)
+    grads = grad_steps(SHAPE_OF, 7)
+    grads[3]["square"][1, 2] = float("nan")  # row 1: rank 0's shard only
+    cfg = canzona.PipelineConfig(skip_nonfinite=True)
+    local = [(n, nn.Parameter(t.clone())) for n, t in fulls.items()]
+    out: dict[str, Any] = {}
+    for label, params in (("one device", local), ("mesh", _params())):
+        opt = canzona.Muon(params, **KW, pipeline=cfg)
+        rode = []
+        for g in grads:
+            if label == "mesh":
+                _set(params, g, set())
+            else:
+                _set_plain(params, g)
+            opt.step()
+            rode.append(opt.last_step_stats.header_rode)
+        out[label] = {
+            "params": {n: full_of(p) for n, p in params},
+            "skipped": opt.skipped_steps,
+            "rode": rode,
+        }
+    return out
+
+
+def _set_plain(params: list[tuple[str, nn.Parameter]], grads: dict[str, torch.Tensor]) -> None:
+    for name, p in params:
+        p.grad = grads[name].clone()
+
+
+def test_a_nonfinite_gradient_on_one_rank_after_steady_steps_skips_everywhere(dist: Any) -> None:
+    """``skip_nonfinite=True``: a NaN in rank 0's rows at a step whose header rides. Rank 0
+    is not ready, the others prepared and computed; the declined step is undone and the
+    separate check skips it on every rank, as on one device. Catches: a rank that counts
+    the skipped step's gradients in its momentum (the later steps would differ), a skip
+    missed by the ranks that saw no NaN, and riding right after the skip."""
+    for rank in dist(4).run(_nan_on_rank0_after_steady, timeout=TIMEOUT):
+        one, mesh_run = rank["one device"], rank["mesh"]
+        assert one["skipped"] == mesh_run["skipped"] == 1
+        assert mesh_run["rode"] == [False, False, True, False, False, False, True]
+        for name in NAMES:
+            assert torch.equal(mesh_run["params"][name], one["params"][name]), name

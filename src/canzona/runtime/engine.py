@@ -203,7 +203,7 @@ class MatrixRuntime:
             compute: The owner math, timed when a plan with measured costs is built.
 
         In a steady step (the last two succeeded with the same plan and parameters with
-        gradients, the step is atomic and no check is switched off) nothing is exchanged
+        gradients, the step is atomic and the per-step check is on) nothing is exchanged
         here: the header rides the first gather (see :meth:`run`) and the step reuses the
         last one's schedule.
 
@@ -247,7 +247,6 @@ class MatrixRuntime:
             and self.process_group is not None
             and c.atomic  # a declined step is undone exactly, like a failed one
             and c.check_every_step
-            and not c.skip_nonfinite  # a skip must not follow a prepare
         )
 
     def _begin_riding(
