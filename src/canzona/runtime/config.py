@@ -45,9 +45,11 @@ class PipelineConfig:
             behind. (The one-time layout agreement uses ``all_gather_object``, bounded by
             the process group's own timeout.)
         check_every_step: Run the small per-step cross-rank check (parameter set,
-            plan digest, hyper-parameters, gradient presence) before the first
-            collective of each step. Disabling it saves one small collective per step
-            but turns mismatches into hangs or wrong results (with ``skip_nonfinite`` the
+            plan digest, hyper-parameters, gradient presence) before any owner computes.
+            In a steady step (with ``atomic``) it rides the first micro-group's gather
+            and costs no collective; otherwise it is one small collective of its own.
+            Disabling it saves that collective in the steps that are not steady but
+            turns mismatches into hangs or wrong results (with ``skip_nonfinite`` the
             header gather still runs, since it carries the non-finite flag).
         process_group: Process group the optimizer's collectives run on (default: the
             default group). Every rank of it must hold the same parameter list.
