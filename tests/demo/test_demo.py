@@ -69,9 +69,17 @@ def test_command_world2_through_the_canzona_cli() -> None:
         r"as planned \(measured costs, .*?\) ([\d./]+) ms, balance ratio ([\d.]+)", out
     )
     assert planned, out
-    per_rank = [float(t) for t in planned[1].split("/")]
+    tokens = planned[1].split("/")
+    per_rank = [float(t) for t in tokens]
     assert len(per_rank) == 2 and min(per_rank) > 0
-    assert float(planned[2]) == pytest.approx(max(per_rank) / (sum(per_rank) / 2), abs=2e-3)
+    # the ratio is max / mean of the unrounded times: it lies within what the printed
+    # times allow, each up to half a printed unit off (and the ratio itself rounded)
+    half = [0.5 * 10.0 ** -len(t.partition(".")[2]) for t in tokens]
+    corners = [
+        (per_rank[0] + s0 * half[0], per_rank[1] + s1 * half[1]) for s0 in (-1, 1) for s1 in (-1, 1)
+    ]
+    ratios = [max(c) / (sum(c) / 2) for c in corners]
+    assert min(ratios) - 5e-4 <= float(planned[2]) <= max(ratios) + 5e-4, (planned[0], ratios)
     for label in ("canzona.Muon", "AdamW only"):
         start, end = _held_out(out, label)
         assert end < start - 1.0, (label, start, end)
