@@ -212,9 +212,9 @@ class MatrixRuntime:
         """
         self.watchdog.step += 1
         self._header = None
-        if self._rides():
-            return self._begin_riding(names, tensors, table, has_grad, nonfinite, failure)
         try:
+            if self._rides():
+                return self._begin_riding(names, tensors, table, has_grad, nonfinite, failure)
             previous, flagged, failed = self._sync(
                 names,
                 tensors,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import torch
 
@@ -363,7 +364,7 @@ class ScheduleBuilder:
         batches, gather_out = self._owner_batches(items, head)
         header_index = None
         if slot is not None:
-            starts = [sum(gather_out[:src]) for src in range(self.world)]
+            starts = [0, *accumulate(gather_out[:-1])]  # where each source's segment starts
             header_index = torch.tensor(
                 [s + j for s in starts for j in range(head)], dtype=torch.int64, device=self.device
             )
