@@ -174,15 +174,43 @@ def test_owners_priced_per_call_gather_classes_and_stay_exact(dist: Any) -> None
         assert all(eq for eq, _ in o["compare"].values()), o["compare"]
 
 
-def test_the_ranks_agree_on_the_lower_median(monkeypatch: Any) -> None:
-    """Catches: the mean of the two middle timings of an even count (with two ranks a stall
-    on one of them, which only adds time, then moves the agreed price)."""
+def test_the_ranks_agree_on_a_median_that_outvotes_a_stall(monkeypatch: Any) -> None:
+    """Catches: the plain mean of the two middle timings of an even count (with two ranks a
+    stall on one of them, which only adds time, then moves the agreed price), and the lower
+    one taken always (with two ranks the faster rank's timing: a price biased low)."""
     from canzona.runtime.watchdog import Watchdog
 
     def gather(rows: torch.Tensor, mine: torch.Tensor, group: Any = None) -> None:
-        rows.copy_(torch.tensor([1.0, 5.0, 7.0, -1.0, 3.0, 8.0, 2.0, -1.0], dtype=rows.dtype))
+        rows.copy_(
+            torch.tensor(
+                [1.0, 5.0, 4.0, 7.0, -1.0, 4.4, 3.0, 8.0, -1.0, 2.0, -1.0, -1.0],
+                dtype=rows.dtype,
+            )
+        )
 
     monkeypatch.setattr(calibrate_module.dist, "all_gather_single", gather)
     watchdog = Watchdog(None, 0, 4, 60.0)
-    agreed = calibrate_module._median_over_ranks([1.0, 5.0], watchdog, torch.device("cpu"))
-    assert agreed == [2.0, 5.0]  # of (1, 7, 3, 2): 2; of (5, -1, 8, -1): 5 and 8 -> 5
+    agreed = calibrate_module._median_over_ranks([1.0, 5.0, 4.0], watchdog, torch.device("cpu"))
+    # of (1, 7, 3, 2): 2 and 3 are further apart than STALL_RATIO -> 2; of (5, 8): 5;
+    # of (4, 4.4): within the ratio -> their mean
+    assert agreed == [2.0, 5.0, 4.2]
+    assert calibrate_module._robust_median([]) == -1.0
+    assert calibrate_module._robust_median([3.0, 1.0, 2.0]) == 2.0
+
+
+def _calibrated_long() -> dict[str, Any]:
+    """:func:`_calibrated` with every call counted as long and nothing timed before."""
+    calibrate_module._CACHE.clear()
+    saved = calibrate_module.SHORT_CALL_S
+    calibrate_module.SHORT_CALL_S = 0.0
+    try:
+        return _calibrated("measured")
+    finally:
+        calibrate_module.SHORT_CALL_S = saved
+
+
+def test_long_calls_are_timed_at_a_second_batch_size(dist: Any) -> None:
+    """Catches: the second batch size timed for short calls only (a single matrix runs the
+    per-matrix kernels, not the batched ones: a long shape's batch line is needed too)."""
+    for o in dist(2).run(_calibrated_long):
+        assert o["timed_sizes"] == [(k, m, n) for k in (1, 2) for m, n in o["shapes"]]

@@ -40,6 +40,8 @@ EVICT_BYTES = 32 << 20
 #: Calls shorter than this are timed with cold caches and at a second batch size (for longer
 #: ones a cache refill or a call's fixed cost is a negligible part of the time).
 SHORT_CALL_S = 0.02
+#: Two middle timings further apart than this ratio: the higher one is taken for a stall.
+STALL_RATIO = 1.25
 
 #: Param-group entries that never change the owner math's operations (so not its time): a
 #: learning rate moved by a scheduler must not invalidate the cached timings.
@@ -212,23 +214,33 @@ def time_shape(
 
 
 def _median_over_ranks(timed: list[float], watchdog: Watchdog, device: torch.device) -> list[float]:
-    """Per timing, the lower median of the ranks that took it (-1 when none did).
+    """Per timing, the median of the ranks that took it (-1 when none did).
 
-    One all-gather; the same numbers on every rank. Interference only adds time (another
-    process on the core, a stalled page, a virtual CPU descheduled while its thread's clock
-    runs on), so of an even count the lower middle timing is taken: with two ranks, a stall
-    on one of them is outvoted by the other (a one-rank stall once priced a 2304 x 768 call
-    at 5.6 times its time and the plan on it was wrong by as much).
+    One all-gather; the same numbers on every rank. Of an even count the two middle timings
+    are averaged, unless the higher exceeds the lower by more than :data:`STALL_RATIO`:
+    interference only adds time (another process on the core, a stalled page, a virtual CPU
+    descheduled while its thread's clock runs on), so then the lower one is taken: with two
+    ranks, a stall on one of them is outvoted by the other (a one-rank stall once priced a
+    2304 x 768 call at 5.6 times its time and the plan on it was wrong by as much), while
+    ordinary noise is averaged instead of always taking the faster rank's timing.
     """
     mine = torch.tensor(timed, dtype=torch.float64, device=device)
     rows = torch.empty(watchdog.world * len(timed), dtype=torch.float64, device=device)
     dist.all_gather_single(rows, mine, group=watchdog.process_group)
     table = rows.view(watchdog.world, len(timed)).tolist()
-    out = []
-    for i in range(len(timed)):
-        values = sorted(row[i] for row in table if row[i] >= 0)
-        out.append(values[(len(values) - 1) // 2] if values else -1.0)
-    return out
+    return [_robust_median([row[i] for row in table if row[i] >= 0]) for i in range(len(timed))]
+
+
+def _robust_median(values: list[float]) -> float:
+    """The median of the valid timings of one shape (see :func:`_median_over_ranks`); -1 if none."""
+    if not values:
+        return -1.0
+    values = sorted(values)
+    half = len(values) // 2
+    if len(values) % 2:
+        return values[half]
+    low, high = values[half - 1], values[half]
+    return low if high > STALL_RATIO * low else (low + high) / 2
 
 
 def _median(values: list[float]) -> float:
@@ -304,15 +316,15 @@ def calibrate(
     predicted time exceeds ``shape_cap_s``, whose timing would end past the budget (its
     calls predicted from the shapes timed so far), or whose math raises, is not timed
     there), in CPU time with one intra-op thread; one all-gather gives every rank each
-    shape's lower median over the ranks, so every rank plans with identical numbers.
-    Shapes no rank timed are predicted per param group from a log-log fit of time against
-    the closed-form FLOPs of the timed ones of their class (the same smaller side, else the
-    same aspect bucket: ``plan.measured.shape_classes``), else of all of them. With the
-    budget left, a second pass times each timed shape whose call is short
-    (:data:`SHORT_CALL_S`) at a second batch size (1, or 2 for a shape timed alone), which
-    splits a call into a fixed cost and a cost per matrix (``MeasuredCost.batches``): the
-    batches a plan forms are then priced as they run. A small all-to-all measures the
-    transfer rate.
+    shape's median over the ranks (:func:`_median_over_ranks`), so every rank plans with
+    identical numbers. Shapes no rank timed are predicted per param group from a log-log
+    fit of time against the closed-form FLOPs of the timed ones of their class (the same
+    smaller side, else the same aspect bucket: ``plan.measured.shape_classes``), else of all
+    of them. With the budget left, a second pass times each timed shape, in the same order,
+    at a second batch size (1, or 2 for a shape timed alone), which splits a call into a
+    fixed cost and a cost per matrix (``MeasuredCost.batches``): the batches a plan forms
+    are then priced as they run, a single matrix included (it runs the per-matrix kernels,
+    not the batched ones). A small all-to-all measures the transfer rate.
 
     With a ``cache``, a shape whose entry (:func:`entry_key`) the rank finds there is not
     timed: the stored agreed timings stand in for the rank's own (and cost no budget); the
@@ -350,11 +362,12 @@ def calibrate(
                 extra = max(extra, took - _cost(timed[i] * s.k))
         if work > 0 and timed[i] > 0:
             rate = max(rate, timed[i] * s.k / work)
-    # with what is left, each timed shape at a second batch size: the fixed cost of a call
+    # with what is left, each timed shape at a second batch size: a call's fixed cost, and
+    # the per-matrix path of a single matrix (the batched kernels need two or more)
     for i in order:
         other = _companion(shapes[i])
         call = timed[i] * other.k
-        if i in hits or not 0 < timed[i] * shapes[i].k < SHORT_CALL_S:
+        if i in hits or not timed[i] > 0:
             continue
         if spent + _cost(call) + extra > budget_s:
             continue
