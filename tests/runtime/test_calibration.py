@@ -10,6 +10,7 @@ from torch.distributed.tensor.placement_types import Shard
 import canzona
 from canzona.plan.measured import MeasuredCost
 from canzona.runtime import calibrate as calibrate_module
+from canzona.runtime import timing
 
 from _cases import (
     compare,
@@ -108,9 +109,9 @@ def test_calibration_cache_key_names_the_device() -> None:
 def test_the_agreed_timing_is_the_true_median() -> None:
     """Catches: the upper of the two middle timings taken for the median of an even count
     (with two ranks that is the slower rank's, a bias toward the noisier one)."""
-    assert calibrate_module._median([1.0, 3.0]) == 2.0
-    assert calibrate_module._median([1.0, 2.0, 9.0]) == 2.0
-    assert calibrate_module._median([1.0, 2.0, 4.0, 9.0]) == 3.0
+    assert timing.median([1.0, 3.0]) == 2.0
+    assert timing.median([1.0, 2.0, 9.0]) == 2.0
+    assert timing.median([1.0, 2.0, 4.0, 9.0]) == 3.0
 
 
 #: Two layers' worth of small matrices in three classes (every side >= 32: batched kernels).
@@ -201,12 +202,12 @@ def test_the_ranks_agree_on_a_median_that_outvotes_a_stall(monkeypatch: Any) -> 
 def _calibrated_long() -> dict[str, Any]:
     """:func:`_calibrated` with every call counted as long and nothing timed before."""
     calibrate_module._CACHE.clear()
-    saved = calibrate_module.SHORT_CALL_S
-    calibrate_module.SHORT_CALL_S = 0.0
+    saved = timing.SHORT_CALL_S
+    timing.SHORT_CALL_S = 0.0
     try:
         return _calibrated("measured")
     finally:
-        calibrate_module.SHORT_CALL_S = saved
+        timing.SHORT_CALL_S = saved
 
 
 def test_long_calls_are_timed_at_a_second_batch_size(dist: Any) -> None:

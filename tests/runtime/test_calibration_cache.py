@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import warnings
 from pathlib import Path
@@ -156,15 +157,35 @@ def test_calibration_cache_setting_is_checked() -> None:
             canzona.PipelineConfig(calibration_cache=bad)  # type: ignore[arg-type]
 
 
-def _calibrate_muon(shapes: list[Shape], **limits: float) -> Any:
-    """One rank's calibration of a Muon table over ``shapes`` (with ``_timed`` patched)."""
+class _FakeClock:
+    """A clock that only the fake owner math advances: ``seconds(m, n)`` per matrix."""
+
+    def __init__(self, seconds: Any) -> None:
+        self.now = 0.0
+        self.seconds = seconds
+        self.calls: list[tuple[int, int, int]] = []
+
+    def compute(self, batch: Any, full: torch.Tensor) -> torch.Tensor:
+        k, m, n = full.shape
+        self.calls.append((k, m, n))
+        self.now += k * self.seconds(m, n)
+        return full
+
+
+def _calibrate_muon(
+    monkeypatch: pytest.MonkeyPatch, fake: _FakeClock, shapes: list[Shape], **limits: float
+) -> Any:
+    """One rank's calibration of a Muon table over ``shapes``, timed by ``fake``."""
     from canzona.plan import MuonCost
+    from canzona.runtime import timing
     from canzona.runtime.watchdog import Watchdog
 
+    monkeypatch.setattr(timing, "clock", lambda: lambda: fake.now)
+    calibrate_module._CACHE.clear()
     return calibrate_module.calibrate(
         shapes,
         _table(canzona.Muon, lr=0.02),
-        lambda batch, full: full,
+        fake.compute,
         {0: MuonCost()},
         watchdog=Watchdog(None, 0, 1, 60.0),
         device=CPU,
@@ -172,46 +193,35 @@ def _calibrate_muon(shapes: list[Shape], **limits: float) -> Any:
     )
 
 
+def _muon_seconds(rate: Any) -> Any:
+    """Seconds per matrix: ``rate(m, n)`` seconds per closed-form Muon FLOP."""
+    from canzona.plan import MuonCost
+
+    return lambda m, n: rate(m, n) * MuonCost().flops(canzona.plan.MatrixSpec("s", (m, n)))
+
+
 def test_calibration_fits_each_shape_class(monkeypatch: pytest.MonkeyPatch) -> None:
     """Catches: a calibration whose table has no class fits (untimed shapes priced by one
     fit over every shape)."""
-    from canzona.plan import MuonCost
-
     rate = {32: 1e-9, 64: 4e-9}  # seconds per FLOP by the smaller side
-
-    def timed(shape: Shape, *_: Any) -> tuple[float, float]:
-        work = MuonCost().flops(canzona.plan.MatrixSpec("s", (shape.m, shape.n)))
-        return rate[min(shape.m, shape.n)] * work, 0.0
-
-    monkeypatch.setattr(calibrate_module, "_timed", timed)
+    fake = _FakeClock(_muon_seconds(lambda m, n: rate[min(m, n)]))
     shapes = [Shape(0, m, n, 1, torch.float32) for m, n in ((32, 64), (32, 128), (64, 64))]
-    cost = _calibrate_muon(shapes)
+    cost = _calibrate_muon(monkeypatch, fake, shapes)
     model = cost.models["0"]
     assert [(k, v) for k, v, _, _ in model.class_fits] == [("side", 32)]
     thin = (32, 1024)
-    want = rate[32] * MuonCost().flops(canzona.plan.MatrixSpec("s", thin))
-    assert model.seconds(*thin) == pytest.approx(want, rel=1e-9)
+    assert model.seconds(*thin) == pytest.approx(fake.seconds(*thin), rel=1e-9)
 
 
 def test_calibration_ends_within_its_budget(monkeypatch: pytest.MonkeyPatch) -> None:
     """Catches: a calibration that starts timing a shape whose timing ends past the budget
     (the first step then pays more than the budget says)."""
-    from canzona.plan import MuonCost
-
-    spent: list[float] = []
-
-    def timed(shape: Shape, *_: Any) -> tuple[float, float]:
-        call = 1e-9 * MuonCost().flops(canzona.plan.MatrixSpec("s", (shape.m, shape.n)))
-        took = calibrate_module._cost(call * shape.k) + 0.01  # the calls and an eviction
-        spent.append(took)
-        return call, took
-
-    monkeypatch.setattr(calibrate_module, "_timed", timed)
+    fake = _FakeClock(_muon_seconds(lambda m, n: 1e-9))
     sides = (64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
     shapes = [Shape(0, m, m, 1, torch.float32) for m in sides]
-    cost = _calibrate_muon(shapes, budget_s=1.0, shape_cap_s=10.0)
+    cost = _calibrate_muon(monkeypatch, fake, shapes, budget_s=1.0, shape_cap_s=10.0)
     timed_shapes = [shape for shape, _ in cost.models["0"].table]
-    assert sum(spent) <= 1.0
+    assert fake.now <= 1.0  # warm-ups, timed calls at both batch sizes
     assert 2 <= len(timed_shapes) < len(sides)  # the budget, not the cap, stopped it
 
 
@@ -221,15 +231,26 @@ def test_calibration_times_the_shapes_that_carry_the_work_first(
     """Catches: a calibration that spends its budget on the cheapest shapes and fits the
     ones most of the model's owner time goes to (the prediction then misses where it
     matters)."""
-    order: list[tuple[int, int]] = []
-
-    def timed(shape: Shape, *_: Any) -> tuple[float, float]:
-        order.append((shape.m, shape.n))
-        return 1e-3, 0.0
-
-    monkeypatch.setattr(calibrate_module, "_timed", timed)
+    fake = _FakeClock(lambda m, n: 1e-3)
     # (side, matrices of that shape): the 192s carry more work than the one 256
     counts = {64: 1, 128: 3, 192: 20, 256: 1}
     shapes = [Shape(0, m, m, 1, torch.float32, c) for m, c in counts.items()]
-    _calibrate_muon(shapes)
-    assert order[:4] == [(64, 64), (192, 192), (256, 256), (128, 128)]
+    _calibrate_muon(monkeypatch, fake, shapes)
+    warmed = list(dict.fromkeys((m, n) for _, m, n in fake.calls))
+    assert warmed == [(64, 64), (192, 192), (256, 256), (128, 128)]
+
+
+def test_calls_are_timed_in_rounds_over_the_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Catches: a shape's calls timed back to back (in a step a call follows other shapes'
+    calls, and repeated back to back a call runs faster: the prediction is then low)."""
+    fake = _FakeClock(lambda m, n: 1e-3)
+    shapes = [Shape(0, m, m, 1, torch.float32) for m in (64, 96)]
+    _calibrate_muon(monkeypatch, fake, shapes)
+    # each call warmed up and timed once right after (alone, then in pairs) ...
+    started = [(k, m, m) for k in (1, 2) for m in (64, 96) for _ in range(2)]
+    assert fake.calls[:8] == started
+    # ... then the other four timed calls of each, round by round
+    timed = fake.calls[8:]
+    assert timed[:4] == [(1, 64, 64), (1, 96, 96), (2, 64, 64), (2, 96, 96)]
+    assert len(timed) == 4 * 4
+    assert all(a != b for a, b in itertools.pairwise(timed))  # never one call twice in a row

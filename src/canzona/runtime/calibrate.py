@@ -7,7 +7,7 @@ import hashlib
 import math
 import platform
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from canzona.plan import CostModel, GroupedCost, MatrixSpec
 from canzona.plan.measured import MeasuredCost, batch_line, class_fits, fit_loglog
+from canzona.runtime import timing
 from canzona.runtime.calibration_cache import DiskCache, Entry
 from canzona.runtime.routing import Item
 from canzona.runtime.table import ComputeBatch, ComputeFn, StepTable
@@ -24,22 +25,11 @@ from canzona.runtime.watchdog import Watchdog
 #: Seconds of timing a calibration may spend in all (shapes beyond it are predicted).
 BUDGET_S = 1.5
 #: A shape whose closed-form work predicts more than this many seconds is predicted, not timed.
-SHAPE_CAP_S = 0.25
+SHAPE_CAP_S = timing.SHAPE_CAP_S
 #: Most matrices stacked in one timed call (the pipeline's batches per owner and shape).
 MAX_BATCH = 8
 #: Bytes per rank of the all-to-all that measures the transfer rate.
 PROBE_BYTES = 1 << 22
-#: Timed calls per shape and phase (their median counts).
-REPEATS = 5
-#: Timed calls of a long computation (see :data:`SHORT_CALL_S`): its noise is relatively
-#: small, and the budget they leave times more shapes instead of fitting them.
-LONG_REPEATS = 3
-
-#: Bytes a CPU calibration touches before each timed call (more than the caches hold).
-EVICT_BYTES = 32 << 20
-#: Calls shorter than this are timed with cold caches and at a second batch size (for longer
-#: ones a cache refill or a call's fixed cost is a negligible part of the time).
-SHORT_CALL_S = 0.02
 #: Two middle timings further apart than this ratio: the higher one is taken for a stall.
 STALL_RATIO = 1.25
 
@@ -48,7 +38,6 @@ STALL_RATIO = 1.25
 UNTIMED_SETTINGS = frozenset({"params", "param_names", "lr", "initial_lr"})
 
 _CACHE: dict[tuple[object, ...], float] = {}
-_EVICT: torch.Tensor | None = None
 _RATES: dict[tuple[object, ...], float] = {}
 
 
@@ -139,78 +128,94 @@ def entry_key(shape: Shape, table: StepTable, device: torch.device) -> str:
     return hashlib.sha256(repr(fields).encode()).hexdigest()
 
 
-def _clock() -> Callable[[], float]:
-    """The calibration's clock.
+@dataclass(slots=True)
+class _Timing:
+    """One shape's calibration: its phases' calls (those not in the process cache), warmed up."""
 
-    This thread's CPU time with one intra-op thread (robust to other processes sharing the
-    cores); wall time when torch's kernels run on several threads.
-    """
-    return time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+    shape: Shape
+    #: ``(process-cache key, weight, call)`` per phase still to time.
+    calls: list[tuple[tuple[object, ...], float, timing.Call]]
+    #: Seconds per matrix of the phases found in the process cache (weighted).
+    cached: float
+    failed: bool = False
+
+    def estimate(self) -> float:
+        """Seconds per matrix from the calls timed after the warm-ups (-1: the math raised)."""
+        if self.failed:
+            return -1.0
+        return self.cached + sum(w * c.first / c.k for _, w, c in self.calls)
+
+    def cost(self, evict_s: float) -> float:
+        """Seconds of the warm-up calls, the timed calls to come and their cache evictions."""
+        return sum(_cost(c.first, evict_s) for _, _, c in self.calls)
+
+    def warm_s(self) -> float:
+        """Seconds of the calls timed after the warm-ups."""
+        return sum(c.first for _, _, c in self.calls)
+
+    def seconds(self) -> float:
+        """Seconds per matrix, every phase (-1 when the math raised); fills the process cache."""
+        if self.failed or any(c.failed for _, _, c in self.calls):
+            return -1.0
+        total = self.cached
+        for key, weight, call in self.calls:
+            seconds = call.seconds() / call.k
+            _CACHE[key] = seconds
+            total += weight * seconds
+        return total
 
 
-def _evict_caches() -> None:
-    """Touch :data:`EVICT_BYTES` so that a timed call starts with cold caches, as in a step.
-
-    Between two owner calls of a step run gathers, scatters and element-wise phases; a call
-    repeated back to back finds its operands in cache and runs ~10-20% faster on this CPU.
-    """
-    global _EVICT
-    if _EVICT is None:
-        _EVICT = torch.zeros(EVICT_BYTES // 4, dtype=torch.float32)
-    _EVICT.add_(1.0)
-
-
-def _time_call(run: ComputeFn, batch: ComputeBatch, full: torch.Tensor) -> float:
-    """Seconds of one call (CUDA events on a GPU; the median of a few on a CPU)."""
-    if full.device.type == "cuda":
-        start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-        stop = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-        run(batch, full)  # warm-up (and primes owner-side state)
-        start.record()
-        run(batch, full)
-        stop.record()
-        stop.synchronize()
-        return float(start.elapsed_time(stop)) / 1e3
-    clock = _clock()
-    t0 = clock()
-    run(batch, full)  # warm-up (and primes owner-side state)
-    short = clock() - t0 < SHORT_CALL_S
-    times: list[float] = []
-    for _ in range(REPEATS if short else LONG_REPEATS):
-        if short:
-            _evict_caches()
-        t0 = clock()
-        run(batch, full)
-        times.append(clock() - t0)
-        if sum(times) > SHAPE_CAP_S:
-            break
-    return _median(sorted(times))
+def _start(
+    shape: Shape, table: StepTable, compute: ComputeFn, device: torch.device, rank: int
+) -> _Timing:
+    """The shape's calls for every phase not in the process cache, each run once."""
+    fields = _key_fields(shape, table, device)
+    calls: list[tuple[tuple[object, ...], float, timing.Call]] = []
+    cached = 0.0
+    for phase, weight in table.calibration[shape.key]:
+        cache_key = (*fields, phase)
+        seconds = _CACHE.get(cache_key)
+        if seconds is not None:
+            cached += weight * seconds
+            continue
+        gen = torch.Generator(device=device).manual_seed(shape.m * 131 + shape.n)
+        full = torch.randn((shape.k, shape.m, shape.n), generator=gen, device=device).to(
+            shape.dtype
+        )
+        name = f"calibration/{shape.key}/{shape.m}x{shape.n}/{shape.dtype}/{phase}"
+        items = tuple(
+            Item(f"{name}/{j}", -1, None, shape.m, shape.n, (rank,), (rank,))
+            for j in range(shape.k)
+        )
+        batch = ComputeBatch(items, shape.key, table.hparams[shape.key], phase)
+        calls.append((cache_key, weight, timing.Call(compute, batch, full, shape.k)))
+    out = _Timing(shape, calls, cached)
+    try:
+        timing.warm_up([c for _, _, c in calls])
+    except Exception:  # an untimeable shape is predicted; ranks must stay in step
+        out.failed = True
+    return out
 
 
 def time_shape(
     shape: Shape, table: StepTable, compute: ComputeFn, device: torch.device, rank: int
 ) -> float:
     """Seconds per matrix of the owner math for ``shape`` (every calibration phase)."""
-    total = 0.0
-    fields = _key_fields(shape, table, device)
-    for phase, weight in table.calibration[shape.key]:
-        cache_key = (*fields, phase)
-        seconds = _CACHE.get(cache_key)
-        if seconds is None:
-            gen = torch.Generator(device=device).manual_seed(shape.m * 131 + shape.n)
-            full = torch.randn((shape.k, shape.m, shape.n), generator=gen, device=device).to(
-                shape.dtype
-            )
-            name = f"calibration/{shape.key}/{shape.m}x{shape.n}/{shape.dtype}/{phase}"
-            items = tuple(
-                Item(f"{name}/{j}", -1, None, shape.m, shape.n, (rank,), (rank,))
-                for j in range(shape.k)
-            )
-            batch = ComputeBatch(items, shape.key, table.hparams[shape.key], phase)
-            seconds = _time_call(compute, batch, full) / shape.k
-            _CACHE[cache_key] = seconds
-        total += weight * seconds
-    return total
+    one = _start(shape, table, compute, device, rank)
+    if not one.failed:
+        timing.time_rounds([c for _, _, c in one.calls])
+    return one.seconds()
+
+
+def _eviction_seconds(device: torch.device) -> float:
+    """Seconds of one cache eviction (0 on a GPU, which does not evict)."""
+    if device.type == "cuda":
+        return 0.0
+    timing.evict_caches()  # the first one allocates
+    tick = timing.clock()
+    t0 = tick()
+    timing.evict_caches()
+    return tick() - t0
 
 
 def _median_over_ranks(timed: list[float], watchdog: Watchdog, device: torch.device) -> list[float]:
@@ -243,12 +248,6 @@ def _robust_median(values: list[float]) -> float:
     return low if high > STALL_RATIO * low else (low + high) / 2
 
 
-def _median(values: list[float]) -> float:
-    """The median of sorted values (the mean of the middle two for an even count)."""
-    half = len(values) // 2
-    return values[half] if len(values) % 2 else (values[half - 1] + values[half]) / 2
-
-
 def measure_transfer(watchdog: Watchdog, device: torch.device) -> float:
     """Bytes per second of an all-to-all between the ranks (the slowest rank's view)."""
     key = (id(watchdog.process_group), watchdog.world, str(device))
@@ -279,22 +278,13 @@ def _companion(shape: Shape) -> Shape:
     return replace(shape, k=1 if shape.k > 1 else 2)
 
 
-def _cost(call_s: float) -> float:
-    """Seconds that timing a call of ``call_s`` takes: the warm-up and the timed repeats."""
-    repeats = REPEATS if call_s < SHORT_CALL_S else LONG_REPEATS
-    return call_s * (1 + repeats)
+def _cost(call_s: float, evict_s: float = 0.0) -> float:
+    """Seconds that timing a call of ``call_s`` takes.
 
-
-def _timed(
-    shape: Shape, table: StepTable, compute: ComputeFn, device: torch.device, rank: int
-) -> tuple[float, float]:
-    """``(seconds per matrix or -1 when the math raised, seconds spent)``."""
-    t0 = time.perf_counter()
-    try:
-        seconds = time_shape(shape, table, compute, device, rank)
-    except Exception:  # an untimeable shape is predicted; ranks must stay in step
-        seconds = -1.0
-    return seconds, time.perf_counter() - t0
+    The warm-up, the timed calls and, for a short call, a cache eviction before each.
+    """
+    n = timing.repeats(call_s)
+    return call_s * (1 + n) + (n * evict_s if call_s < timing.SHORT_CALL_S else 0.0)
 
 
 def calibrate(
@@ -346,33 +336,48 @@ def calibrate(
     hits = {i: stored[k] for i, k in enumerate(keys) if k in stored}
     timed = [hits[i][0] if i in hits else -1.0 for i in range(len(shapes))]
     second = [hits[i][1] if i in hits else -1.0 for i in range(len(shapes))]
-    spent = 0.0
+    evict_s = _eviction_seconds(device) if len(hits) < len(shapes) else 0.0
+    spent = 0.0  # seconds of the warm-ups so far and of the timed calls they will need
     rate = 0.0  # seconds per FLOP of one call, the largest seen so far
-    extra = 0.0  # seconds a timing spends besides its calls (cache eviction), the largest seen
+    extra = 0.0  # seconds a shape's start spends besides its calls (inputs, one-off costs)
+    started: list[tuple[list[float], int, _Timing]] = []
+
+    def start(shape: Shape, into: list[float], i: int) -> None:
+        nonlocal spent, extra
+        t0 = time.perf_counter()
+        one = _start(shape, table, compute, device, watchdog.rank)
+        # the warm-up is priced as one more call: what it took besides (fresh pages, the
+        # inputs) counts here, and the largest such part prices the shapes to come
+        besides = max(time.perf_counter() - t0 - 2 * one.warm_s(), 0.0)
+        extra = max(extra, besides)
+        spent += besides + one.cost(evict_s)
+        into[i] = one.estimate()  # provisional: the timed calls replace it
+        if not one.failed:
+            started.append((into, i, one))
+
     for i in order:
         s = shapes[i]
         work = flops[i] * s.k
         if i not in hits:
             call = work * rate
-            if rate and (call > shape_cap_s or spent + _cost(call) + extra > budget_s):
+            if rate and (call > shape_cap_s or spent + _cost(call, evict_s) + extra > budget_s):
                 continue  # a timing that would end past the budget: predicted instead
-            timed[i], took = _timed(s, table, compute, device, watchdog.rank)
-            spent += took
-            if timed[i] > 0:
-                extra = max(extra, took - _cost(timed[i] * s.k))
+            start(s, timed, i)
         if work > 0 and timed[i] > 0:
             rate = max(rate, timed[i] * s.k / work)
     # with what is left, each timed shape at a second batch size: a call's fixed cost, and
     # the per-matrix path of a single matrix (the batched kernels need two or more)
     for i in order:
         other = _companion(shapes[i])
-        call = timed[i] * other.k
         if i in hits or not timed[i] > 0:
             continue
-        if spent + _cost(call) + extra > budget_s:
+        if spent + _cost(timed[i] * other.k, evict_s) + extra > budget_s:
             continue
-        second[i], took = _timed(other, table, compute, device, watchdog.rank)
-        spent += took
+        start(other, second, i)
+    # the timed calls, round by round over every started shape (as a step interleaves them)
+    timing.time_rounds([c for _, _, one in started for _, _, c in one.calls])
+    for into, i, one in started:
+        into[i] = one.seconds()
     agreed = timed + second
     if watchdog.process_group is not None:
         agreed = _median_over_ranks(agreed, watchdog, device)
