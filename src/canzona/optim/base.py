@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import operator
 from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
@@ -31,12 +32,13 @@ from canzona.runtime import (
     StepTable,
     all_finite,
     fingerprint,
-    local_grad,
+    local_grads,
     local_tensor,
 )
 from canzona.updates.batched import adamw_moments_, adamw_params_
 
 ADAMW = "adamw"
+_DTYPE = operator.attrgetter("dtype")
 _NOT_HYPER = ("params", "param_names")
 #: Types whose values :func:`_plain` passes through unchanged (checked first: it runs per step).
 _SCALARS = frozenset({float, int, bool, str, type(None), torch.dtype})
@@ -292,7 +294,7 @@ class MatrixOptimizer(CopyMixin, CheckpointMixin, Optimizer):
                 for g in groups
             ),
             tuple(map(id, params)),
-            tuple(p.dtype for p in params),
+            tuple(map(_DTYPE, params)),
         )
         if self._table is None or key != self._table_key:
             matrix = [
@@ -496,7 +498,7 @@ class MatrixOptimizer(CopyMixin, CheckpointMixin, Optimizer):
         """Counters, AdamW moments and matrix payloads (before the vote)."""
         txn.bump(work.steps)
         for w in work.groups:
-            grads = [local_grad(names[i], p) for i, p in zip(w.idxs, w.params, strict=True)]
+            grads = local_grads(names, w.idxs, w.params)
             group = self.param_groups[w.gid]
             if w.adamw:
                 self._adamw_moments(w, grads, txn)

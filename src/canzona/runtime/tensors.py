@@ -89,6 +89,31 @@ def local_grad(name: str, p: torch.Tensor) -> torch.Tensor:
     return grad
 
 
+def local_grads(
+    names: Sequence[str], idxs: Sequence[int], params: Sequence[torch.Tensor]
+) -> list[torch.Tensor]:
+    """:func:`local_grad` of every ``params[j]`` (named ``names[idxs[j]]``), in one pass.
+
+    The common case (every gradient a dense tensor of its parameter's kind, DTensors in
+    their parameter's placements) costs one attribute read per parameter; anything else goes
+    through :func:`local_grad`, which raises its errors or redistributes.
+    """
+    out: list[torch.Tensor] = []
+    append = out.append
+    for i, p in zip(idxs, params, strict=True):
+        grad = p.grad
+        if grad is None or grad.is_sparse:
+            append(local_grad(names[i], p))  # raises
+        elif isinstance(p, DTensor):
+            if isinstance(grad, DTensor) and grad._spec.placements == p._spec.placements:
+                append(grad._local_tensor)
+            else:
+                append(local_grad(names[i], p))  # raises or redistributes
+        else:
+            append(grad)
+    return out
+
+
 def as_storage_layout(value: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """Element-wise state in ``p``'s storage layout, from a loaded value.
 

@@ -9,6 +9,7 @@ them; the host pays one dispatch per op and list instead of one per op and tenso
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
 
 import torch
@@ -16,6 +17,8 @@ from torch import Tensor
 
 from canzona.updates.common import check_step
 from canzona.updates.soap import SOAPHParams, soap_step_size
+
+_DTYPE = operator.attrgetter("dtype")
 
 __all__ = [
     "adamw_moments_",
@@ -61,7 +64,7 @@ def mul_(tensors: Sequence[Tensor], value: float) -> None:
     if tensors[0].device.type != "cpu":
         torch._foreach_mul_(list(tensors), value)
         return
-    dtypes = {t.dtype for t in tensors}
+    dtypes = set(map(_DTYPE, tensors))
     if len(dtypes) == 1:
         dtype = torch.promote_types(dtypes.pop(), torch.float32)
         torch._foreach_mul_(list(tensors), _factor(value, dtype))

@@ -1,0 +1,62 @@
+"""The step's local gradients read in one pass: the same tensors and errors as one by one."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import distribute_tensor
+from torch.distributed.tensor.placement_types import Replicate, Shard
+
+from canzona.runtime import local_grad, local_grads
+
+from _dist import mesh
+
+
+def _cases() -> dict[str, Any]:
+    dm = mesh((2,))
+    row = nn.Parameter(distribute_tensor(torch.randn(4, 6), dm, [Shard(0)]))
+    col = nn.Parameter(distribute_tensor(torch.randn(4, 6), dm, [Shard(0)]))
+    plain = nn.Parameter(torch.randn(3, 3))
+    row.grad = distribute_tensor(torch.arange(24.0).view(4, 6), dm, [Shard(0)])
+    col.grad = distribute_tensor(torch.arange(24.0).view(4, 6), dm, [Replicate()])
+    plain.grad = torch.ones(3, 3)
+    names = ["x", "row", "col", "plain"]
+    params = [row, col, plain]
+    got = local_grads(names, [1, 2, 3], params)
+    one_by_one = [local_grad(names[i], p) for i, p in zip([1, 2, 3], params, strict=True)]
+    errors = {}
+    bad = nn.Parameter(distribute_tensor(torch.randn(4, 6), dm, [Shard(0)]))
+    for label, grad in (("none", None), ("plain", torch.ones(4, 6)), ("sparse", torch.eye(4, 6))):
+        bad.grad = grad.to_sparse() if label == "sparse" else grad
+        try:
+            local_grads(["bad"], [0], [bad])
+        except (RuntimeError, TypeError) as exc:
+            errors[label] = f"{type(exc).__name__}: {exc}"
+    return {
+        "same": [torch.equal(a, b) for a, b in zip(got, one_by_one, strict=True)],
+        "row_is_local": got[0].data_ptr() == row.grad._local_tensor.data_ptr(),
+        "plain_is_grad": got[2] is plain.grad,
+        "col_rows": got[1].tolist(),
+        "errors": errors,
+    }
+
+
+def test_local_grads_read_what_local_grad_reads(dist: Any) -> None:
+    """Catches: a one-pass read that skips the placement check (a Replicate gradient of a
+    row-sharded parameter read whole instead of redistributed), copies the shards, or lets
+    a missing, plain-for-DTensor or sparse gradient through without local_grad's error."""
+    for rank, out in enumerate(dist(2).run(_cases)):
+        assert out["same"] == [True, True, True]
+        assert out["row_is_local"] and out["plain_is_grad"]
+        rows = torch.arange(24.0).view(4, 6)[2 * rank : 2 * rank + 2]
+        assert out["col_rows"] == rows.tolist()  # redistributed to the parameter's rows
+        assert out["errors"] == {
+            "none": "RuntimeError: parameter 'bad' has no gradient",
+            "plain": (
+                "TypeError: parameter 'bad' is a DTensor but its gradient is a plain tensor; "
+                "set .grad to a DTensor with the parameter's placements"
+            ),
+            "sparse": "RuntimeError: parameter 'bad': sparse gradients are not supported",
+        }
