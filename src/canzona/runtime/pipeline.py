@@ -437,18 +437,18 @@ class _Run:
 
     def _compute_group(self, g: GroupSchedule, recv: torch.Tensor) -> list[torch.Tensor]:
         start = time.perf_counter()
-        outs = []
-        for batch in g.batches:
+        outs: list[torch.Tensor | None] = [None] * len(g.batches)
+        for b in g.compute_order or range(len(g.batches)):
+            batch = g.batches[b]
             full = None
             if self.failure is None:
                 try:
                     full = _assemble(batch, recv, self.p.device)
                 except Exception as exc:
                     self.fail(f"assembling micro-group {g.index}", exc)
-            where = f"computing micro-group {g.index}"
-            outs.append(self._compute(batch, full, where))
+            outs[b] = self._compute(batch, full, f"computing micro-group {g.index}")
         self.stats.group_compute_s.append(time.perf_counter() - start)
-        return outs
+        return outs  # type: ignore[return-value]
 
     def _scatter_exchange(self, g: GroupSchedule, outs: list[torch.Tensor]) -> Exchange:
         try:

@@ -36,6 +36,7 @@ from canzona.runtime.schedule_parts import (
     SendView,
     Target,
     common_dtype,
+    light_first,
     merge_targets,
     rects,
 )
@@ -408,6 +409,7 @@ class ScheduleBuilder:
                 else None
             ),
             header=slot,
+            compute_order=light_first(batches),
             header_index=header_index,
         )
 
