@@ -394,7 +394,7 @@ def _local_failures(name: str) -> list[dict[str, Any]]:
     failures[-1].expect.append(f"rank 0: preparing the step raised RuntimeError: {INJECTED}")
     if name == "Muon":  # the momentum is updated in place before the payload travels
         prepare = _module_failure(
-            "Muon momentum on rank 1", muon_module, "muon_prepare_batch_", (1,)
+            "Muon momentum on rank 1", muon_module, "muon_prepare_runs_", (1,)
         )
         prepare.expect.append("rank 1: preparing the step raised")
         failures.append(prepare)

@@ -346,9 +346,7 @@ def _held_bytes(opt: torch.optim.Optimizer) -> dict[str, int]:
         "schedules": sum(
             b.tensor.untyped_storage().nbytes() for p in pipelines for b in p.schedule.buffers
         ),
-        "backups": sum(
-            buf.tensor.untyped_storage().nbytes() for b in backups for buf, _, _ in b._parts
-        ),
+        "backups": sum(b.held_bytes for b in backups),
         "backup_groups": len(backups),
     }
 

@@ -92,6 +92,34 @@ def test_small_stack_equals_torch_muon_matrix_by_matrix(
             assert torch.equal(got, torch_ns(m.clone(), DEFAULT_NS_COEFFICIENTS, 5, 1e-7))
 
 
+def test_stack_norms_equal_matrix_norms_below_the_grain() -> None:
+    """The measured fact behind the per-matrix loop's one norm call per stack on the CPU:
+    for matrices of at most 32768 elements (ATen's reduction grain), the norms of a stack,
+    transposed or not, in fp32, bf16 and fp16, equal each matrix's own norm bit for bit.
+
+    Catches: a torch build that sums a stack's matrices in another order (the loop would
+    then no longer equal torch.optim.Muon on small matrices)."""
+    gen = torch.Generator().manual_seed(7)
+    for trial in range(120):
+        m = int(torch.randint(1, 200, (1,), generator=gen))
+        n = int(torch.randint(1, max(2, min(200, 32768 // m)), (1,), generator=gen))
+        dtype = (torch.float32, torch.bfloat16, torch.float16)[trial % 3]
+        x = (torch.randn(3, m, n, generator=gen) * 10.0 ** (trial % 5 - 2)).to(dtype)
+        for stack in (x, x.mT):
+            each = torch.stack([torch.linalg.vector_norm(one) for one in stack.unbind(0)])
+            assert torch.equal(torch.linalg.vector_norm(stack, dim=(-2, -1)), each), (m, n)
+
+
+@pytest.mark.parametrize("shape", [(16, 4096), (4096, 16)])
+def test_small_side_stack_of_large_matrices_equals_matrix_by_matrix(
+    shape: tuple[int, int],
+) -> None:
+    """Matrices above the reduction grain take one norm call each in the loop."""
+    x = _randn(3, *shape, seed=9)
+    loop = torch.stack([newton_schulz(m, steps=1) for m in x])
+    assert torch.equal(newton_schulz(x, steps=1), loop)
+
+
 def test_side_16_bf16_stack_that_batched_kernels_round_differently() -> None:
     """Catches: a minimum side of 16 (or any below 17). This (16, 16, 64) input passes the
     probe's shape check yet rounds differently with batched bf16 kernels on torch 2.13's CPU

@@ -13,6 +13,7 @@ from torch import Tensor
 
 from canzona.defaults import ADAMW_DEFAULTS, MUON_DEFAULTS
 from canzona.optim.base import MatrixOptimizer, scalar
+from canzona.optim.payload_runs import payload_runs
 from canzona.optim.prepare import GroupWork
 from canzona.optim.transaction import StepTransaction
 from canzona.plan import PlanConfig
@@ -25,7 +26,7 @@ from canzona.updates import (
     muon_lr,
     resolve_ns_coefficients,
 )
-from canzona.updates.batched import decay_and_step_, muon_prepare_batch_
+from canzona.updates.batched import decay_and_step_, muon_prepare_batch_, muon_prepare_runs_
 
 
 def as_tuples(value: Any) -> Any:
@@ -220,11 +221,23 @@ class Muon(MatrixOptimizer):
             bufs = [local_tensor(self.state[p]["momentum_buffer"]) for p in params]
             work.cache["bufs"] = bufs
             work.cache["backup"] = self._backup(bufs)
+            same = all(b.dtype == v.dtype for b, v in zip(bufs, work.payloads, strict=True))
+            work.cache["runs"] = payload_runs(work.payloads) if same else None
         txn.save(work.cache["backup"])
-        muon_prepare_batch_(
-            work.cache["bufs"],
+        bufs, runs = work.cache["bufs"], work.cache["runs"]
+        if runs is None:
+            muon_prepare_batch_(
+                bufs,
+                grads,
+                work.payloads,
+                momentum=group["momentum"],
+                nesterov=group["nesterov"],
+            )
+            return
+        muon_prepare_runs_(
+            bufs,
             grads,
-            work.payloads,
+            [(run.take(bufs), run.take(grads), run.out) for run in runs],
             momentum=group["momentum"],
             nesterov=group["nesterov"],
         )

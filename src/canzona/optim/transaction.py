@@ -15,9 +15,10 @@ class Backup:
     """A copy of a fixed list of tensors, in flat buffers whose views are cut once.
 
     Built once for a list of state tensors that a step changes in place (e.g. the
-    momentum buffers of a param group); each step then copies them with one foreach op
-    per dtype. The memory is held from the first :meth:`take`; unless ``keep``, only until
-    the next :meth:`drop`.
+    momentum buffers of a param group); each step then copies them with one op per dtype
+    (a concatenation of their flat views when all are contiguous, else a foreach copy).
+    The memory is held from the first :meth:`take`; unless ``keep``, only until the next
+    :meth:`drop`.
 
     Args:
         tensors: The tensors (any shapes and dtypes, one device).
@@ -29,7 +30,7 @@ class Backup:
         for t in tensors:
             if t.numel():
                 by_dtype.setdefault(t.dtype, []).append(t)
-        self._parts: list[tuple[FlatBuffer, list[Tensor], list[Tensor]]] = []
+        self._parts: list[tuple[FlatBuffer, list[Tensor], list[Tensor], list[Tensor] | None]] = []
         for dtype, ts in by_dtype.items():
             buf = FlatBuffer(sum(t.numel() for t in ts), dtype, ts[0].device, keep=keep)
             views, offset = [], 0
@@ -37,28 +38,38 @@ class Backup:
                 views.append(buf.view(offset, t.shape))
                 offset += t.numel()
             buf.free()  # nothing to hold before the first take
-            self._parts.append((buf, ts, views))
+            # contiguous tensors are copied by one concatenation of their flat views
+            flat = [t.view(-1) for t in ts] if all(t.is_contiguous() for t in ts) else None
+            self._parts.append((buf, ts, views, flat))
 
     @property
     def nbytes(self) -> int:
         """Bytes the copies hold."""
-        return sum(buf.tensor.numel() * buf.tensor.element_size() for buf, _, _ in self._parts)
+        return sum(part[0].tensor.numel() * part[0].tensor.element_size() for part in self._parts)
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of memory the copies hold now (0 between steps unless kept)."""
+        return sum(part[0].tensor.untyped_storage().nbytes() for part in self._parts)
 
     def take(self) -> None:
         """Copy the tensors."""
-        for buf, ts, views in self._parts:
+        for buf, ts, views, flat in self._parts:
             buf.acquire()
-            torch._foreach_copy_(views, ts)
+            if flat is not None:
+                torch.cat(flat, out=buf.tensor)
+            else:
+                torch._foreach_copy_(views, ts)
 
     def restore(self) -> None:
         """Write the copies back."""
-        for _, ts, views in self._parts:
+        for _, ts, views, _ in self._parts:
             torch._foreach_copy_(ts, views)
 
     def drop(self) -> None:
         """Free the copies' memory (unless kept)."""
-        for buf, _, _ in self._parts:
-            buf.release()
+        for part in self._parts:
+            part[0].release()
 
 
 class StepTransaction:

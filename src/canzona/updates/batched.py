@@ -26,6 +26,7 @@ __all__ = [
     "decay_and_step_",
     "mul_",
     "muon_prepare_batch_",
+    "muon_prepare_runs_",
     "soap_apply_batch_",
 ]
 
@@ -101,6 +102,40 @@ def muon_prepare_batch_(
         torch._foreach_lerp_(list(out), list(bufs), momentum)
     else:
         torch._foreach_copy_(list(out), list(bufs))
+
+
+def muon_prepare_runs_(
+    bufs: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    runs: Sequence[tuple[tuple[Tensor, ...], tuple[Tensor, ...], Tensor]],
+    *,
+    momentum: float,
+    nesterov: bool,
+) -> None:
+    r""":func:`muon_prepare_batch_` writing payloads that lie back to back, a run at a time.
+
+    The momentum update is one foreach op as there; each run's payload is then filled by
+    concatenation: ``cat(grads).lerp_(cat(bufs), mu)`` (Nesterov) or ``cat(bufs)``, the same
+    element-wise ops on the same values, so the same bits, for one host call per run
+    instead of one per tensor.
+
+    Args:
+        bufs: Momentum buffers, updated in place.
+        grads: Gradients (same shapes and dtype as the buffers).
+        runs: Per run, its buffers and gradients (each ``(rows, *tail)``, in the run's
+            order) and its payload region ``(-1, *tail)`` (the buffers' dtype).
+        momentum: Momentum factor :math:`\mu`.
+        nesterov: Whether to use the Nesterov blend.
+    """
+    if not bufs:
+        return
+    torch._foreach_lerp_(list(bufs), list(grads), 1 - momentum)
+    for run_bufs, run_grads, out in runs:
+        if nesterov:
+            torch.cat(run_grads, out=out)
+            out.lerp_(torch.cat(run_bufs), momentum)
+        else:
+            torch.cat(run_bufs, out=out)
 
 
 def decay_and_step_(
