@@ -29,6 +29,7 @@ def test_runs_follow_the_buffer_and_break_where_views_are_not_adjacent() -> None
     assert runs is not None
     assert [r.positions for r in runs] == [(2, 0), (3,), (4,), (1, 5)]
     assert [tuple(r.out.shape) for r in runs] == [(6, 8), (2, 6), (1, 6), (5, 4)]
+    assert all(x is y for x, y in zip(runs[0].views, (views[2], views[0]), strict=True))
     assert runs[0].out.data_ptr() == a.data_ptr()
     assert runs[3].out.data_ptr() == b.data_ptr()
     assert runs[0].take(list(range(6))) == (2, 0)  # type: ignore[arg-type]

@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from canzona.updates.batched import mul_, muon_prepare_batch_, muon_prepare_runs_
+from canzona.updates.batched import (
+    FLAT_BLEND_NUMEL,
+    mul_,
+    muon_prepare_batch_,
+    muon_prepare_runs_,
+)
 
 
 def _tensors(dtype: torch.dtype, seed: int) -> list[torch.Tensor]:
@@ -37,13 +42,17 @@ def test_mul_equals_tensor_mul_over_repeated_calls(
             assert torch.equal(torch.signbit(g), torch.signbit(w))  # equal() ignores -0.0
 
 
+@pytest.mark.parametrize("scale", [1, 30])  # small tensors (one blend per run), large ones
 @pytest.mark.parametrize("nesterov", [True, False])
-def test_muon_prepare_by_runs_equals_the_foreach_prepare(nesterov: bool) -> None:
+def test_muon_prepare_by_runs_equals_the_foreach_prepare(nesterov: bool, scale: int) -> None:
     """Payloads filled a run at a time by concatenation equal the foreach prepare's, bit for
-    bit, and so do the momentum buffers. Catches: a run filled from the buffers before the
-    momentum update, a blend with the wrong weight, a run's tensors out of order."""
+    bit, and so do the momentum buffers, whether the blend concatenates the buffers (tensors
+    of at most FLAT_BLEND_NUMEL elements) or runs on the payload views. Catches: a run filled
+    from the buffers before the momentum update, a blend with the wrong weight, a run's
+    tensors out of order."""
     gen = torch.Generator().manual_seed(3)
-    shapes = [(4, 8), (3, 8), (5, 8), (2, 6), (7, 6)]
+    shapes = [(4 * scale, 8), (3 * scale, 8), (5 * scale, 8), (2 * scale, 6), (7 * scale, 6)]
+    assert (scale == 1) == all(r * c <= FLAT_BLEND_NUMEL for r, c in shapes)
     grads = [torch.randn(s, generator=gen) for s in shapes]
     bufs = [torch.randn(s, generator=gen) for s in shapes]
     want_bufs = [b.clone() for b in bufs]
@@ -51,13 +60,26 @@ def test_muon_prepare_by_runs_equals_the_foreach_prepare(nesterov: bool) -> None
     muon_prepare_batch_(want_bufs, grads, want, momentum=0.95, nesterov=nesterov)
     # two runs in buffer order (2, 0, 1) and (4, 3): as payload views of one flat buffer
     flat = torch.full((sum(g.numel() for g in grads),), float("nan"))
+    cut = 96 * scale
+    first = flat[:cut].view(-1, 8)
+    second = flat[cut:].view(-1, 6)
     runs = [
-        ((bufs[2], bufs[0], bufs[1]), (grads[2], grads[0], grads[1]), flat[:96].view(-1, 8)),
-        ((bufs[4], bufs[3]), (grads[4], grads[3]), flat[96:].view(-1, 6)),
+        (
+            (bufs[2], bufs[0], bufs[1]),
+            (grads[2], grads[0], grads[1]),
+            first,
+            tuple(first.split([5 * scale, 4 * scale, 3 * scale])),
+        ),
+        (
+            (bufs[4], bufs[3]),
+            (grads[4], grads[3]),
+            second,
+            tuple(second.split([7 * scale, 2 * scale])),
+        ),
     ]
     muon_prepare_runs_(bufs, grads, runs, momentum=0.95, nesterov=nesterov)
     for b, w in zip(bufs, want_bufs, strict=True):
         assert torch.equal(b, w)
-    got = [*flat[:96].split([40, 32, 24]), *flat[96:].split([42, 12])]
+    got = [*runs[0][3], *runs[1][3]]
     for g, w in zip(got, [want[2], want[0], want[1], want[4], want[3]], strict=True):
-        assert torch.equal(g, w.reshape(-1))
+        assert torch.equal(g, w)

@@ -237,7 +237,7 @@ class Muon(MatrixOptimizer):
         muon_prepare_runs_(
             bufs,
             grads,
-            [(run.take(bufs), run.take(grads), run.out) for run in runs],
+            [(run.take(bufs), run.take(grads), run.out, run.views) for run in runs],
             momentum=group["momentum"],
             nesterov=group["nesterov"],
         )

@@ -19,11 +19,13 @@ class PayloadRun:
         positions: Their positions in the group's prepared lists, in buffer order.
         out: The run's region of the buffer, shaped ``(-1, *tail)``: ``torch.cat`` of the
             run's tensors (each shaped ``(rows, *tail)``) along dimension 0 fills it.
+        views: The payload views of the run, in buffer order.
         take: Picks the run's tensors, in buffer order, out of a list in prepared order.
     """
 
     positions: tuple[int, ...]
     out: Tensor
+    views: tuple[Tensor, ...]
     take: Callable[[Sequence[Tensor]], tuple[Tensor, ...]]
 
 
@@ -76,6 +78,7 @@ def payload_runs(payloads: Sequence[Tensor]) -> list[PayloadRun] | None:
         numel = sum(payloads[k].numel() for k in positions)
         tail = tuple(payloads[first].shape[1:])
         out = by_order[order].narrow(0, offset, numel).view(-1, *tail)
-        runs.append(PayloadRun(positions, out, _taker(positions)))
+        take = _taker(positions)
+        runs.append(PayloadRun(positions, out, take(payloads), take))
         start = i
     return runs
