@@ -3,12 +3,23 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
 from canzona.runtime import FlatBuffer
+
+
+class _Part(NamedTuple):
+    """The copies of one dtype's tensors."""
+
+    buf: FlatBuffer
+    tensors: list[Tensor]
+    #: Per tensor, its copy (a view of ``buf``).
+    views: list[Tensor]
+    #: The tensors' flat views when all are contiguous (one concatenation copies them).
+    flat: list[Tensor] | None
 
 
 class Backup:
@@ -30,7 +41,7 @@ class Backup:
         for t in tensors:
             if t.numel():
                 by_dtype.setdefault(t.dtype, []).append(t)
-        self._parts: list[tuple[FlatBuffer, list[Tensor], list[Tensor], list[Tensor] | None]] = []
+        self._parts: list[_Part] = []
         for dtype, ts in by_dtype.items():
             buf = FlatBuffer(sum(t.numel() for t in ts), dtype, ts[0].device, keep=keep)
             views, offset = [], 0
@@ -38,19 +49,18 @@ class Backup:
                 views.append(buf.view(offset, t.shape))
                 offset += t.numel()
             buf.free()  # nothing to hold before the first take
-            # contiguous tensors are copied by one concatenation of their flat views
             flat = [t.view(-1) for t in ts] if all(t.is_contiguous() for t in ts) else None
-            self._parts.append((buf, ts, views, flat))
+            self._parts.append(_Part(buf, ts, views, flat))
 
     @property
     def nbytes(self) -> int:
         """Bytes the copies hold."""
-        return sum(part[0].tensor.numel() * part[0].tensor.element_size() for part in self._parts)
+        return sum(p.buf.tensor.numel() * p.buf.tensor.element_size() for p in self._parts)
 
     @property
     def held_bytes(self) -> int:
         """Bytes of memory the copies hold now (0 between steps unless kept)."""
-        return sum(part[0].tensor.untyped_storage().nbytes() for part in self._parts)
+        return sum(p.buf.tensor.untyped_storage().nbytes() for p in self._parts)
 
     def take(self) -> None:
         """Copy the tensors."""
@@ -68,8 +78,8 @@ class Backup:
 
     def drop(self) -> None:
         """Free the copies' memory (unless kept)."""
-        for part in self._parts:
-            part[0].release()
+        for p in self._parts:
+            p.buf.release()
 
 
 class StepTransaction:

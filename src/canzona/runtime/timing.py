@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from statistics import median
 
 import torch
 
@@ -134,10 +135,3 @@ def time_rounds(calls: Sequence[Call]) -> None:
                 call.times.append(call.once())
             except Exception:  # as in a warm-up: predicted instead; ranks stay in step
                 call.failed = True
-
-
-def median(values: Sequence[float]) -> float:
-    """The median (the mean of the middle two for an even count)."""
-    ordered = sorted(values)
-    half = len(ordered) // 2
-    return ordered[half] if len(ordered) % 2 else (ordered[half - 1] + ordered[half]) / 2
