@@ -7,6 +7,7 @@ import torch
 
 from canzona.updates.batched import (
     FLAT_BLEND_NUMEL,
+    LERP_OUT_NUMEL,
     mul_,
     muon_prepare_batch_,
     muon_prepare_runs_,
@@ -42,17 +43,23 @@ def test_mul_equals_tensor_mul_over_repeated_calls(
             assert torch.equal(torch.signbit(g), torch.signbit(w))  # equal() ignores -0.0
 
 
-@pytest.mark.parametrize("scale", [1, 30])  # small tensors (one blend per run), large ones
+# small tensors (one blend per run), larger ones (a foreach blend on the payload views),
+# large ones (the first run blends a tensor at a time into its payload, the second as before)
+@pytest.mark.parametrize("scale", [1, 30, 300])
 @pytest.mark.parametrize("nesterov", [True, False])
 def test_muon_prepare_by_runs_equals_the_foreach_prepare(nesterov: bool, scale: int) -> None:
-    """Payloads filled a run at a time by concatenation equal the foreach prepare's, bit for
-    bit, and so do the momentum buffers, whether the blend concatenates the buffers (tensors
-    of at most FLAT_BLEND_NUMEL elements) or runs on the payload views. Catches: a run filled
-    from the buffers before the momentum update, a blend with the wrong weight, a run's
-    tensors out of order."""
+    """Payloads filled a run at a time equal the foreach prepare's, bit for bit, and so do
+    the momentum buffers, whether the blend concatenates the buffers (tensors of at most
+    FLAT_BLEND_NUMEL elements), runs on the payload views, or writes each payload with its
+    own lerp (at least LERP_OUT_NUMEL elements on average). Catches: a run filled from the
+    buffers before the momentum update, a blend with the wrong weight or operands swapped, a
+    run's tensors out of order."""
     gen = torch.Generator().manual_seed(3)
     shapes = [(4 * scale, 8), (3 * scale, 8), (5 * scale, 8), (2 * scale, 6), (7 * scale, 6)]
     assert (scale == 1) == all(r * c <= FLAT_BLEND_NUMEL for r, c in shapes)
+    first_mean = sum(r * c for r, c in shapes[:3]) / 3
+    second_mean = sum(r * c for r, c in shapes[3:]) / 2
+    assert (first_mean >= LERP_OUT_NUMEL) == (scale == 300) and second_mean < LERP_OUT_NUMEL
     grads = [torch.randn(s, generator=gen) for s in shapes]
     bufs = [torch.randn(s, generator=gen) for s in shapes]
     want_bufs = [b.clone() for b in bufs]

@@ -22,13 +22,14 @@ from canzona.runtime.exchanges import (
     fused_send,
     labels,
     pack,
+    piece_of,
+    row_major,
     split_received,
 )
 from canzona.runtime.schedule_parts import (
     Delivery,
     GroupSchedule,
     OwnerBatch,
-    Piece,
     Schedule,
     Target,
 )
@@ -281,6 +282,7 @@ class _Run:
                 out = self.compute(cb, full)
                 self.stats.compute_s += time.perf_counter() - start
                 self.stats.compute_cpu_s += time.thread_time() - cpu
+                out = row_major(out)
                 self.stats.matrices_computed += len(batch.items)
                 self.stats.batches += 1
                 return out
@@ -463,9 +465,9 @@ class _Run:
                 for t in range(self.p.world):
                     parts.append(flag)
                     lo, hi = g.piece_bounds[t], g.piece_bounds[t + 1]
-                    parts += [piece_of(outs, pc).reshape(-1) for pc in g.scatter_pieces[lo:hi]]
+                    parts += [piece_of(outs, pc) for pc in g.scatter_pieces[lo:hi]]
             else:
-                parts = [piece_of(outs, pc).reshape(-1) for pc in g.scatter_pieces]
+                parts = [piece_of(outs, pc) for pc in g.scatter_pieces]
             inp = concat(parts, g.scatter_dtype, self.p.device)
         except Exception as exc:
             self.fail(f"packing the scatter of micro-group {g.index}", exc)
@@ -484,11 +486,6 @@ class _Run:
         for d in g.deliveries:
             numel = d.count * d.shape[0] * d.shape[1]
             self.received.append((out.narrow(0, d.offset, numel).view(d.count, *d.shape), d))
-
-
-def piece_of(outs: Sequence[torch.Tensor], piece: Piece) -> torch.Tensor:
-    """A run of direction fragments ``(k, fr, fc)`` read from a batch's computed stack."""
-    return piece.selector.read(outs[piece.batch].narrow(0, piece.start, piece.count))
 
 
 def _assemble(batch: OwnerBatch, recv: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -22,6 +22,7 @@ _DTYPE = operator.attrgetter("dtype")
 
 __all__ = [
     "FLAT_BLEND_NUMEL",
+    "LERP_OUT_NUMEL",
     "adamw_moments_",
     "adamw_params_",
     "decay_and_step_",
@@ -37,6 +38,12 @@ __all__ = [
 #: costs 0.46, 0.52, 0.79, 1.7 µs per tensor of 32, 256, 1024, 4096 fp32 elements, the
 #: concatenation and one lerp_ 0.11, 0.28, 0.93, 4.6 µs.
 FLAT_BLEND_NUMEL = 512
+#: Mean elements per tensor from which a CPU run's Nesterov blend writes each payload with its
+#: own ``torch.lerp(grad, buf, mu, out=payload)``: one pass over the gradient instead of the
+#: concatenation's copy and a blend that reads it back. Measured on torch 2.13 (one thread,
+#: fp32, cold caches), per tensor against concatenation plus one foreach ``lerp_``: 1.04x
+#: the time at 4096 elements, 0.82x at 8192, 0.72x at 65536, 0.75x at 262144.
+LERP_OUT_NUMEL = 8192
 
 #: The last 0-dim CPU factors of :func:`mul_` (a constant decay is one per step and dtype).
 _FACTORS: dict[tuple[float, float, torch.dtype], Tensor] = {}
@@ -126,8 +133,10 @@ def muon_prepare_runs_(
     buffers, ``lerp_(cat(bufs), mu)`` in one call on a CPU run of small tensors (at most
     :data:`FLAT_BLEND_NUMEL` elements each on average) and one foreach ``lerp_`` on the
     run's payload views otherwise (the concatenation is a copy more, which costs more than a
-    call per tensor saves beyond that size). The same element-wise ops on the same values,
-    so the same bits.
+    call per tensor saves beyond that size); a CPU run of large tensors (at least
+    :data:`LERP_OUT_NUMEL` elements each on average) skips the concatenation: one
+    ``torch.lerp(grad, buf, mu, out=payload)`` per tensor. The same element-wise ops on the
+    same values, so the same bits.
 
     Args:
         bufs: Momentum buffers, updated in place.
@@ -145,8 +154,13 @@ def muon_prepare_runs_(
         if not nesterov:
             torch.cat(run_bufs, out=out)
             continue
+        cpu = out.device.type == "cpu"
+        if cpu and out.numel() >= LERP_OUT_NUMEL * len(run_bufs):
+            for grad, buf, view in zip(run_grads, run_bufs, views, strict=True):
+                torch.lerp(grad, buf, momentum, out=view)
+            continue
         torch.cat(run_grads, out=out)
-        if out.device.type == "cpu" and out.numel() <= FLAT_BLEND_NUMEL * len(run_bufs):
+        if cpu and out.numel() <= FLAT_BLEND_NUMEL * len(run_bufs):
             out.lerp_(torch.cat(run_bufs), momentum)
         else:
             torch._foreach_lerp_(list(views), list(run_bufs), momentum)
