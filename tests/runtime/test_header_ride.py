@@ -82,10 +82,14 @@ def _steady(
             expected += local * rows[i].payload_dtype.itemsize
         else:
             expected += local * (world - 1) * rows[i].direction_dtype.itemsize
+    (pipeline,) = opt._runtime._pipelines.values()
+    first = pipeline.schedule.micro_groups[0]
     return {
         "rode": rode,
         "sent": sent,
         "expected_sent": expected,
+        "first_send": [tuple(v.shape) if isinstance(v, torch.Tensor) else v for v in first.send],
+        "header_slots": len(first.header_slots),
         "micro_groups": opt.last_step_stats.micro_groups,
         "collectives": collectives,
         "params": {n: full_of(p) for n, p in params},
@@ -96,7 +100,9 @@ def test_steady_steps_ride_the_first_gather_and_stay_bitwise(dist: Any) -> None:
     """Catches: a header that never rides (or rides from the first step, before any plan was
     agreed), a header slot counted as payload bytes or misread by the owners' assembly (the
     result would differ from ``torch.optim.Muon``), for both strategies that scatter or not,
-    and with one matrix per micro-group, whose first gathers travel fused."""
+    and with one matrix per micro-group, whose first gathers travel fused; the slots not laid
+    out in the payload buffer (the first gather's send buffer would be a copy), or written
+    before the payloads' cast overwrites them (the headers would decline every step)."""
     fulls = full_tensors(SHAPE_OF)
     grads = grad_steps(SHAPE_OF, 5)
     want = reference_muon(fulls, grads, **KW)
@@ -114,6 +120,10 @@ def test_steady_steps_ride_the_first_gather_and_stay_bitwise(dist: Any) -> None:
             assert len(set(rank["collectives"])) == 1, (strategy, rank["collectives"])
             for name in NAMES:
                 assert torch.equal(rank["params"][name], want[name]), (strategy, name)
+            # the slots lie in the payload buffer, one before each destination's segment
+            assert rank["header_slots"] == 4, (strategy, rank["header_slots"])
+            if strategy == "canzona" and groups == 1:  # so the send is one range: no copy
+                assert len(rank["first_send"]) == 1, rank["first_send"]
 
 
 def test_a_step_that_is_not_atomic_never_rides(dist: Any) -> None:

@@ -209,6 +209,9 @@ class Pipeline:
                         payload.tensor.copy_(prepared.tensor)
                 except Exception as exc:
                     run.fail("casting the payloads", exc)
+            if ride is not None and slot is not None:  # slots in the payloads: after the cast
+                for copy in self.schedule.micro_groups[0].header_slots:
+                    copy.copy_(slot)
             kept = run.local_batches()
             if self.schedule.micro_groups and self.process_group is not None:
                 run.micro_groups()

@@ -16,7 +16,6 @@ batch with the same fragment therefore form a *run* ``(k, fr, fc)`` that one cop
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from itertools import accumulate
 
 import torch
@@ -24,6 +23,7 @@ import torch
 from canzona.runtime.buffers import FlatBuffer, Selector
 from canzona.runtime.checks import RIDE_WORDS
 from canzona.runtime.layout import Fragment
+from canzona.runtime.payload_layout import Dtypes, PayloadLayout, SendPart, add_part
 from canzona.runtime.routing import Item, Route
 from canzona.runtime.schedule_parts import (
     Assembly,
@@ -42,8 +42,6 @@ from canzona.runtime.schedule_parts import (
 )
 from canzona.runtime.table import StepTable
 from canzona.runtime.topology import Topology
-
-SendPart = tuple[int, int, int] | torch.Tensor | tuple[torch.Tensor, Selector] | list[int]
 
 
 def batch_key(item: Item, table: StepTable) -> BatchKey:
@@ -107,24 +105,6 @@ def _runs(
     return runs
 
 
-@dataclass(slots=True)
-class _Layout:
-    """Where each active matrix parameter's payload lives in the flat buffers."""
-
-    views: dict[int, tuple[int, int]] = field(default_factory=dict)  # param -> (class, offset)
-    sizes: list[int] = field(default_factory=list)
-    classes: dict[tuple[torch.dtype, torch.dtype], int] = field(default_factory=dict)
-
-    def place(self, param: int, numel: int, dtypes: tuple[torch.dtype, torch.dtype]) -> None:
-        if param in self.views:
-            return
-        cls = self.classes.setdefault(dtypes, len(self.classes))
-        if cls == len(self.sizes):
-            self.sizes.append(0)
-        self.views[param] = (cls, self.sizes[cls])
-        self.sizes[cls] += numel
-
-
 class ScheduleBuilder:
     """Builds a :class:`Schedule` for one rank from agreed data.
 
@@ -169,15 +149,29 @@ class ScheduleBuilder:
         self.device = device
         self.keep_buffers = keep_buffers
         self.selectors = _Selectors(device)
-        self.layout = _Layout()
+        self.layout = PayloadLayout()
+        #: (class, offset) of the header's slot before each destination's segment, when the
+        #: slots lie in the payload buffers (see :meth:`_place_payloads`).
+        self.header_gaps: list[tuple[int, int]] = []
 
     def _dtypes(self, param: int) -> tuple[torch.dtype, torch.dtype]:
         return self.topology.layouts[param].dtype, self.table.row(param).payload_dtype
 
     def _place_payloads(self) -> None:
-        """Lay payloads out in first-send order, so a group's sends are few long ranges."""
-        for items in self.groups:
+        """Lay payloads out in first-send order, so a group's sends are few long ranges.
+
+        The first micro-group's segments start with the header's slot (see
+        :class:`GroupSchedule`): where this rank's sends in it are of one buffer class whose
+        payload dtype is the gather's, each slot is reserved in that buffer right before the
+        segment, so that a segment, and often the whole send, is one range (sent without a
+        copy).
+        """
+        first = self._header_group()
+        for k, items in enumerate(self.groups):
+            gap = self._header_gap(items) if k == first else None
             for dest in range(self.world):
+                if gap is not None:
+                    self.header_gaps.append(self.layout.reserve(*gap))
                 for item in items:
                     route = self.routes.get(item.name)
                     if route is not None and route.frag is not None and dest in route.send_to:
@@ -186,6 +180,29 @@ class ScheduleBuilder:
         for p in sorted(self.local_shapes):
             if _numel(self.local_shapes[p]):
                 self.layout.place(p, _numel(self.local_shapes[p]), self._dtypes(p))
+
+    def _header_group(self) -> int:
+        """Index of the micro-group whose gather carries the header (-1: none)."""
+        if self.world < 2:
+            return -1
+        return min((k for k, items in enumerate(self.groups) if items), default=-1)
+
+    def _header_gap(self, items: Sequence[Item]) -> tuple[int, Dtypes] | None:
+        """Size and buffer class of the header's slot in the payload buffers (None: apart)."""
+        gather = common_dtype([self.table.row(it.param).payload_dtype for it in items])
+        sent = {
+            self._dtypes(it.param)
+            for it in items
+            if (route := self.routes.get(it.name)) is not None
+            and route.frag is not None
+            and route.send_to
+        }
+        if len(sent) != 1:
+            return None
+        (dtypes,) = sent
+        if dtypes[1] != gather:
+            return None
+        return RIDE_WORDS * 8 // gather.itemsize, dtypes
 
     def build(self) -> Schedule:
         """The schedule."""
@@ -208,10 +225,10 @@ class ScheduleBuilder:
         }
         local, local_kept = self._local()
         last = max((k for k, items in enumerate(self.groups) if items), default=-1)
-        first = min((k for k, items in enumerate(self.groups) if items), default=-1)
+        first = self._header_group()
         status = not self.replicated
         groups = [
-            self._group(k, items, status and k == last, self.world > 1 and k == first)
+            self._group(k, items, status and k == last, k == first)
             for k, items in enumerate(self.groups)
         ]
         schedule = Schedule(
@@ -360,7 +377,8 @@ class ScheduleBuilder:
         if header:  # int64 words seen as gather elements: the bytes travel unchanged
             words = torch.zeros(RIDE_WORDS, dtype=torch.int64, device=self.device)
             slot = words.view(gather_dtype)
-        send, gather_in = self._sends(items, slot)
+        gaps = self.header_gaps if slot is not None else []
+        send, gather_in = self._sends(items, slot, gaps)
         head = 0 if slot is None else slot.numel()
         batches, gather_out = self._owner_batches(items, head)
         header_index = None
@@ -409,42 +427,31 @@ class ScheduleBuilder:
                 else None
             ),
             header=slot,
+            header_slots=tuple(self.payloads[c].view(o, (head,)) for c, o in gaps),
             compute_order=light_first(batches),
             header_index=header_index,
         )
 
     def _sends(
-        self, items: list[Item], slot: torch.Tensor | None
+        self, items: list[Item], slot: torch.Tensor | None, gaps: Sequence[tuple[int, int]] = ()
     ) -> tuple[tuple[SendView, ...], list[int]]:
         """This rank's payloads in wire order (contiguous ranges merged) and per-rank sizes.
 
-        With ``slot``, every destination's segment starts with it (the header's slot).
+        With ``slot``, every destination's segment starts with it (the header's slot): the
+        ranges ``gaps`` reserved for it in the payload buffers, else ``slot`` itself.
         """
         parts: list[SendPart] = []
         sizes = [0] * self.world
         for dest in range(self.world):
             if slot is not None:
-                parts.append(slot)
+                add_part(parts, (*gaps[dest], slot.numel()) if gaps else slot)
                 sizes[dest] += slot.numel()
             for item in items:
                 route = self.routes.get(item.name)
                 if route is None or route.frag is None or dest not in route.send_to:
                     continue
                 sizes[dest] += route.frag.numel
-                part = self._item_send(item, route)
-                last = parts[-1] if parts else None
-                if (
-                    isinstance(part, tuple)
-                    and len(part) == 3
-                    and isinstance(last, list)
-                    and last[0] == part[0]
-                    and last[1] + last[2] == part[1]
-                ):
-                    last[2] += part[2]
-                elif isinstance(part, tuple) and len(part) == 3:
-                    parts.append(list(part))
-                else:
-                    parts.append(part)
+                add_part(parts, self._item_send(item, route))
         views: list[SendView] = []
         for part in parts:
             if isinstance(part, list):

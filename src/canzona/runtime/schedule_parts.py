@@ -165,7 +165,9 @@ class GroupSchedule:
 
     The step's first micro-group reserves, at the start of every gather segment, a slot
     for the step's header (``header``: the slot this rank sends, in the gather dtype;
-    ``header_index``: where every sender's slot sits in the receive buffer), so that in a
+    ``header_slots``: where its copies lie in the payload buffers when the schedule laid
+    them out there, one per destination; ``header_index``: where every sender's slot sits
+    in the receive buffer), so that in a
     steady step the cross-rank check rides the first gather instead of a collective of
     its own (see :meth:`~canzona.runtime.engine.MatrixRuntime.begin_step`).
     """
@@ -187,6 +189,7 @@ class GroupSchedule:
     piece_bounds: list[int] = field(default_factory=list)
     status_index: torch.Tensor | None = None
     header: torch.Tensor | None = None
+    header_slots: tuple[torch.Tensor, ...] = ()
     header_index: torch.Tensor | None = None
     compute_order: list[int] = field(default_factory=list)
 
