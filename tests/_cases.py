@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -9,6 +10,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import canzona
 
@@ -214,3 +216,19 @@ def three_linears(layout: str, width: int, hidden: int, out: int) -> nn.Module:
     elif layout == "fsdp":
         fully_shard(model, mesh=mesh((torch.distributed.get_world_size(),), ("dp",)))
     return model
+
+
+class CountOps(TorchDispatchMode):
+    """Counts every aten op dispatched inside the mode, by ``key(op)`` (default: its name).
+
+    ``key=lambda op: str(op.overloadpacket)`` counts ops without their overload.
+    """
+
+    def __init__(self, key: Callable[[Any], str] = str) -> None:
+        super().__init__()
+        self.key = key
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops[self.key(func)] += 1
+        return func(*args, **(kwargs or {}))

@@ -2,29 +2,16 @@
 
 from __future__ import annotations
 
-import collections
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.tensor import Shard, distribute_tensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import canzona
 
+from _cases import CountOps
 from _dist import mesh
-
-
-class _CountOps(TorchDispatchMode):
-    """Counts every aten op dispatched inside the mode, by name."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: collections.Counter[str] = collections.Counter()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.ops[str(func)] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _ops_of_a_step(count: int) -> dict[str, int]:
@@ -56,7 +43,7 @@ def _ops_of_a_step(count: int) -> dict[str, int]:
         if step < 2:
             opt.step()
             continue
-        with _CountOps() as counter:
+        with CountOps() as counter:
             opt.step()
     assert opt.last_step_stats is not None and opt.last_step_stats.batches == 1
     return dict(counter.ops)

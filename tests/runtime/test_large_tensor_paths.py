@@ -9,7 +9,6 @@ from typing import Any
 import pytest
 import torch
 from torch.distributed.tensor.placement_types import Shard
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import canzona
 import canzona.runtime.exchanges as exchanges
@@ -18,23 +17,11 @@ import canzona.updates.batched as batched
 from canzona.runtime.exchanges import STRIDED_COPY_NUMEL, concat, row_major
 from canzona.updates.batched import LERP_OUT_NUMEL
 
-from _cases import compare, full_tensors, grad_steps, plan, reference_muon, run_steps
+from _cases import CountOps, compare, full_tensors, grad_steps, plan, reference_muon, run_steps
 from _cases import sharded_params as shard
 from _dist import mesh
 
 CPU = torch.device("cpu")
-
-
-class _Ops(TorchDispatchMode):
-    """Counts the aten ops dispatched inside the block."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.ops[str(func.overloadpacket)] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _transposed(k: int, m: int, n: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -87,7 +74,7 @@ def test_concat_copies_a_large_strided_part_once() -> None:
     into the buffer: every element copied twice)."""
     stack = torch.randn(4, 512, 64)
     parts = [stack.narrow(1, 0, 256), torch.randn(8), _transposed(2, 512, 128, torch.float32)]
-    with _Ops() as seen:
+    with CountOps(key=lambda op: str(op.overloadpacket)) as seen:
         concat(parts, torch.bfloat16, CPU)
     assert seen.ops["aten.clone"] == 0 and seen.ops["aten._reshape_copy"] == 0, seen.ops
     assert seen.ops["aten.copy_"] == 2 + 1  # the two strided parts, the run of one
