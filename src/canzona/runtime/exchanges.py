@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from canzona.runtime.schedule_parts import Piece, SendView
+from canzona.runtime.schedule_parts import OwnerBatch, Piece, SendView
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +52,12 @@ class Pending:
 
 @dataclass
 class Wire:
-    """An all-to-all in flight, the buffers it holds and the exchanges it carries."""
+    """An all-to-all in flight, the buffers it holds and the exchanges it carries.
+
+    Its exchanges refer to it and it to them until the wait (:func:`release`): no cycle
+    outlives the all-to-all, so its buffers are freed by reference counting, not left for
+    the cyclic garbage collector (which the step holds off).
+    """
 
     work: Any
     out: torch.Tensor
@@ -110,7 +115,20 @@ def split_received(wire: Wire) -> None:
     for part, runs in zip(wire.parts, wire.layout, strict=True):
         data = torch.cat([wire.out.narrow(0, o, n) for o, n in runs])
         part.out = data if data.dtype == part.out.dtype else data.view(part.out.dtype)
+
+
+def release(wire: Wire) -> None:
+    """After the wait: hand a fused wire's parts their data, then drop what the wire holds.
+
+    The send buffer is free once the all-to-all completed, the receive buffer lives on in
+    its exchanges (a single one's ``out``, or the copies :func:`split_received` made), and
+    clearing ``parts`` breaks the wire-exchange reference cycle.
+    """
+    if wire.layout:
+        split_received(wire)
     wire.out = wire.inp = torch.empty(0)
+    wire.parts = []
+    wire.layout = []
 
 
 def pack(views: Sequence[SendView], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -202,3 +220,19 @@ def _fill(region: torch.Tensor, run: list[torch.Tensor]) -> None:
         region.copy_(run[0])
     elif run:
         torch.cat(run, out=region)
+
+
+def assemble(batch: OwnerBatch, recv: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The batch's full payloads ``(k, m, n)`` from the gather receive buffer."""
+    k = len(batch.items)
+    if len(batch.assembly) == 1:  # one source holds every matrix whole: no copy
+        run = batch.assembly[0]
+        if run.count == k and run.selector.shape == (batch.m, batch.n):
+            view = recv.narrow(0, run.offset, k * batch.m * batch.n).view(k, batch.m, batch.n)
+            return view.to(batch.dtype)
+    full = torch.empty((k, batch.m, batch.n), dtype=batch.dtype, device=device)
+    for run in batch.assembly:
+        fr, fc = run.selector.shape
+        data = recv.narrow(0, run.offset, run.count * fr * fc).view(run.count, fr, fc)
+        run.selector.write_(full.narrow(0, run.start, run.count), data)
+    return full

@@ -18,13 +18,14 @@ from canzona.runtime.exchanges import (
     Exchange,
     Pending,
     Wire,
+    assemble,
     concat,
     fused_send,
     labels,
     pack,
     piece_of,
+    release,
     row_major,
-    split_received,
 )
 from canzona.runtime.schedule_parts import (
     Delivery,
@@ -224,6 +225,8 @@ class Pipeline:
                 self.retired = True
             else:
                 self.schedule.release()
+            # the error's traceback holds the frames that hold ``run``: no cycle through it
+            run.failure = None
         run.stats.total_s = time.perf_counter() - t0
         return run.stats
 
@@ -425,8 +428,7 @@ class _Run:
         self.p.watchdog.wait(wire.work, wire.label)
         wire.work = None  # drop the handle as soon as it completed
         self.in_flight -= 1
-        if wire.layout:
-            split_received(wire)
+        release(wire)
         self.stats.wait_s += time.perf_counter() - start
 
     def _gather_exchange(self, g: GroupSchedule) -> Exchange:
@@ -448,7 +450,7 @@ class _Run:
             full = None
             if self.failure is None:
                 try:
-                    full = _assemble(batch, recv, self.p.device)
+                    full = assemble(batch, recv, self.p.device)
                 except Exception as exc:
                     self.fail(f"assembling micro-group {g.index}", exc)
             outs[b] = self._compute(batch, full, f"computing micro-group {g.index}")
@@ -489,22 +491,6 @@ class _Run:
         for d in g.deliveries:
             numel = d.count * d.shape[0] * d.shape[1]
             self.received.append((out.narrow(0, d.offset, numel).view(d.count, *d.shape), d))
-
-
-def _assemble(batch: OwnerBatch, recv: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """The batch's full payloads ``(k, m, n)`` from the gather receive buffer."""
-    k = len(batch.items)
-    if len(batch.assembly) == 1:  # one source holds every matrix whole: no copy
-        run = batch.assembly[0]
-        if run.count == k and run.selector.shape == (batch.m, batch.n):
-            view = recv.narrow(0, run.offset, k * batch.m * batch.n).view(k, batch.m, batch.n)
-            return view.to(batch.dtype)
-    full = torch.empty((k, batch.m, batch.n), dtype=batch.dtype, device=device)
-    for run in batch.assembly:
-        fr, fc = run.selector.shape
-        data = recv.narrow(0, run.offset, run.count * fr * fc).view(run.count, fr, fc)
-        run.selector.write_(full.narrow(0, run.start, run.count), data)
-    return full
 
 
 def _apply(
