@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import platform
+import subprocess
+import sys
 from typing import Any
 
+import pytest
 import torch
 from torch.distributed.tensor.placement_types import Shard
 
@@ -215,3 +219,62 @@ def test_long_calls_are_timed_at_a_second_batch_size(dist: Any) -> None:
     per-matrix kernels, not the batched ones: a long shape's batch line is needed too)."""
     for o in dist(2).run(_calibrated_long):
         assert o["timed_sizes"] == [(k, m, n) for k in (1, 2) for m, n in o["shapes"]]
+
+
+SETTLE_CHECK = """
+import ctypes, sys, torch
+from canzona.runtime.timing import settle_heap
+libc = ctypes.CDLL(None)
+libc.sbrk.restype, libc.sbrk.argtypes = ctypes.c_void_p, [ctypes.c_long]
+if sys.argv[1] == "settle":
+    settle_heap()
+block = torch.empty(16 << 20, dtype=torch.uint8)  # a large product of a timed call
+print(int(block.data_ptr() < libc.sbrk(0)))  # 1: from the heap; 0: mapped afresh
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc thresholds")
+def test_settle_heap_lets_later_calls_reuse_freed_memory() -> None:
+    """In a fresh process glibc maps a 16 MiB block afresh (and unmaps it when freed: the
+    next such block faults in fresh pages again); after :func:`timing.settle_heap` it comes
+    from the heap, whose freed memory the process keeps. Catches: a settle block above
+    glibc's 32 MiB ceiling, or none (the calibration's timed calls then pay page faults
+    that a step's calls do not: 500 to 3,800 per call of the Qwen3-like model's largest
+    shapes)."""
+    from_heap = {}
+    for mode in ("plain", "settle"):
+        done = subprocess.run(
+            [sys.executable, "-c", SETTLE_CHECK, mode], capture_output=True, text=True, check=True
+        )
+        from_heap[mode] = done.stdout.split()[-1]
+    assert from_heap == {"plain": "0", "settle": "1"}
+
+
+def _settle_order() -> list[str]:
+    """What a first step does, in order: the heap settled (``settle``) and timed calls."""
+    params = sharded_params(full_tensors(SHAPES), mesh((2,)), {n: (Shard(0),) for n in SHAPES})
+    events: list[str] = []
+    original, settle = canzona.Muon._directions, timing.settle_heap
+
+    def spy(self: Any, batch: Any, full: torch.Tensor) -> torch.Tensor:
+        if batch.calibrate is not None:
+            events.append("call")
+        return original(self, batch, full)
+
+    canzona.Muon._directions = spy  # type: ignore[method-assign]
+    timing.settle_heap = lambda: events.append("settle")  # type: ignore[assignment]
+    calibrate_module._CACHE.clear()
+    try:
+        opt = canzona.Muon(params, lr=0.02, ns_dtype=torch.float32, plan=plan())
+        set_grads(params, grad_steps(SHAPES, 1)[0])
+        opt.step()
+    finally:
+        canzona.Muon._directions = original  # type: ignore[method-assign]
+        timing.settle_heap = settle
+    return events
+
+
+def test_a_cpu_calibration_settles_the_heap_before_timing(dist: Any) -> None:
+    """Catches: the calibration timing its calls before settling the heap (or not at all)."""
+    for events in dist(2).run(_settle_order):
+        assert events[0] == "settle" and events.count("settle") == 1 and "call" in events, events

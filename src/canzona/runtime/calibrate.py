@@ -326,6 +326,8 @@ def calibrate(
         One :class:`~canzona.plan.measured.MeasuredCost` per param group (keyed by
         ``str(batch_key)``), collective-identical on every rank.
     """
+    if device.type == "cpu":
+        timing.settle_heap()
     flops = [bases[s.key].flops(MatrixSpec("s", (s.m, s.n))) for s in shapes]
     cheap = sorted(range(len(shapes)), key=flops.__getitem__)
     # the cheapest shape first (its rate prices the others before they are timed), then the
