@@ -1,4 +1,4 @@
-"""A step's all-to-alls: the exchanges they carry, packing, fused layouts, and assembly."""
+"""A step's all-to-alls: the exchanges they carry, packing, and the layout of fused ones."""
 
 from __future__ import annotations
 
