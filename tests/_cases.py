@@ -22,6 +22,10 @@ SHAPES: dict[str, tuple[int, ...]] = {
     "tiny": (5, 3),
     "stack": (3, 6, 10),
 }
+#: Two of each test shape: at world 4 too, every owner gets matrices in several micro-groups.
+SHAPES_TWICE = {**SHAPES, **{f"{n}_again": s for n, s in SHAPES.items()}}
+#: Capacity in MiB: one matrix per owner and micro-group, many micro-groups.
+TINY_MB = 1e-4
 
 
 def full_tensors(shapes: dict[str, tuple[int, ...]], seed: int = 0) -> dict[str, torch.Tensor]:

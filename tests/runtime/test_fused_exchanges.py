@@ -12,8 +12,9 @@ from torch.distributed.tensor import Replicate, Shard
 import canzona
 from canzona.runtime import PlanMismatchError, UpdateFailedError
 
-from _cases import SHAPES as BASE
 from _cases import (
+    SHAPES_TWICE,
+    TINY_MB,
     assert_bitwise,
     compare,
     full_tensors,
@@ -28,10 +29,9 @@ from _cases import (
 from _dist import mesh
 
 KW: dict[str, Any] = {"lr": 0.02, "weight_decay": 0.1, "momentum": 0.9}
-# two of each test shape: at world 4 too, every owner gets matrices in several micro-groups
-SHAPES = {**BASE, **{f"{n}_again": s for n, s in BASE.items()}}
+SHAPES = SHAPES_TWICE
 ROWS = {n: (Shard(0),) for n in SHAPES}
-TINY = 1e-4  # capacity in MiB: one matrix per owner and micro-group, many groups
+TINY = TINY_MB
 # 2-D meshes: FSDP x TP (rows on dp, columns on tp) and HSDP (replicas on the first dim)
 LAYOUTS = {
     "2d": lambda shape: (Shard(0), Shard(len(shape) - 1)),

@@ -13,13 +13,18 @@ from torch.distributed.tensor import Shard
 
 import canzona
 
-from _cases import OWNER_KW, full_tensors, grad_steps, plan, set_grads, sharded_params
-from _cases import SHAPES as BASE
+from _cases import (
+    OWNER_KW,
+    SHAPES_TWICE,
+    TINY_MB,
+    full_tensors,
+    grad_steps,
+    plan,
+    set_grads,
+    sharded_params,
+)
 from _dist import mesh
 
-# two of each test shape: every owner gets matrices in several micro-groups
-SHAPES = {**BASE, **{f"{n}_again": s for n, s in BASE.items()}}
-TINY = 1e-4  # capacity in MiB: one matrix per owner and micro-group, many groups
 KW: dict[str, dict[str, Any]] = {"Muon": {"lr": 0.02, "momentum": 0.9}, **OWNER_KW}
 
 
@@ -31,16 +36,16 @@ def _garbage(
     With ``fail``, rank 0's owner math raises in that step, which then raises
     :class:`canzona.UpdateFailedError` on every rank (caught and dropped here).
     """
-    fulls = full_tensors(SHAPES)
-    grads = grad_steps(SHAPES, 4)
+    fulls = full_tensors(SHAPES_TWICE)
+    grads = grad_steps(SHAPES_TWICE, 4)
     two_d = len(world) == 2
     placements = {
-        n: (Shard(0), Shard(len(s) - 1)) if two_d else (Shard(0),) for n, s in SHAPES.items()
+        n: (Shard(0), Shard(len(s) - 1)) if two_d else (Shard(0),) for n, s in SHAPES_TWICE.items()
     }
     params = sharded_params(fulls, mesh(world), placements)
     pipeline = canzona.PipelineConfig(fuse_bytes=fuse_bytes)
     cls = getattr(canzona, optimizer)
-    opt = cls(params, **KW[optimizer], plan=plan(strategy, capacity_mb=TINY), pipeline=pipeline)
+    opt = cls(params, **KW[optimizer], plan=plan(strategy, capacity_mb=TINY_MB), pipeline=pipeline)
     for g in grads[:3]:  # the first steps plan, calibrate and create state
         set_grads(params, g)
         opt.step()
