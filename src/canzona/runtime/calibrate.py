@@ -310,7 +310,7 @@ def calibrate(
     identical numbers. Shapes no rank timed are predicted per param group from a log-log
     fit of time against the closed-form FLOPs of the timed ones of their class (the same
     smaller side, else the same aspect bucket: ``plan.measured.shape_classes``), else of all
-    of them. With the budget left, a second pass times each timed shape, in the same order,
+    of them. With the budget left, a second pass times each timed shape, the cheapest first,
     at a second batch size (1, or 2 for a shape timed alone), which splits a call into a
     fixed cost and a cost per matrix (``MeasuredCost.batches``): the batches a plan forms
     are then priced as they run, a single matrix included (it runs the per-matrix kernels,
@@ -368,8 +368,11 @@ def calibrate(
         if work > 0 and timed[i] > 0:
             rate = max(rate, timed[i] * s.k / work)
     # with what is left, each timed shape at a second batch size: a call's fixed cost, and
-    # the per-matrix path of a single matrix (the batched kernels need two or more)
-    for i in order:
+    # the per-matrix path of a single matrix (the batched kernels need two or more); the
+    # cheapest first: a small shape's fixed part is a larger share of its calls, and its
+    # timing leaves budget for more lines than a large shape's does
+    companions = sorted(order, key=lambda i: timed[i] * _companion(shapes[i]).k)
+    for i in companions:
         other = _companion(shapes[i])
         if i in hits or not timed[i] > 0:
             continue
