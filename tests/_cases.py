@@ -26,6 +26,10 @@ SHAPES: dict[str, tuple[int, ...]] = {
 SHAPES_TWICE = {**SHAPES, **{f"{n}_again": s for n, s in SHAPES.items()}}
 #: Capacity in MiB: one matrix per owner and micro-group, many micro-groups.
 TINY_MB = 1e-4
+#: The calibration tests' matrices: three distinct shapes, one of them twice.
+CALIBRATION_SHAPES: dict[str, tuple[int, ...]] = {
+    "a": (16, 16), "b": (16, 16), "c": (24, 8), "d": (8, 24),
+}  # fmt: skip
 
 
 def full_tensors(shapes: dict[str, tuple[int, ...]], seed: int = 0) -> dict[str, torch.Tensor]:

@@ -17,6 +17,7 @@ from canzona.runtime import calibrate as calibrate_module
 from canzona.runtime import timing
 
 from _cases import (
+    CALIBRATION_SHAPES,
     compare,
     full_tensors,
     grad_steps,
@@ -27,7 +28,7 @@ from _cases import (
 )
 from _dist import mesh
 
-SHAPES = {"a": (16, 16), "b": (16, 16), "c": (24, 8), "d": (8, 24)}
+SHAPES = CALIBRATION_SHAPES
 
 
 def _calibrated(cost: str) -> dict[str, Any]:

@@ -19,10 +19,10 @@ from canzona.runtime import calibration_cache as cache_module
 from canzona.runtime.calibrate import Shape, entry_key, time_shape
 from canzona.runtime.calibration_cache import FORMAT, DiskCache
 
-from _cases import full_tensors, grad_steps, plan, set_grads, sharded_params
+from _cases import CALIBRATION_SHAPES, full_tensors, grad_steps, plan, set_grads, sharded_params
 from _dist import mesh
 
-SHAPES = {"a": (16, 16), "b": (16, 16), "c": (24, 8), "d": (8, 24)}
+SHAPES = CALIBRATION_SHAPES
 CPU = torch.device("cpu")
 
 

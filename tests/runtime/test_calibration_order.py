@@ -13,7 +13,7 @@ from canzona.runtime import calibrate as calibrate_module
 from canzona.runtime import timing
 from canzona.runtime.table import ComputeBatch
 
-from _cases import full_tensors, grad_steps, plan, set_grads, sharded_params
+from _cases import CALIBRATION_SHAPES, full_tensors, grad_steps, plan, set_grads, sharded_params
 from _dist import mesh
 
 #: Seconds per matrix of each shape's fake call (plus FIXED_S per call): companions (two
@@ -24,7 +24,7 @@ FIXED_S = 1e-3
 #: Room for the shapes alone and one companion of at most 102 ms: the two cheaper
 #: companions (54 + 78 ms) do not both fit, and the cheapest is the one that must.
 BUDGET_S = 0.23
-SHAPES = {"a": (16, 16), "b": (16, 16), "c": (24, 8), "d": (8, 24)}
+SHAPES = CALIBRATION_SHAPES
 
 
 def _fake_once(self: timing.Call) -> float:
