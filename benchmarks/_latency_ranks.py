@@ -27,6 +27,7 @@ import _structure
 import canzona
 from _latency_report import STRATEGIES
 from _plan_facts import cost_table, measured_cost, plan_facts
+from _ranks import WARMUP
 
 MUON_HP = {"lr": 0.02, "weight_decay": 0.1, "momentum": 0.95, "nesterov": True}
 SHAMPOO_HP = {"lr": 1e-3, "precondition_frequency": 1, "start_preconditioning_step": 1}
@@ -47,7 +48,6 @@ VARIANTS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "canzona_not_atomic": ({}, {"atomic": False}),
     "canzona_free_buffers": ({}, {"keep_buffers": False}),
 }
-WARMUP = 2
 SLOW_PEER_STEPS = 3  # timed steps of the peers in _peers.SLOW (seconds per step)
 GRAD_SETS = 2
 ModelConfig = _qwen.ModelConfig | _structure.StructureConfig
@@ -200,7 +200,11 @@ class Runner:
         out["first_s"] = self.first_s
         if self.canzona:
             out["plan_versions"] = self.plan_versions
-            out["calibration_s"] = self.opt._runtime.calibration_s  # type: ignore[attr-defined]
+            runtime = self.opt._runtime  # type: ignore[attr-defined]
+            out["calibration_s"] = runtime.calibration_s
+            out["calibrations"] = runtime.calibrations
+            out["refinements"] = runtime.refinements
+            out["refine_s"] = runtime.refine_s
         return out
 
 

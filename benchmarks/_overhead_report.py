@@ -246,7 +246,9 @@ def render(payload: dict[str, Any], plot: str | None) -> str:
         "N small fp32 matrices, Muon with one fp32 Newton–Schulz "
         "iteration (almost no math), `Shard(0)` on a `(world,)` mesh of forked gloo ranks, one "
         "thread per rank; median step time of the slowest rank over "
-        f"{payload['preset']['steps']} timed steps after 2 warm-up steps (the `redistribute` "
+        f"{payload['preset']['steps']} timed steps after {payload.get('warmup', 2)} warm-up "
+        "steps for `canzona.Muon` (its plan's re-pricing among them) and 2 for the others "
+        "(the `redistribute` "
         f"Muon, one collective per matrix: {SLOW_STEPS['redistribute']} steps)"
         + (
             f"; each case ran in {launches} launches (one-process baselines {launches} times) "

@@ -42,7 +42,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import canzona
-from _ranks import launch
+from _ranks import WARMUP, launch
 
 from _report import machine_info, markdown_table, publish
 
@@ -120,7 +120,7 @@ def _steps(
         )
         runs[label] = {"params": params, "opt": opt, "times": []}
     dgrads = [distribute_tensor(g, mesh, [Shard(0)]) for g in grads]
-    for i in range(steps + 2):  # two warm-up steps (planning, first allocations)
+    for i in range(steps + WARMUP):  # planning, first allocations, the re-pricing's re-plan
         for run in runs.values():
             for (_, p), g in zip(run["params"], dgrads, strict=True):
                 p.grad = g
@@ -128,7 +128,7 @@ def _steps(
             start = time.perf_counter()
             run["opt"].step()
             seconds = _slowest(start, time.perf_counter())
-            if i >= 2:
+            if i >= WARMUP:
                 run["times"].append(seconds)
     out: dict[str, Any] = {}
     for label, run in runs.items():

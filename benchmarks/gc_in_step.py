@@ -35,7 +35,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import canzona
-from _ranks import launch
+from _ranks import WARMUP, launch
 from overhead import CANZONA_KW, _fingerprint, _gather_times, _local, _matrices
 
 from _report import markdown_table, publish
@@ -89,12 +89,12 @@ def _case(rank: int, world: int, count: int, steps: int) -> dict[str, Any]:
     for run in runs.values():
         gc.callbacks.append(run["watch"])
     try:
-        for i in range(steps + 2):  # two warm-up steps each
+        for i in range(steps + WARMUP):  # the warm-up steps each (_ranks.WARMUP)
             for run in runs.values():
                 for p, g in zip(run["params"], grads, strict=True):
                     p.grad = g
                 dist.barrier()
-                timed = i >= 2
+                timed = i >= WARMUP
                 run["watch"].inside = timed
                 start = time.perf_counter()
                 run["opt"].step()
@@ -145,7 +145,7 @@ def render(payload: dict[str, Any]) -> str:
         "`PipelineConfig(pause_gc=True)` (the default) and `pause_gc=False`. Rank 0's "
         "collections that start inside `step()`, per step by generation, and the time they "
         f"take; median step time (slowest rank) over {payload['preset']['steps']} steps after "
-        "2 warm-up steps. *Full collection*: one `gc.collect()` after the steps, with the "
+        f"{WARMUP} warm-up steps. *Full collection*: one `gc.collect()` after the steps, with the "
         "objects the process tracks (what a full collection costs the step it lands in).",
         "",
     ]

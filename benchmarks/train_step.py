@@ -34,7 +34,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _qwen
 import canzona
-from _ranks import launch
+from _ranks import WARMUP, launch
 from kernels import cpu_description
 
 from _report import DOC, RESULTS, machine_info, markdown_table, update_section, write_json
@@ -50,7 +50,6 @@ LABELS = {
     "replicated": "`canzona.Muon` (`replicated`)",
     "adamw": "`torch.optim.AdamW`",
 }
-WARMUP = 2
 WORLD, MESH = 4, "fsdp_tp"
 
 

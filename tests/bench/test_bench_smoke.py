@@ -51,10 +51,12 @@ def _check_case(case: dict[str, Any], peers: tuple[str, ...] = ()) -> None:
 
 
 def _check_prediction(case: dict[str, Any]) -> None:
-    """Every strategy's plan priced with the canzona run's measured table; one calibration."""
+    """Every strategy's plan priced with the canzona run's measured table; one calibration,
+    one re-pricing by the steps' calls (within the warm-up), no other re-plan."""
     world, runs = case["world"], case["runs"]
     canz = runs["canzona"]
-    assert len(canz["calibration_s"]) == world and canz["replans_after_first_step"] == 0
+    assert len(canz["calibration_s"]) == world and canz["calibrations"] == 1
+    assert canz["refinements"] == 1 and canz["replans_after_first_step"] == 1
     assert case["cost_table"] and all(m["table"] for m in case["cost_table"].values())
     for label in STRATEGIES:
         pred = runs[label]["prediction"]

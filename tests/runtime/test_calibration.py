@@ -196,7 +196,7 @@ def test_the_ranks_agree_on_a_median_that_outvotes_a_stall(monkeypatch: Any) -> 
 
     monkeypatch.setattr(calibrate_module.dist, "all_gather_single", gather)
     watchdog = Watchdog(None, 0, 4, 60.0)
-    agreed = calibrate_module._median_over_ranks([1.0, 5.0, 4.0], watchdog, torch.device("cpu"))
+    agreed = calibrate_module.median_over_ranks([1.0, 5.0, 4.0], watchdog, torch.device("cpu"))
     # of (1, 7, 3, 2): 2 and 3 are further apart than STALL_RATIO -> 2; of (5, 8): 5;
     # of (4, 4.4): within the ratio -> their mean
     assert agreed == [2.0, 5.0, 4.2]

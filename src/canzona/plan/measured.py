@@ -20,6 +20,7 @@ __all__ = [
     "fit_loglog",
     "load_cost_table",
     "predict_seconds",
+    "refine",
     "save_cost_table",
     "shape_classes",
 ]
@@ -218,6 +219,65 @@ class MeasuredCost:
             "bytes_per_s": self.bytes_per_s,
             "batches": [[m, n, f, g] for (m, n), (f, g) in sorted(self._lines.items())],
         }
+
+
+def _fitted_line(points: Sequence[tuple[int, float]]) -> tuple[float, float] | None:
+    """``(fixed, per_matrix)`` of the least-squares line through ``(k, seconds)`` points.
+
+    None with fewer than two batch sizes, or when a part comes out negative.
+    """
+    if len({k for k, _ in points}) < 2:
+        return None
+    mk = math.fsum(k for k, _ in points) / len(points)
+    mt = math.fsum(t for _, t in points) / len(points)
+    var = math.fsum((k - mk) ** 2 for k, _ in points)
+    per = math.fsum((k - mk) * (t - mt) for k, t in points) / var
+    fixed = mt - per * mk
+    return (fixed, per) if per >= 0 and fixed >= 0 else None
+
+
+def refine(
+    model: MeasuredCost, observed: Mapping[tuple[int, int], Mapping[int, float]]
+) -> MeasuredCost:
+    """The model re-priced by the calls a running job made: ``{(m, n): {k: seconds}}``.
+
+    ``observed`` holds, per shape and batch size, the seconds of one call on ``k`` stacked
+    matrices as the steps ran it (in place, after the others of its step). A shape seen at
+    two or more batch sizes gets the least-squares line through them (its fixed part and
+    its part per matrix); one seen at a single batch size keeps its line's (or its
+    table's) proportions, scaled so that the price of that batch is the observed one.
+    Shapes not observed keep their prices; the fits that price unmeasured shapes stay.
+    """
+    table = dict(model._index)
+    lines = dict(model._lines)
+    for (m, n), calls in sorted(observed.items()):
+        points = sorted((int(k), float(t)) for k, t in calls.items() if k > 0 and t > 0)
+        if not points:
+            continue
+        line = _fitted_line(points)
+        if line is None:
+            k, t = points[-1]
+            predicted = model.batch_seconds(m, n, k)
+            if not predicted > 0:
+                continue
+            scale = t / predicted
+            table[(m, n)] = model.seconds(m, n) * scale
+            if (m, n) in lines:
+                fixed, per = lines[(m, n)]
+                lines[(m, n)] = (fixed * scale, per * scale)
+            continue
+        lines[(m, n)] = line
+        k = points[-1][0]
+        table[(m, n)] = (line[0] + k * line[1]) / k
+    return MeasuredCost(
+        base=model.base,
+        table=tuple(sorted(table.items())),
+        fit=model.fit,
+        class_fits=model.class_fits,
+        bytes_per_s=model.bytes_per_s,
+        name=model.name,
+        batches=tuple((shape, f, g) for shape, (f, g) in sorted(lines.items())),
+    )
 
 
 def predict_seconds(

@@ -218,7 +218,7 @@ def _eviction_seconds(device: torch.device) -> float:
     return tick() - t0
 
 
-def _median_over_ranks(timed: list[float], watchdog: Watchdog, device: torch.device) -> list[float]:
+def median_over_ranks(timed: list[float], watchdog: Watchdog, device: torch.device) -> list[float]:
     """Per timing, the median of the ranks that took it (-1 when none did).
 
     One all-gather; the same numbers on every rank. Of an even count the two middle timings
@@ -237,7 +237,7 @@ def _median_over_ranks(timed: list[float], watchdog: Watchdog, device: torch.dev
 
 
 def _robust_median(values: list[float]) -> float:
-    """The median of the valid timings of one shape (see :func:`_median_over_ranks`); -1 if none."""
+    """The median of the valid timings of one shape (see :func:`median_over_ranks`); -1 if none."""
     if not values:
         return -1.0
     values = sorted(values)
@@ -306,7 +306,7 @@ def calibrate(
     predicted time exceeds ``shape_cap_s``, whose timing would end past the budget (its
     calls predicted from the shapes timed so far), or whose math raises, is not timed
     there), in CPU time with one intra-op thread; one all-gather gives every rank each
-    shape's median over the ranks (:func:`_median_over_ranks`), so every rank plans with
+    shape's median over the ranks (:func:`median_over_ranks`), so every rank plans with
     identical numbers. Shapes no rank timed are predicted per param group from a log-log
     fit of time against the closed-form FLOPs of the timed ones of their class (the same
     smaller side, else the same aspect bucket: ``plan.measured.shape_classes``), else of all
@@ -385,7 +385,7 @@ def calibrate(
         into[i] = one.seconds()
     agreed = timed + second
     if watchdog.process_group is not None:
-        agreed = _median_over_ranks(agreed, watchdog, device)
+        agreed = median_over_ranks(agreed, watchdog, device)
     if cache is not None and watchdog.rank == 0 and len(hits) < len(shapes):
         n = len(shapes)
         cache.store({keys[i]: (agreed[i], agreed[n + i]) for i in range(n) if agreed[i] >= 0})

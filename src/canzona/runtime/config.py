@@ -101,6 +101,16 @@ class PipelineConfig:
             gives the measured cost). Objects are still freed by reference counting when
             the step drops them; only reference cycles wait for the next collection.
             Results are bit-identical either way.
+        refine_steps: A plan balanced in measured seconds (``PlanConfig(cost="measured")``)
+            is re-priced once by its own steps: after the first step, this many steps
+            record the seconds of every owner call (by param group, shape and batch size),
+            the ranks agree on the median of each call in one all-gather, the table takes
+            those prices (a line through a shape's batch sizes where it ran at several),
+            and the next step re-plans on it. A calibration times each shape in isolation;
+            in a step the same call runs after the others of its micro-group, with other
+            data in cache, and a single matrix in its own kernels: measured here, calls
+            priced 5-25% off (docs/design.md). ``0`` keeps the calibrated table. Owners
+            change, never the math: results are bit-identical either way.
     """
 
     overlap: bool = True
@@ -115,6 +125,7 @@ class PipelineConfig:
     fuse_bytes: int = 32 << 10
     calibration_cache: str | os.PathLike[str] | None = None
     pause_gc: bool = True
+    refine_steps: int = 3
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:
@@ -132,6 +143,9 @@ class PipelineConfig:
         fuse = self.fuse_bytes
         if isinstance(fuse, bool) or not isinstance(fuse, int) or fuse < 0:
             raise ValueError(f"fuse_bytes must be an int >= 0, got {fuse!r}")
+        refine = self.refine_steps
+        if isinstance(refine, bool) or not isinstance(refine, int) or refine < 0:
+            raise ValueError(f"refine_steps must be an int >= 0, got {refine!r}")
         cache = self.calibration_cache
         if cache is not None and (not isinstance(cache, str | os.PathLike) or not str(cache)):
             raise ValueError(f"calibration_cache must be a directory path or None, got {cache!r}")

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from canzona.plan import CostModel, GroupedCost, Plan, PlanConfig, build_plan
+from canzona.plan import CostModel, GroupedCost, MatrixSpec, Plan, PlanConfig, build_plan
 from canzona.runtime.calibrate import calibrate, device_name, shapes_of
 from canzona.runtime.calibration_cache import DiskCache
 from canzona.runtime.checks import (
@@ -23,6 +23,7 @@ from canzona.runtime.checks import (
 )
 from canzona.runtime.config import PipelineConfig, UpdateFailedError
 from canzona.runtime.pipeline import Failure, Pipeline, StepStats
+from canzona.runtime.refinement import Observation, refined
 from canzona.runtime.routing import (
     Item,
     Route,
@@ -122,6 +123,11 @@ class MatrixRuntime:
         )
         self.device = torch.device("cpu")
         self.calibration_s = 0.0  # time the last calibration took
+        self.calibrations = 0  # calibrations so far
+        self.refine_s = 0.0  # time the last re-pricing by observed calls took (with its plan)
+        self.refinements = 0  # plans re-priced by observed calls so far
+        self._specs: list[MatrixSpec] = []
+        self._observation: Observation | None = None
         # ranks build their optimizers in the same order: the n-th one shares a namespace
         MatrixRuntime._instances += 1
         self._instance = MatrixRuntime._instances
@@ -212,6 +218,8 @@ class MatrixRuntime:
         """
         self.watchdog.step += 1
         self._header = None
+        if self._observation is not None and self._observation.due:
+            self._forget_ride()  # the re-pricing is a collective of its own: no header rides
         try:
             if self._rides():
                 return self._begin_riding(names, tensors, table, has_grad, nonfinite, failure)
@@ -317,6 +325,8 @@ class MatrixRuntime:
             raise RuntimeError("MatrixRuntime.begin_step() must run before run()")
         self._current = None
         begun, ride, self._header = self._begun, self._header, None
+        observation = self._observation
+        pipeline.observe = observation if observation and observation.recording else None
         try:
             stats = pipeline.run(
                 table=table,
@@ -330,6 +340,10 @@ class MatrixRuntime:
         except BaseException:
             self._forget_ride()
             raise
+        finally:
+            pipeline.observe = None
+        if observation is not None:
+            observation.runs += 1  # a step that raised raised on every rank: not counted
         # agreed facts only (the plan digest, the gradient presence the header compared):
         # every rank makes the same choice
         steady = begun is not None and begun == self._last_ok
@@ -412,7 +426,21 @@ class MatrixRuntime:
             if self.topology is not None:
                 previous = snapshot(self)
             self._setup(layouts, structure, config, table, compute)
+        elif self._observation is not None and self._observation.due:
+            previous = snapshot(self)
+            self._refine()
         return previous, flagged, failed
+
+    def _refine(self) -> None:
+        """Re-price the plan's table by the calls its steps made and re-plan (collective)."""
+        observation, self._observation = self._observation, None
+        assert observation is not None and self.plan is not None
+        cost = self.plan.optimizer
+        assert isinstance(cost, GroupedCost)
+        start = time.perf_counter()
+        self._build(refined(cost, observation.agree(self.watchdog)), self._structure)
+        self.refine_s = time.perf_counter() - start
+        self.refinements += 1
 
     def _structure_of(self, layouts: Sequence[ParamLayout], table: StepTable) -> str:
         """The structure digest of the parameters and configuration (cached per key)."""
@@ -477,6 +505,8 @@ class MatrixRuntime:
             item_holders(self.items, self.topology),
         )
         cost = table.cost if table.cost is not None else self.cost
+        self._specs = specs
+        self._observation = None
         if specs and self._measures(table, compute):
             assert compute is not None and isinstance(table.cost, GroupedCost)
             start = time.perf_counter()
@@ -491,6 +521,15 @@ class MatrixRuntime:
                 cache=None if where is None else DiskCache(Path(where), device_name(self.device)),
             )
             self.calibration_s = time.perf_counter() - start
+            self.calibrations += 1
+            if self.config.refine_steps:
+                self._observation = Observation(specs, self.config.refine_steps, self.device)
+        self._build(cost, structure)
+
+    def _build(self, cost: str | CostModel, structure: str) -> None:
+        """Plan the items' specs on ``cost``, route them, and agree on the plan's digest."""
+        specs = self._specs
+        assert self.topology is not None
         self.plan = (
             build_plan(specs, self.world, self.plan_config, optimizer=cost) if specs else None
         )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -37,6 +37,9 @@ from canzona.runtime.schedule_parts import (
 from canzona.runtime.table import ApplyBatch, ApplyFn, ComputeBatch, ComputeFn, StepTable
 from canzona.runtime.tensors import local_tensor
 from canzona.runtime.watchdog import Watchdog
+
+if TYPE_CHECKING:
+    from canzona.runtime.refinement import Observation
 
 
 @dataclass
@@ -157,6 +160,8 @@ class Pipeline:
         #: may still be read or written by them, so they are never freed or reused; the
         #: runtime builds a new pipeline for the next step.
         self.retired = False
+        #: Records the owner calls of the step about to run (see :mod:`.refinement`).
+        self.observe: Observation | None = None
 
     # ------------------------------------------------------------------ step
     def run(
@@ -284,10 +289,14 @@ class _Run:
         if self.failure is None and not self.hold and full is not None:
             try:
                 cb = ComputeBatch(batch.items, batch.key, self.table.hparams[batch.key])
+                observe = self.p.observe
+                mark = observe.start() if observe is not None else None
                 start, cpu = time.perf_counter(), time.thread_time()
                 out = self.compute(cb, full)
                 self.stats.compute_s += time.perf_counter() - start
                 self.stats.compute_cpu_s += time.thread_time() - cpu
+                if observe is not None:
+                    observe.stop(mark, batch.key, batch.m, batch.n, full.shape[0])
                 out = row_major(out)
                 self.stats.matrices_computed += len(batch.items)
                 self.stats.batches += 1

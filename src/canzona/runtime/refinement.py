@@ -1,0 +1,112 @@
+"""Re-pricing a measured plan once by the owner calls its own steps made."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from statistics import median
+
+import torch
+
+from canzona.plan import GroupedCost, MatrixSpec
+from canzona.plan.measured import MeasuredCost, refine
+from canzona.runtime import timing
+from canzona.runtime.calibrate import median_over_ranks
+from canzona.runtime.watchdog import Watchdog
+
+#: Steps after a new plan whose owner calls are not recorded (first calls, fresh buffers).
+SKIPPED_STEPS = 1
+
+#: ``(param group key, m, n)`` of one distinct computation.
+ShapeKey = tuple[str, int, int]
+
+
+class Observation:
+    """The owner calls of a measured plan's first steps, then one re-pricing of its table.
+
+    Every step after the first :data:`SKIPPED_STEPS` records each owner call's seconds (the
+    calibration's clock; CUDA events on a GPU, read once, when the table is re-priced) by
+    param group, shape and batch size. After ``steps`` recorded steps every rank has the
+    same universe of entries (every shape of the plan, every batch size up to the number of
+    its matrices), fills its own medians, and one all-gather gives each entry the median
+    over the ranks that made the call (:func:`~canzona.runtime.calibrate.median_over_ranks`),
+    so every rank re-prices the table, and re-plans, with identical numbers.
+    """
+
+    def __init__(self, specs: Sequence[MatrixSpec], steps: int, device: torch.device) -> None:
+        counts: dict[ShapeKey, int] = {}
+        for s in specs:
+            key = (str(s.cost_key), s.m, s.n)
+            counts[key] = counts.get(key, 0) + s.batch
+        self.universe: list[tuple[ShapeKey, int]] = [
+            (key, k) for key, count in sorted(counts.items()) for k in range(1, count + 1)
+        ]
+        self.steps = steps
+        self.runs = 0  # successful steps of the plan so far (the same count on every rank)
+        self.device = device
+        self._clock = timing.clock()
+        self._cpu: dict[tuple[ShapeKey, int], list[float]] = {}
+        self._events: list[tuple[tuple[ShapeKey, int], torch.cuda.Event, torch.cuda.Event]] = []
+
+    @property
+    def recording(self) -> bool:
+        """Whether this step's owner calls are recorded."""
+        return SKIPPED_STEPS <= self.runs < SKIPPED_STEPS + self.steps
+
+    @property
+    def due(self) -> bool:
+        """Whether the table is re-priced before this step (on every rank at once)."""
+        return self.runs == SKIPPED_STEPS + self.steps
+
+    def start(self) -> object:
+        """A mark before an owner call (a started event on a GPU, the clock elsewhere)."""
+        if self.device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            event.record()
+            return event
+        return self._clock()
+
+    def stop(self, mark: object, key: int, m: int, n: int, k: int) -> None:
+        """Record the call begun at ``mark``: ``k`` stacked ``m x n`` matrices of group ``key``."""
+        entry = ((str(key), m, n), k)
+        if isinstance(mark, torch.cuda.Event):
+            end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            end.record()
+            self._events.append((entry, mark, end))
+        else:
+            assert isinstance(mark, float)
+            self._cpu.setdefault(entry, []).append(self._clock() - mark)
+
+    def _mine(self) -> list[float]:
+        """This rank's median seconds per universe entry (-1 where it made no such call)."""
+        if self._events:
+            torch.cuda.synchronize(self.device)
+            for entry, begin, end in self._events:
+                self._cpu.setdefault(entry, []).append(begin.elapsed_time(end) / 1e3)
+            self._events.clear()
+        return [median(self._cpu[e]) if e in self._cpu else -1.0 for e in self.universe]
+
+    def agree(self, watchdog: Watchdog) -> dict[str, dict[tuple[int, int], dict[int, float]]]:
+        """Per param group key, ``{(m, n): {k: seconds}}`` agreed over the ranks (collective)."""
+        mine = self._mine()
+        agreed = (
+            median_over_ranks(mine, watchdog, self.device)
+            if watchdog.process_group is not None
+            else mine
+        )
+        out: dict[str, dict[tuple[int, int], dict[int, float]]] = {}
+        for ((key, m, n), k), seconds in zip(self.universe, agreed, strict=True):
+            if seconds > 0:
+                out.setdefault(key, {}).setdefault((m, n), {})[k] = seconds
+        self._cpu.clear()
+        return out
+
+
+def refined(
+    cost: GroupedCost, observed: dict[str, dict[tuple[int, int], dict[int, float]]]
+) -> GroupedCost:
+    """``cost`` with every measured model re-priced by its group's observed calls."""
+    models = {
+        key: refine(model, observed.get(key, {})) if isinstance(model, MeasuredCost) else model
+        for key, model in cost.models.items()
+    }
+    return GroupedCost(models, name=cost.name)

@@ -1,0 +1,160 @@
+"""A measured plan re-priced by its own steps: once, on every rank alike, owners moved, exact."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed.tensor.placement_types import Shard
+
+import canzona
+from canzona.plan.measured import MeasuredCost
+from canzona.runtime import calibrate as calibrate_module
+from canzona.runtime import timing
+from canzona.runtime.refinement import SKIPPED_STEPS
+
+from _cases import (
+    CALIBRATION_SHAPES,
+    OWNER_KW,
+    compare,
+    full_of,
+    full_tensors,
+    grad_steps,
+    local_optimizer,
+    plan,
+    reference_muon,
+    set_grads,
+    sharded_params,
+)
+from _dist import mesh
+
+SHAPES = CALIBRATION_SHAPES
+#: Seconds per matrix of each shape's calls in the calibration (a fake clock)...
+CALIBRATED_S = {(16, 16): 1e-3, (24, 8): 10e-3, (8, 24): 3e-3}
+#: ... and in the steps, as a multiple of the calibrated price: the plan on the calibrated
+#: table puts (24, 8) alone on one rank and the rest on the other; on the observed prices
+#: the two (16, 16) matrices are the costliest items and go to different ranks.
+STEP_SCALE = {(16, 16): 10.0, (24, 8): 0.1, (8, 24): 1.0}
+REFINE_STEPS = 2
+#: The step before which the table is re-priced (1-based), and two more after it.
+DUE = SKIPPED_STEPS + REFINE_STEPS + 1
+STEPS = DUE + 2
+
+_NOW = [0.0]
+
+
+def _fake_clock() -> float:
+    return _NOW[0]
+
+
+def _timed(real: Any) -> Any:
+    """``real`` (an optimizer's owner math) advancing the fake clock by the shape's price."""
+
+    def compute(batch: Any, full: torch.Tensor) -> torch.Tensor:
+        out = real(batch, full)
+        k, m, n = full.shape
+        calibrating = str(batch.items[0].name).startswith("calibration")
+        _NOW[0] += k * CALIBRATED_S[(m, n)] * (1.0 if calibrating else STEP_SCALE[(m, n)])
+        return out
+
+    return compute
+
+
+def _owners(opt: Any) -> dict[str, int]:
+    plan_ = opt._runtime.plan
+    return {n: o for g in plan_.micro_groups for n, o in zip(g.names, g.owners, strict=True)}
+
+
+def _run(cls: Any, kw: dict[str, Any], refine_steps: int) -> dict[str, Any]:
+    fulls = full_tensors(SHAPES)
+    grads = grad_steps(SHAPES, STEPS)
+    params = sharded_params(fulls, mesh((2,)), {n: (Shard(0),) for n in SHAPES})
+    clock, evict = timing.clock, calibrate_module._eviction_seconds
+    calibrate_module._CACHE.clear()
+    timing.clock = lambda: _fake_clock  # type: ignore[assignment]
+    calibrate_module._eviction_seconds = lambda device: 0.0  # type: ignore[assignment]
+    out: dict[str, Any] = {"refinements": [], "owners": [], "digests": [], "rode": []}
+    try:
+        opt = cls(
+            params, **kw, plan=plan(), pipeline=canzona.PipelineConfig(refine_steps=refine_steps)
+        )
+        opt._directions = _timed(opt._directions)
+        for g in grads:
+            set_grads(params, g)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            out["refinements"].append(opt._runtime.refinements)
+            out["owners"].append(_owners(opt))
+            out["digests"].append(opt._runtime.digest)
+            out["rode"].append(opt.last_step_stats.header_rode)
+    finally:
+        timing.clock = clock  # type: ignore[assignment]
+        calibrate_module._eviction_seconds = evict  # type: ignore[assignment]
+        calibrate_module._CACHE.clear()
+    models = [m for m in opt._runtime.plan.optimizer.models.values()]
+    assert all(isinstance(m, MeasuredCost) for m in models)
+    out["prices"] = {shape: [m.batch_seconds(*shape, 1) for m in models] for shape in CALIBRATED_S}
+    out["got"] = {n: full_of(p) for n, p in params}
+    out["fulls"], out["grads"] = fulls, grads
+    return out
+
+
+def _muon() -> dict[str, Any]:
+    out = _run(canzona.Muon, {"lr": 0.02, "weight_decay": 0.1}, REFINE_STEPS)
+    want = reference_muon(out["fulls"], out["grads"], lr=0.02, weight_decay=0.1)
+    out["exact"] = compare(out.pop("got"), want)
+    return out
+
+
+def test_the_steps_reprice_the_table_once_and_move_owners(dist: Any) -> None:
+    """Catches: no re-pricing, a re-pricing a step early or late (the count of recorded
+    steps), prices from the calibration or from another shape's calls (the universe the
+    ranks agree on misaligned), a re-plan on one rank only (the digests), and a re-plan
+    that changes the math (bitwise against ``torch.optim.Muon``)."""
+    for rank, out in enumerate(dist(2).run(_muon)):
+        want = [0] * (DUE - 1) + [1] * (STEPS - DUE + 1)
+        assert out["refinements"] == want, f"rank {rank}"
+        for (m, n), prices in out["prices"].items():
+            observed = CALIBRATED_S[(m, n)] * STEP_SCALE[(m, n)]
+            assert prices == [pytest.approx(observed, rel=1e-9)], f"rank {rank}: {(m, n)}"
+        before, after = out["owners"][DUE - 2], out["owners"][DUE - 1]
+        assert before["a"] == before["b"] != before["c"], f"rank {rank}: {before}"
+        assert after["a"] != after["b"], f"rank {rank}: {after}"
+        assert out["digests"][DUE - 2] != out["digests"][DUE - 1]
+        # the re-pricing's step checks on its own; the header rides again once the new
+        # plan has run a step (as after any re-plan)
+        assert out["rode"][DUE - 2 :] == [True, False, False, True], f"rank {rank}"
+        bad = {n: rel for n, (eq, rel) in out["exact"].items() if not eq}
+        assert not bad, f"rank {rank}: not bitwise equal to torch.optim.Muon: {bad}"
+    digests = [out["digests"] for out in dist(2).run(_muon)]
+    assert digests[0] == digests[1]
+
+
+def _off() -> dict[str, Any]:
+    out = _run(canzona.Muon, {"lr": 0.02}, 0)
+    return {"refinements": out["refinements"], "owners": out["owners"]}
+
+
+def test_refine_steps_zero_keeps_the_calibrated_plan(dist: Any) -> None:
+    for out in dist(2).run(_off):
+        assert out["refinements"] == [0] * STEPS
+        assert all(o == out["owners"][0] for o in out["owners"])
+
+
+def _owner_state(name: str) -> dict[str, Any]:
+    cls = getattr(canzona, name)
+    out = _run(cls, OWNER_KW[name], REFINE_STEPS)
+    want = local_optimizer(cls, out["fulls"], out["grads"], **OWNER_KW[name])
+    return {"refinements": out["refinements"], "exact": compare(out["got"], want)}
+
+
+@pytest.mark.parametrize("name", ["Shampoo", "SOAP"])
+def test_owner_state_moves_with_the_refined_plan(dist: Any, name: str) -> None:
+    """Owner-held preconditioners move to the new owners at the re-plan. Catches: the
+    re-plan's snapshot not handed to the optimizer (state left at the old owners: the new
+    ones start from scratch and the parameters differ from one device's)."""
+    for rank, out in enumerate(dist(2).run(_owner_state, name)):
+        assert out["refinements"][-1] == 1
+        bad = {n: rel for n, (eq, rel) in out["exact"].items() if not eq}
+        assert not bad, f"rank {rank}: {name} not bitwise equal to one device: {bad}"
