@@ -195,7 +195,7 @@ def time_targets(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     "calibration",
                     c,
                     0,
-                    None if replans is None else replans - canz.get("refinements", 0),
+                    None if replans is None else replans - canz.get("repricings", 0),
                     unit="count",
                 )
             )
@@ -351,8 +351,8 @@ def render_prediction(cases: list[dict[str, Any]], labels: dict[str, str]) -> st
                     _ms(canz.get("first_step_s")),
                     _ms(canz.get("step_s")),
                     canz.get("replans_after_first_step", "–"),
-                    canz.get("refinements", "–"),
-                    _ms(max(canz["refine_s"])) if canz.get("refine_s") else "–",
+                    canz.get("repricings", "–"),
+                    _ms(max(canz["reprice_s"])) if canz.get("reprice_s") else "–",
                 ]
             )
     if not rows and not calib:
@@ -393,7 +393,7 @@ def render_prediction(cases: list[dict[str, Any]], labels: dict[str, str]) -> st
     if calib:
         parts += [
             "Calibration happens once, inside the first step of the `canzona` run. The "
-            "steps after it record their owner calls (`PipelineConfig.refine_steps`, 3 by "
+            "steps after it record their owner calls (`PipelineConfig.reprice_steps`, 3 by "
             "default, after the first step), the ranks agree on each call's median, and the "
             "next step re-prices the table with them and re-plans, once (*re-pricings*; the "
             "milliseconds are that step's extra work: the all-gather, the new plan and its "

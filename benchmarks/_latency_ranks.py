@@ -203,8 +203,8 @@ class Runner:
             runtime = self.opt._runtime  # type: ignore[attr-defined]
             out["calibration_s"] = runtime.calibration_s
             out["calibrations"] = runtime.calibrations
-            out["refinements"] = runtime.refinements
-            out["refine_s"] = runtime.refine_s
+            out["repricings"] = runtime.repricings
+            out["reprice_s"] = runtime.reprice_s
         return out
 
 

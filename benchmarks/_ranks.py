@@ -16,14 +16,14 @@ import torch.distributed as dist
 
 from canzona.launch import RankFailure, run_ranks
 from canzona.runtime import PipelineConfig
-from canzona.runtime.refinement import SKIPPED_STEPS
+from canzona.runtime.repricing import SKIPPED_STEPS
 
 __all__ = ["WARMUP", "RankFailure", "launch"]
 
 #: Untimed steps before a measurement, until a measured plan is final: the first step
-#: plans (and calibrates), the next ``refine_steps`` record the owner calls, and the one
+#: plans (and calibrates), the next ``reprice_steps`` record the owner calls, and the one
 #: after them re-plans on their prices (and makes its new batches' first calls).
-WARMUP = SKIPPED_STEPS + PipelineConfig().refine_steps + 1
+WARMUP = SKIPPED_STEPS + PipelineConfig().reprice_steps + 1
 
 
 def launch(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 600.0) -> list[Any]:

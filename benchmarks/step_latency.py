@@ -271,8 +271,8 @@ def summarize(case: Case, ranks: list[dict[str, Any]], single: dict[str, Any]) -
             versions = per[0]["plan_versions"]
             run["replans_after_first_step"] = versions[-1] - versions[0] if versions else None
             run["calibrations"] = max(p["calibrations"] for p in per)
-            run["refinements"] = max(p["refinements"] for p in per)
-            run["refine_s"] = [p["refine_s"] for p in per]
+            run["repricings"] = max(p["repricings"] for p in per)
+            run["reprice_s"] = [p["reprice_s"] for p in per]
         if "plan" in per[0]:
             run["plan"] = per[0]["plan"]
             if "predicted_s" in run["plan"] and "compute_s" in run:

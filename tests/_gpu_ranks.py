@@ -38,19 +38,22 @@ def launch(
     timeout: float = 240.0,
     count_syncs: bool = True,
     capacity_mb: float | None = None,
+    steps: int = 4,
 ) -> list[dict[str, Any]]:
     """Run :func:`_rank` on ``world`` spawned ranks; their reports in rank order.
 
     ``device="cpu"`` runs the same steps without the sync count (a dry run of this file), as
     does ``count_syncs=False`` on the GPU. ``capacity_mb`` cuts the plan into micro-groups
-    (tiny ones share their all-to-alls, see ``PipelineConfig.fuse_bytes``).
+    (tiny ones share their all-to-alls, see ``PipelineConfig.fuse_bytes``). Syncs are
+    counted in steps 2-4 (of ``steps``); from step 5 on the measured plan is re-priced by
+    the calls of steps 2-4 (``PipelineConfig.reprice_steps``).
     """
     ctx = mp.get_context("spawn")
     init = f"file://{tmp / 'init'}"
     procs = [
         ctx.Process(
             target=_rank,
-            args=(r, world, backend, init, str(tmp), device, count_syncs, capacity_mb),
+            args=(r, world, backend, init, str(tmp), device, count_syncs, capacity_mb, steps),
         )
         for r in range(world)
     ]
@@ -82,6 +85,7 @@ def _rank(
     device: str,
     count_syncs: bool,
     capacity_mb: float | None,
+    steps: int,
 ) -> None:
     fault = Path(out, f"{rank}.fault").open("w")  # noqa: SIM115 (open until the process ends)
     faulthandler.enable(fault)  # a crash in C++ still names the Python line
@@ -92,7 +96,7 @@ def _rank(
     dist.init_process_group(backend, init_method=init, rank=rank, world_size=world)
     try:
         progress = Path(out, f"{rank}.progress")
-        report = _steps(rank, world, device, count_syncs, progress, capacity_mb)
+        report = _steps(rank, world, device, count_syncs, progress, capacity_mb, steps)
         Path(out, f"{rank}.json").write_text(json.dumps(report))
     except BaseException:
         Path(out, f"{rank}.err").write_text(traceback.format_exc())
@@ -108,11 +112,13 @@ def _steps(
     count_syncs: bool,
     progress: Path,
     capacity_mb: float | None = None,
+    steps: int = 4,
 ) -> dict[str, Any]:
-    """Four steps of canzona.Muon on Shard(0) DTensors next to torch.optim.Muon on the wholes.
+    """``steps`` steps of canzona.Muon on Shard(0) DTensors next to torch.optim.Muon on the wholes.
 
-    Steps 2-4 run under ``torch.cuda.set_sync_debug_mode("warn")``; every warning it raises
-    on this thread is one host synchronisation, located at the line of ours that caused it.
+    Steps 2-4 (and no others) run under ``torch.cuda.set_sync_debug_mode("warn")``; every
+    warning it raises on this thread is one host synchronisation, located at the line of
+    ours that caused it.
     """
     mesh = init_device_mesh(device, (world,))
     gen = torch.Generator(device=device).manual_seed(0)
@@ -141,7 +147,7 @@ def _steps(
             f.write(what + "\n")
 
     sites: set[str] = set()
-    for step in range(4):
+    for step in range(steps):
         grads = [torch.randn(s, device=device, generator=gen) for s in SHAPES]
         for p, q, g in zip(params, ref, grads, strict=True):
             p.grad, q.grad = shard(g), g.clone()
@@ -150,7 +156,9 @@ def _steps(
         mark(f"step {step}")
         if cuda:
             torch.cuda.synchronize()
-        if step == 0 or not count_syncs:  # planning, calibration and kernel probes read the device
+        if (
+            step == 0 or step > 3 or not count_syncs
+        ):  # planning, calibration and kernel probes read the device
             opt.step()
             continue
         with warnings.catch_warnings(record=True) as caught:
@@ -187,4 +195,8 @@ def _steps(
         "bytes_sent": opt.last_step_stats.bytes_sent if opt.last_step_stats else -1,
         "micro_groups": opt.last_step_stats.micro_groups if opt.last_step_stats else -1,
         "collectives": opt.last_step_stats.collectives if opt.last_step_stats else -1,
+        "repricings": opt._runtime.repricings,
+        "priced_shapes": sorted(
+            [list(k) for m in models if isinstance(m, MeasuredCost) for k in m._index]
+        ),
     }

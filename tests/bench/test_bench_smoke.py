@@ -56,7 +56,7 @@ def _check_prediction(case: dict[str, Any]) -> None:
     world, runs = case["world"], case["runs"]
     canz = runs["canzona"]
     assert len(canz["calibration_s"]) == world and canz["calibrations"] == 1
-    assert canz["refinements"] == 1 and canz["replans_after_first_step"] == 1
+    assert canz["repricings"] == 1 and canz["replans_after_first_step"] == 1
     assert case["cost_table"] and all(m["table"] for m in case["cost_table"].values())
     for label in STRATEGIES:
         pred = runs[label]["prediction"]

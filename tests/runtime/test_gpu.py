@@ -119,6 +119,20 @@ def test_tiny_micro_groups_share_all_to_alls_on_cuda(tmp_path: Path) -> None:
         assert r["micro_groups"] >= 3 and r["collectives"] == r["micro_groups"] + 1, r
 
 
+def test_the_steps_reprice_the_plan_with_cuda_events(tmp_path: Path) -> None:
+    """Steps 2-4 time their owner calls with CUDA events (read once, at the re-pricing
+    before step 5, which re-plans): still bitwise torch.optim.Muon after 6 steps, 2 syncs
+    per step while recording, every shape priced."""
+    reports = _gpu_ranks.launch("gloo", 2, tmp_path, steps=6)
+    print(json.dumps(reports))
+    for r in reports:
+        assert r["bitwise"] == [True] * len(_gpu_ranks.SHAPES)
+        assert r["syncs_per_step"] == [2, 2, 2], r["sync_sites"]
+        assert r["repricings"] == 1
+        assert r["priced_shapes"] == _distinct_shapes()
+    assert reports[0]["priced_shapes"] == reports[1]["priced_shapes"]
+
+
 def test_one_rank_under_nccl(tmp_path: Path) -> None:
     """The NCCL path at world 1: no plan (each matrix is whole on its rank), bitwise, no sync."""
     (r,) = _gpu_ranks.launch("nccl", 1, tmp_path)

@@ -56,8 +56,8 @@ def _steady(
         **KW,
         plan=canzona.PlanConfig(strategy=strategy, capacity_mb=capacity_mb),
         # one plan throughout (the re-pricing by the steps' calls, which re-plans once and
-        # does not ride, is test_refinement's)
-        pipeline=canzona.PipelineConfig(atomic=atomic, refine_steps=0),
+        # does not ride, is test_repricing's)
+        pipeline=canzona.PipelineConfig(atomic=atomic, reprice_steps=0),
     )
     grads = grad_steps(SHAPE_OF, steps)
     rode, sent, collectives = [], [], []
@@ -215,7 +215,7 @@ def _nan_on_rank0_after_steady() -> dict[str, Any]:
     fulls = full_tensors(SHAPE_OF)
     grads = grad_steps(SHAPE_OF, 7)
     grads[3]["square"][1, 2] = float("nan")  # row 1: rank 0's shard only
-    cfg = canzona.PipelineConfig(skip_nonfinite=True, refine_steps=0)  # one plan throughout
+    cfg = canzona.PipelineConfig(skip_nonfinite=True, reprice_steps=0)  # one plan throughout
     local = [(n, nn.Parameter(t.clone())) for n, t in fulls.items()]
     out: dict[str, Any] = {}
     for label, params in (("one device", local), ("mesh", _params())):

@@ -20,7 +20,7 @@ __all__ = [
     "fit_loglog",
     "load_cost_table",
     "predict_seconds",
-    "refine",
+    "reprice",
     "save_cost_table",
     "shape_classes",
 ]
@@ -236,7 +236,7 @@ def _fitted_line(points: Sequence[tuple[int, float]]) -> tuple[float, float] | N
     return (fixed, per) if per >= 0 and fixed >= 0 else None
 
 
-def refine(
+def reprice(
     model: MeasuredCost, observed: Mapping[tuple[int, int], Mapping[int, float]]
 ) -> MeasuredCost:
     """The model re-priced by the calls a running job made: ``{(m, n): {k: seconds}}``.

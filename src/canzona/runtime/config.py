@@ -101,7 +101,7 @@ class PipelineConfig:
             gives the measured cost). Objects are still freed by reference counting when
             the step drops them; only reference cycles wait for the next collection.
             Results are bit-identical either way.
-        refine_steps: A plan balanced in measured seconds (``PlanConfig(cost="measured")``)
+        reprice_steps: A plan balanced in measured seconds (``PlanConfig(cost="measured")``)
             is re-priced once by its own steps: after the first step, this many steps
             record the seconds of every owner call (by param group, shape and batch size),
             the ranks agree on the median of each call in one all-gather, the table takes
@@ -125,7 +125,7 @@ class PipelineConfig:
     fuse_bytes: int = 32 << 10
     calibration_cache: str | os.PathLike[str] | None = None
     pause_gc: bool = True
-    refine_steps: int = 3
+    reprice_steps: int = 3
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:
@@ -143,9 +143,9 @@ class PipelineConfig:
         fuse = self.fuse_bytes
         if isinstance(fuse, bool) or not isinstance(fuse, int) or fuse < 0:
             raise ValueError(f"fuse_bytes must be an int >= 0, got {fuse!r}")
-        refine = self.refine_steps
-        if isinstance(refine, bool) or not isinstance(refine, int) or refine < 0:
-            raise ValueError(f"refine_steps must be an int >= 0, got {refine!r}")
+        reprice = self.reprice_steps
+        if isinstance(reprice, bool) or not isinstance(reprice, int) or reprice < 0:
+            raise ValueError(f"reprice_steps must be an int >= 0, got {reprice!r}")
         cache = self.calibration_cache
         if cache is not None and (not isinstance(cache, str | os.PathLike) or not str(cache)):
             raise ValueError(f"calibration_cache must be a directory path or None, got {cache!r}")

@@ -23,7 +23,7 @@ from canzona.runtime.checks import (
 )
 from canzona.runtime.config import PipelineConfig, UpdateFailedError
 from canzona.runtime.pipeline import Failure, Pipeline, StepStats
-from canzona.runtime.refinement import Observation, refined
+from canzona.runtime.repricing import Observation, repriced
 from canzona.runtime.routing import (
     Item,
     Route,
@@ -124,8 +124,8 @@ class MatrixRuntime:
         self.device = torch.device("cpu")
         self.calibration_s = 0.0  # time the last calibration took
         self.calibrations = 0  # calibrations so far
-        self.refine_s = 0.0  # time the last re-pricing by observed calls took (with its plan)
-        self.refinements = 0  # plans re-priced by observed calls so far
+        self.reprice_s = 0.0  # time the last re-pricing by observed calls took (with its plan)
+        self.repricings = 0  # plans re-priced by observed calls so far
         self._specs: list[MatrixSpec] = []
         self._observation: Observation | None = None
         # ranks build their optimizers in the same order: the n-th one shares a namespace
@@ -428,19 +428,19 @@ class MatrixRuntime:
             self._setup(layouts, structure, config, table, compute)
         elif self._observation is not None and self._observation.due:
             previous = snapshot(self)
-            self._refine()
+            self._reprice()
         return previous, flagged, failed
 
-    def _refine(self) -> None:
+    def _reprice(self) -> None:
         """Re-price the plan's table by the calls its steps made and re-plan (collective)."""
         observation, self._observation = self._observation, None
         assert observation is not None and self.plan is not None
         cost = self.plan.optimizer
         assert isinstance(cost, GroupedCost)
         start = time.perf_counter()
-        self._build(refined(cost, observation.agree(self.watchdog)), self._structure)
-        self.refine_s = time.perf_counter() - start
-        self.refinements += 1
+        self._build(repriced(cost, observation.agree(self.watchdog)), self._structure)
+        self.reprice_s = time.perf_counter() - start
+        self.repricings += 1
 
     def _structure_of(self, layouts: Sequence[ParamLayout], table: StepTable) -> str:
         """The structure digest of the parameters and configuration (cached per key)."""
@@ -522,8 +522,8 @@ class MatrixRuntime:
             )
             self.calibration_s = time.perf_counter() - start
             self.calibrations += 1
-            if self.config.refine_steps:
-                self._observation = Observation(specs, self.config.refine_steps, self.device)
+            if self.config.reprice_steps:
+                self._observation = Observation(specs, self.config.reprice_steps, self.device)
         self._build(cost, structure)
 
     def _build(self, cost: str | CostModel, structure: str) -> None:

@@ -39,7 +39,7 @@ from canzona.runtime.tensors import local_tensor
 from canzona.runtime.watchdog import Watchdog
 
 if TYPE_CHECKING:
-    from canzona.runtime.refinement import Observation
+    from canzona.runtime.repricing import Observation
 
 
 @dataclass
@@ -160,7 +160,7 @@ class Pipeline:
         #: may still be read or written by them, so they are never freed or reused; the
         #: runtime builds a new pipeline for the next step.
         self.retired = False
-        #: Records the owner calls of the step about to run (see :mod:`.refinement`).
+        #: Records the owner calls of the step about to run (see :mod:`.repricing`).
         self.observe: Observation | None = None
 
     # ------------------------------------------------------------------ step

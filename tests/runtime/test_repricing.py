@@ -12,7 +12,7 @@ import canzona
 from canzona.plan.measured import MeasuredCost
 from canzona.runtime import calibrate as calibrate_module
 from canzona.runtime import timing
-from canzona.runtime.refinement import SKIPPED_STEPS
+from canzona.runtime.repricing import SKIPPED_STEPS
 
 from _cases import (
     CALIBRATION_SHAPES,
@@ -36,9 +36,9 @@ CALIBRATED_S = {(16, 16): 1e-3, (24, 8): 10e-3, (8, 24): 3e-3}
 #: table puts (24, 8) alone on one rank and the rest on the other; on the observed prices
 #: the two (16, 16) matrices are the costliest items and go to different ranks.
 STEP_SCALE = {(16, 16): 10.0, (24, 8): 0.1, (8, 24): 1.0}
-REFINE_STEPS = 2
+RECORDED_STEPS = 2
 #: The step before which the table is re-priced (1-based), and two more after it.
-DUE = SKIPPED_STEPS + REFINE_STEPS + 1
+DUE = SKIPPED_STEPS + RECORDED_STEPS + 1
 STEPS = DUE + 2
 
 _NOW = [0.0]
@@ -66,7 +66,7 @@ def _owners(opt: Any) -> dict[str, int]:
     return {n: o for g in plan_.micro_groups for n, o in zip(g.names, g.owners, strict=True)}
 
 
-def _run(cls: Any, kw: dict[str, Any], refine_steps: int) -> dict[str, Any]:
+def _run(cls: Any, kw: dict[str, Any], reprice_steps: int) -> dict[str, Any]:
     fulls = full_tensors(SHAPES)
     grads = grad_steps(SHAPES, STEPS)
     params = sharded_params(fulls, mesh((2,)), {n: (Shard(0),) for n in SHAPES})
@@ -74,17 +74,17 @@ def _run(cls: Any, kw: dict[str, Any], refine_steps: int) -> dict[str, Any]:
     calibrate_module._CACHE.clear()
     timing.clock = lambda: _fake_clock  # type: ignore[assignment]
     calibrate_module._eviction_seconds = lambda device: 0.0  # type: ignore[assignment]
-    out: dict[str, Any] = {"refinements": [], "owners": [], "digests": [], "rode": []}
+    out: dict[str, Any] = {"repricings": [], "owners": [], "digests": [], "rode": []}
     try:
         opt = cls(
-            params, **kw, plan=plan(), pipeline=canzona.PipelineConfig(refine_steps=refine_steps)
+            params, **kw, plan=plan(), pipeline=canzona.PipelineConfig(reprice_steps=reprice_steps)
         )
         opt._directions = _timed(opt._directions)
         for g in grads:
             set_grads(params, g)
             opt.step()
             opt.zero_grad(set_to_none=True)
-            out["refinements"].append(opt._runtime.refinements)
+            out["repricings"].append(opt._runtime.repricings)
             out["owners"].append(_owners(opt))
             out["digests"].append(opt._runtime.digest)
             out["rode"].append(opt.last_step_stats.header_rode)
@@ -101,7 +101,7 @@ def _run(cls: Any, kw: dict[str, Any], refine_steps: int) -> dict[str, Any]:
 
 
 def _muon() -> dict[str, Any]:
-    out = _run(canzona.Muon, {"lr": 0.02, "weight_decay": 0.1}, REFINE_STEPS)
+    out = _run(canzona.Muon, {"lr": 0.02, "weight_decay": 0.1}, RECORDED_STEPS)
     want = reference_muon(out["fulls"], out["grads"], lr=0.02, weight_decay=0.1)
     out["exact"] = compare(out.pop("got"), want)
     return out
@@ -114,7 +114,7 @@ def test_the_steps_reprice_the_table_once_and_move_owners(dist: Any) -> None:
     that changes the math (bitwise against ``torch.optim.Muon``)."""
     for rank, out in enumerate(dist(2).run(_muon)):
         want = [0] * (DUE - 1) + [1] * (STEPS - DUE + 1)
-        assert out["refinements"] == want, f"rank {rank}"
+        assert out["repricings"] == want, f"rank {rank}"
         for (m, n), prices in out["prices"].items():
             observed = CALIBRATED_S[(m, n)] * STEP_SCALE[(m, n)]
             assert prices == [pytest.approx(observed, rel=1e-9)], f"rank {rank}: {(m, n)}"
@@ -133,28 +133,28 @@ def test_the_steps_reprice_the_table_once_and_move_owners(dist: Any) -> None:
 
 def _off() -> dict[str, Any]:
     out = _run(canzona.Muon, {"lr": 0.02}, 0)
-    return {"refinements": out["refinements"], "owners": out["owners"]}
+    return {"repricings": out["repricings"], "owners": out["owners"]}
 
 
-def test_refine_steps_zero_keeps_the_calibrated_plan(dist: Any) -> None:
+def test_reprice_steps_zero_keeps_the_calibrated_plan(dist: Any) -> None:
     for out in dist(2).run(_off):
-        assert out["refinements"] == [0] * STEPS
+        assert out["repricings"] == [0] * STEPS
         assert all(o == out["owners"][0] for o in out["owners"])
 
 
 def _owner_state(name: str) -> dict[str, Any]:
     cls = getattr(canzona, name)
-    out = _run(cls, OWNER_KW[name], REFINE_STEPS)
+    out = _run(cls, OWNER_KW[name], RECORDED_STEPS)
     want = local_optimizer(cls, out["fulls"], out["grads"], **OWNER_KW[name])
-    return {"refinements": out["refinements"], "exact": compare(out["got"], want)}
+    return {"repricings": out["repricings"], "exact": compare(out["got"], want)}
 
 
 @pytest.mark.parametrize("name", ["Shampoo", "SOAP"])
-def test_owner_state_moves_with_the_refined_plan(dist: Any, name: str) -> None:
+def test_owner_state_moves_with_the_repriced_plan(dist: Any, name: str) -> None:
     """Owner-held preconditioners move to the new owners at the re-plan. Catches: the
     re-plan's snapshot not handed to the optimizer (state left at the old owners: the new
     ones start from scratch and the parameters differ from one device's)."""
     for rank, out in enumerate(dist(2).run(_owner_state, name)):
-        assert out["refinements"][-1] == 1
+        assert out["repricings"][-1] == 1
         bad = {n: rel for n, (eq, rel) in out["exact"].items() if not eq}
         assert not bad, f"rank {rank}: {name} not bitwise equal to one device: {bad}"

@@ -8,7 +8,7 @@ from statistics import median
 import torch
 
 from canzona.plan import GroupedCost, MatrixSpec
-from canzona.plan.measured import MeasuredCost, refine
+from canzona.plan.measured import MeasuredCost, reprice
 from canzona.runtime import timing
 from canzona.runtime.calibrate import median_over_ranks
 from canzona.runtime.watchdog import Watchdog
@@ -101,12 +101,12 @@ class Observation:
         return out
 
 
-def refined(
+def repriced(
     cost: GroupedCost, observed: dict[str, dict[tuple[int, int], dict[int, float]]]
 ) -> GroupedCost:
     """``cost`` with every measured model re-priced by its group's observed calls."""
     models = {
-        key: refine(model, observed.get(key, {})) if isinstance(model, MeasuredCost) else model
+        key: reprice(model, observed.get(key, {})) if isinstance(model, MeasuredCost) else model
         for key, model in cost.models.items()
     }
     return GroupedCost(models, name=cost.name)
