@@ -265,6 +265,20 @@ def structure_targets(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
 # ------------------------------------------------------------------------------ notes
 
 
+def _drift(case: dict[str, Any]) -> str:
+    """How far the same table's prediction missed `replicated`'s owner time.
+
+    Every rank computes every matrix there: no plan to get wrong, only the machine's speed.
+    """
+    p = case["runs"].get("replicated", {}).get("prediction")
+    if not p or p.get("error_cpu") is None:
+        return ""
+    return (
+        f"; priced with the same table, `replicated`'s owner time was off by "
+        f"{100 * p['error']:+.1f}% wall, {100 * p['error_cpu']:+.1f}% CPU"
+    )
+
+
 def note(t: dict[str, Any], case: dict[str, Any], payload: dict[str, Any]) -> str | None:
     """The note of a missed target of a kind this module owns (None for other kinds)."""
     canz = case["runs"].get("canzona", {})
@@ -281,11 +295,19 @@ def note(t: dict[str, Any], case: dict[str, Any], payload: dict[str, Any]) -> st
             f"as the median of five calls (three for a call over 20 ms) taken round by round "
             f"over the shapes (in the thread's CPU time: one intra-op thread per rank; a short "
             f"call after touching 32 MiB, so with cold caches), and takes the median over the "
-            f"ranks; the prediction prices each batch a micro-group stacks as one call, and "
-            f"the step's owner time is measured in wall time, seconds to a minute after the "
-            f"calibration (this machine's speed drifts by up to 10% in that time): the load "
-            f"average during the case was "
-            f"{load:.1f}"
+            f"ranks"
+            + (
+                f"; then the owner calls of steps 2 to {payload.get('warmup', 5) - 1} (their "
+                "CPU time, the median over the ranks) re-priced every shape they ran, once, "
+                "and the plan was rebuilt on that table (the timed steps come after it)"
+                if canz.get("repricings")
+                else ""
+            )
+            + "; the prediction prices each batch a micro-group stacks as one call, and "
+            "the step's owner time is measured in wall time, seconds to a minute after the "
+            "table's last timings (this machine's speed drifts by up to 10% in that time"
+            + _drift(case)
+            + f"): the load average during the case was {load:.1f}"
             + (
                 f" and {case['world']} ranks shared the machine's cores"
                 if case["world"] > 2
