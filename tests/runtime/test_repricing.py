@@ -12,6 +12,7 @@ import canzona
 from canzona.plan.measured import MeasuredCost
 from canzona.runtime import calibrate as calibrate_module
 from canzona.runtime import timing
+from canzona.runtime.config import PlanMismatchError
 from canzona.runtime.repricing import SKIPPED_STEPS
 
 from _cases import (
@@ -158,3 +159,27 @@ def test_owner_state_moves_with_the_repriced_plan(dist: Any, name: str) -> None:
         assert out["repricings"][-1] == 1
         bad = {n: rel for n, (eq, rel) in out["exact"].items() if not eq}
         assert not bad, f"rank {rank}: {name} not bitwise equal to one device: {bad}"
+
+
+def _mismatch() -> str:
+    params = sharded_params(full_tensors(SHAPES), mesh((2,)), {n: (Shard(0),) for n in SHAPES})
+    steps = 3 if torch.distributed.get_rank() == 0 else 0
+    opt = canzona.Muon(params, lr=0.02, pipeline=canzona.PipelineConfig(reprice_steps=steps))
+    set_grads(params, grad_steps(SHAPES, 1)[0])
+    try:
+        opt.step()
+    except PlanMismatchError as exc:
+        return type(exc).__name__
+    return "no error"
+
+
+def test_ranks_that_reprice_differently_fail_before_any_collective(dist: Any) -> None:
+    """Catches: ``reprice_steps`` left out of the configuration the ranks compare: one rank
+    would enter the re-pricing's all-gather at step 5 and the other a step's all-to-all."""
+    assert dist(2).run(_mismatch) == ["PlanMismatchError"] * 2
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "3"])
+def test_reprice_steps_is_validated(bad: Any) -> None:
+    with pytest.raises(ValueError, match=f"reprice_steps must be an int >= 0, got {bad!r}"):
+        canzona.PipelineConfig(reprice_steps=bad)

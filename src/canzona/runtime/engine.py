@@ -453,6 +453,7 @@ class MatrixRuntime:
             self.config.overlap,
             self.config.depth,
             self.config.fuse_bytes,
+            self.config.reprice_steps,
         )
         if self._structure_key != key:
             self._structure_key = key
@@ -463,6 +464,7 @@ class MatrixRuntime:
                     self.config.overlap,
                     self.config.depth,
                     self.config.fuse_bytes,
+                    self.config.reprice_steps,  # the re-pricing is a collective
                     table.matrix,
                 )
             )
