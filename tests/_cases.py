@@ -181,6 +181,20 @@ def run_with_late_group(
     return {n: full_of(p) for n, p in params}
 
 
+def first_step_mismatch(
+    opt: torch.optim.Optimizer,
+    params: Sequence[tuple[str, torch.Tensor]],
+    shapes: dict[str, tuple[int, ...]],
+) -> str:
+    """One step; ``"PlanMismatchError"`` when the ranks' plans disagree, else ``"no error"``."""
+    set_grads(params, grad_steps(shapes, 1)[0])
+    try:
+        opt.step()
+    except canzona.PlanMismatchError as exc:
+        return type(exc).__name__
+    return "no error"
+
+
 def assert_bitwise(per_rank: Sequence[dict[str, Any]], reference: str) -> None:
     """Every rank's ``{case: compare(...)}`` is bitwise; the failure names the ``reference``."""
     for rank, results in enumerate(per_rank):

@@ -10,13 +10,14 @@ import torch.distributed as tdist
 from torch.distributed.tensor import Replicate, Shard
 
 import canzona
-from canzona.runtime import PlanMismatchError, UpdateFailedError
+from canzona.runtime import UpdateFailedError
 
 from _cases import (
     SHAPES_TWICE,
     TINY_MB,
     assert_bitwise,
     compare,
+    first_step_mismatch,
     full_tensors,
     grad_steps,
     local_optimizer,
@@ -230,12 +231,7 @@ def _mismatch_case() -> str:
     fuse = 0 if tdist.get_rank() == 0 else 1 << 20
     pipeline = canzona.PipelineConfig(fuse_bytes=fuse)
     opt = canzona.Muon(params, **KW, plan=plan(capacity_mb=TINY), pipeline=pipeline)
-    set_grads(params, grad_steps(SHAPES, 1)[0])
-    try:
-        opt.step()
-    except PlanMismatchError as exc:
-        return type(exc).__name__
-    return "no error"
+    return first_step_mismatch(opt, params, SHAPES)
 
 
 def test_ranks_that_fuse_differently_fail_before_any_collective(dist: Any) -> None:

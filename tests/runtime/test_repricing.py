@@ -12,13 +12,13 @@ import canzona
 from canzona.plan.measured import MeasuredCost
 from canzona.runtime import calibrate as calibrate_module
 from canzona.runtime import timing
-from canzona.runtime.config import PlanMismatchError
 from canzona.runtime.repricing import SKIPPED_STEPS
 
 from _cases import (
     CALIBRATION_SHAPES,
     OWNER_KW,
     compare,
+    first_step_mismatch,
     full_of,
     full_tensors,
     grad_steps,
@@ -165,12 +165,7 @@ def _mismatch() -> str:
     params = sharded_params(full_tensors(SHAPES), mesh((2,)), {n: (Shard(0),) for n in SHAPES})
     steps = 3 if torch.distributed.get_rank() == 0 else 0
     opt = canzona.Muon(params, lr=0.02, pipeline=canzona.PipelineConfig(reprice_steps=steps))
-    set_grads(params, grad_steps(SHAPES, 1)[0])
-    try:
-        opt.step()
-    except PlanMismatchError as exc:
-        return type(exc).__name__
-    return "no error"
+    return first_step_mismatch(opt, params, SHAPES)
 
 
 def test_ranks_that_reprice_differently_fail_before_any_collective(dist: Any) -> None:
