@@ -23,6 +23,7 @@ from canzona.runtime.checks import (
 )
 from canzona.runtime.config import PipelineConfig, UpdateFailedError
 from canzona.runtime.pipeline import Failure, Pipeline, StepStats
+from canzona.runtime.pipelines import build_pipeline
 from canzona.runtime.repricing import Observation, repriced
 from canzona.runtime.routing import (
     Item,
@@ -32,10 +33,9 @@ from canzona.runtime.routing import (
     plan_specs,
     route_all,
 )
-from canzona.runtime.schedule import ScheduleBuilder
 from canzona.runtime.statecomm import Snapshot, snapshot
 from canzona.runtime.table import ApplyFn, ComputeFn, StepTable
-from canzona.runtime.tensors import local_tensor, process_group_of, tensor_device
+from canzona.runtime.tensors import process_group_of, tensor_device
 from canzona.runtime.topology import ParamLayout, Topology, agree, describe, structure_digest
 from canzona.runtime.watchdog import Watchdog
 
@@ -565,50 +565,8 @@ class MatrixRuntime:
         pipeline = self._pipelines.get(key)
         if pipeline is not None and not pipeline.retired:
             return pipeline
-        assert self.topology is not None
-        chosen = set(matrix_active)
-        by_name = {it.name: it for it in self.items}
-        groups = (
-            [
-                [by_name[n] for n in g.names if by_name[n].param in chosen]
-                for g in self.plan.micro_groups
-            ]
-            if self.plan
-            else []
-        )
-        local = [
-            it
-            for it in self.items
-            if it.is_local and it.unit == (self.rank,) and it.param in chosen
-        ]
-        shapes = {p: tuple(local_tensor(tensors[p]).shape) for p in matrix_active}
-        schedule = ScheduleBuilder(
-            topology=self.topology,
-            routes=self.routes,
-            groups=groups,
-            local_items=local,
-            table=table,
-            local_shapes={p: s for p, s in shapes.items() if _held(s)},
-            rank=self.rank,
-            world=self.world,
-            replicated=bool(self.plan and self.plan.assignment.replicated),
-            device=self.device,
-            keep_buffers=self.config.keeps_buffers(self.device.type),
-        ).build()
-        pipeline = Pipeline(
-            schedule=schedule,
-            process_group=self.process_group,
-            rank=self.rank,
-            world=self.world,
-            config=self.config,
-            watchdog=self.watchdog,
-            device=self.device,
-        )
+        pipeline = build_pipeline(self, table, matrix_active, tensors)
         if key not in self._pipelines and len(self._pipelines) >= _SCHEDULES:
             self._pipelines.pop(next(iter(self._pipelines)))
         self._pipelines[key] = pipeline
         return pipeline
-
-
-def _held(shape: tuple[int, ...]) -> bool:
-    return all(s > 0 for s in shape)
