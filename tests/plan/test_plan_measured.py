@@ -42,6 +42,22 @@ def test_table_then_fit_then_transfer() -> None:
     assert moving.flops(spec) == pytest.approx(2e-3 + spec.nbytes / 1e6, rel=1e-12)
 
 
+def test_a_held_matrix_moves_nothing_so_costs_no_transfer() -> None:
+    """A matrix that a rank holds whole is owned there and moves no bytes. Catches: its
+    payload's transfer time counted anyway (rank 0 then looks full with the held matrix
+    alone, both free ones go to rank 1 and the busiest rank's true load is 22.2, not 21.1)."""
+    base = MuonCost()
+    rate = 64 * 64 * 4 / 5.0  # a 64 x 64 fp32 payload takes 5 s
+    cost = MeasuredCost(base=base, table=(((64, 64), 10.0), ((64, 65), 6.0)), bytes_per_s=rate)
+    held = MatrixSpec("a", (64, 64), holders=(0,))
+    free = [MatrixSpec("b", (64, 65)), MatrixSpec("c", (64, 65))]
+    assert cost.flops(held) == 10.0
+    assert cost.flops(free[0]) == pytest.approx(6.0 + 64 * 65 * 4 / rate, rel=1e-12)
+    out = assign_owners([held, *free], 2, optimizer=cost)
+    assert out.owner["a"] == 0 and out.owner["b"] != out.owner["c"]
+    assert max(out.loads) == pytest.approx(10.0 + 6.0 + 65 / 64 * 5.0, rel=1e-12)
+
+
 def test_measured_seconds_not_flops_drive_the_owners() -> None:
     """Two shapes whose FLOPs say "equal" but whose measured times differ 3x."""
     specs = [MatrixSpec(f"a{i}", (64, 64)) for i in range(3)] + [

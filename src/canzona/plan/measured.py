@@ -101,7 +101,8 @@ class MeasuredCost:
     a log-log fit of time against the closed-form FLOPs of ``base`` over the timed shapes of
     its class (:func:`shape_classes`: the same smaller side, else the same aspect bucket),
     else over all of them;
-    plus the payload's transfer time at the measured ``bytes_per_s``. Balancing it balances
+    plus the payload's transfer time at the measured ``bytes_per_s`` (none for a matrix
+    that ranks already hold whole: it is owned where it lies). Balancing it balances
     time: FLOP counts do not predict kernel time across shapes.
 
     Attributes:
@@ -198,8 +199,16 @@ class MeasuredCost:
         return spec.batch * self.seconds(spec.m, spec.n) + self._transfer(spec)
 
     def _transfer(self, spec: MatrixSpec) -> float:
-        """Seconds to move the spec's payload at the measured rate (0 when not counted)."""
-        return spec.nbytes / self.bytes_per_s if self.bytes_per_s else 0.0
+        """Seconds to move the spec's payload to its owner at the measured rate.
+
+        0 when transfers are not counted, and for a matrix that ranks already hold whole
+        (:attr:`MatrixSpec.holders`): it is owned on a holder, where nothing moves, as the
+        planner counts its bytes (the refinement may still move it off, and then its
+        transfer goes uncounted, like its bytes).
+        """
+        if not self.bytes_per_s or spec.holders is not None:
+            return 0.0
+        return spec.nbytes / self.bytes_per_s
 
     def comm_bytes(self, spec: MatrixSpec) -> int:
         """The base model's payload bytes."""
