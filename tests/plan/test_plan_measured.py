@@ -14,6 +14,7 @@ from canzona.plan.measured import (
     class_fits,
     fit_loglog,
     load_cost_table,
+    owner_transfer_share,
     predict_seconds,
     save_cost_table,
     shape_classes,
@@ -56,6 +57,38 @@ def test_a_held_matrix_moves_nothing_so_costs_no_transfer() -> None:
     out = assign_owners([held, *free], 2, optimizer=cost)
     assert out.owner["a"] == 0 and out.owner["b"] != out.owner["c"]
     assert max(out.loads) == pytest.approx(10.0 + 6.0 + 65 / 64 * 5.0, rel=1e-12)
+
+
+def test_owning_adds_a_share_of_the_transfer_that_grows_with_the_ranks() -> None:
+    """Every rank moves ``2 / W`` of a matrix whoever owns it; its owner ``2 (W - 2) / W``
+    more. Catches: two ranks charging the owner a transfer that every rank pays alike (the
+    owner of a big matrix then takes less math than the other rank)."""
+    assert [owner_transfer_share(w) for w in (1, 2, 4, 8)] == [0.0, 0.0, 0.5, 0.75]
+    for bad in (0, 2.0, True):
+        with pytest.raises(ValueError, match=f"num_ranks must be a positive int, got {bad!r}"):
+            owner_transfer_share(bad)  # type: ignore[arg-type]
+    spec = MatrixSpec("w", (64, 64))
+    table = (((64, 64), 2e-3),)
+    half = MeasuredCost(base=MuonCost(), table=table, bytes_per_s=1e6, transfer_share=0.5)
+    assert half.flops(spec) == pytest.approx(2e-3 + 0.5 * spec.nbytes / 1e6, rel=1e-12)
+    none = MeasuredCost(base=MuonCost(), table=table, bytes_per_s=1e6, transfer_share=0)
+    assert none.flops(spec) == 2e-3
+    assert none.params() != half.params()  # the digest covers the share
+    for bad_share in (-0.1, 1.5, True, "1"):
+        with pytest.raises(ValueError, match="transfer_share must be a number in"):
+            MeasuredCost(base=MuonCost(), table=table, transfer_share=bad_share)  # type: ignore[arg-type]
+    # math 6 s and eight of 1 s on two ranks: 7 s each, the big one with a small one; with
+    # its 3 s transfer charged to its owner the big one sits alone
+    specs = [MatrixSpec("big", (64, 64))] + [MatrixSpec(f"s{i}", (8, 8)) for i in range(8)]
+    seconds = (((64, 64), 6.0), ((8, 8), 1.0))
+    slow_link = 64 * 64 * 4 / 3.0
+    for share, with_big in ((0.0, 1), (1.0, 0)):
+        cost = MeasuredCost(
+            base=MuonCost(), table=seconds, bytes_per_s=slow_link, transfer_share=share
+        )
+        out = assign_owners(specs, 2, optimizer=cost)
+        big = out.owner["big"]
+        assert sum(out.owner[f"s{i}"] == big for i in range(8)) == with_big, share
 
 
 def test_measured_seconds_not_flops_drive_the_owners() -> None:
@@ -145,6 +178,7 @@ def test_save_and_load(tmp_path: Path) -> None:
         table=(((8, 16), 1.5e-4),),
         fit=(-20.0, 0.9),
         bytes_per_s=5e8,
+        transfer_share=0.5,
         batches=(((8, 16), 5e-5, 1e-4),),
         class_fits=(("side", 8, -21.0, 0.8),),
     )

@@ -64,6 +64,8 @@ def _calibrated(cost: str) -> dict[str, Any]:
         "shapes": sorted(tuple(k) for m in measured for k, _ in m.table),
         "timed_sizes": sorted(sizes),
         "lines": sorted(tuple(k) for m in measured for k, _, _ in m.batches),
+        "shares": sorted({m.transfer_share for m in measured}),
+        "rates": [m.bytes_per_s > 0 for m in measured],
     }
 
 
@@ -79,6 +81,8 @@ def test_measured_costs_are_agreed_and_cached(dist: Any) -> None:
         # which splits a call into a fixed part and a part per matrix
         assert o["timed_sizes"] == [(k, m, n) for k in (1, 2) for m, n in o["shapes"]]
         assert set(o["lines"]) <= set(o["shapes"])
+        # the transfer rate is measured, and on two ranks owning moves no more bytes
+        assert o["shares"] == [0.0] and all(o["rates"])
 
 
 def test_flops_on_request(dist: Any) -> None:

@@ -19,6 +19,7 @@ __all__ = [
     "class_fits",
     "fit_loglog",
     "load_cost_table",
+    "owner_transfer_share",
     "predict_seconds",
     "reprice",
     "save_cost_table",
@@ -101,9 +102,10 @@ class MeasuredCost:
     a log-log fit of time against the closed-form FLOPs of ``base`` over the timed shapes of
     its class (:func:`shape_classes`: the same smaller side, else the same aspect bucket),
     else over all of them;
-    plus the payload's transfer time at the measured ``bytes_per_s`` (none for a matrix
-    that ranks already hold whole: it is owned where it lies). Balancing it balances
-    time: FLOP counts do not predict kernel time across shapes.
+    plus the share of the payload's transfer time at the measured ``bytes_per_s`` that
+    owning the matrix adds to a rank (``transfer_share``; none for a matrix that ranks
+    already hold whole: it is owned where it lies). Balancing it balances time: FLOP
+    counts do not predict kernel time across shapes.
 
     Attributes:
         base: The closed-form model (its FLOPs drive the fit; its bytes are the payload).
@@ -112,6 +114,9 @@ class MeasuredCost:
         class_fits: ``(kind, value, a, b)`` of the same fit per shape class
             (:func:`class_fits`); a shape's first class with a fit predicts it.
         bytes_per_s: Measured transfer rate (0: transfers not counted).
+        transfer_share: The part of a payload's transfer time that falls on its owner beyond
+            what every rank pays, in [0, 1] (:func:`owner_transfer_share`: 0 on two ranks,
+            where owning a matrix changes no rank's bytes).
         name: The optimizer's name.
         batches: ``((m, n), fixed, per_matrix)`` for every shape timed at two batch sizes:
             one call on ``k`` stacked matrices takes ``fixed + k * per_matrix`` seconds
@@ -126,6 +131,7 @@ class MeasuredCost:
     bytes_per_s: float = 0.0
     name: str = field(default="")
     batches: tuple[tuple[tuple[int, int], float, float], ...] = ()
+    transfer_share: float = 1.0
     _index: dict[tuple[int, int], float] = field(init=False, repr=False, compare=False)
     _lines: dict[tuple[int, int], tuple[float, float]] = field(
         init=False, repr=False, compare=False
@@ -142,6 +148,10 @@ class MeasuredCost:
             index[(int(m), int(n))] = float(seconds)
         if not (self.bytes_per_s >= 0 and math.isfinite(self.bytes_per_s)):
             raise ValueError(f"bytes_per_s must be finite and >= 0, got {self.bytes_per_s!r}")
+        share = self.transfer_share
+        if isinstance(share, bool) or not isinstance(share, int | float) or not 0 <= share <= 1:
+            raise ValueError(f"transfer_share must be a number in [0, 1], got {share!r}")
+        object.__setattr__(self, "transfer_share", float(share))
         lines: dict[tuple[int, int], tuple[float, float]] = {}
         for (m, n), fixed, per in self.batches:
             for value in (fixed, per):
@@ -199,16 +209,16 @@ class MeasuredCost:
         return spec.batch * self.seconds(spec.m, spec.n) + self._transfer(spec)
 
     def _transfer(self, spec: MatrixSpec) -> float:
-        """Seconds to move the spec's payload to its owner at the measured rate.
+        """Seconds that moving the spec's payload adds to its owner (``transfer_share`` of it).
 
         0 when transfers are not counted, and for a matrix that ranks already hold whole
         (:attr:`MatrixSpec.holders`): it is owned on a holder, where nothing moves, as the
         planner counts its bytes (the refinement may still move it off, and then its
         transfer goes uncounted, like its bytes).
         """
-        if not self.bytes_per_s or spec.holders is not None:
+        if not self.bytes_per_s or not self.transfer_share or spec.holders is not None:
             return 0.0
-        return spec.nbytes / self.bytes_per_s
+        return self.transfer_share * spec.nbytes / self.bytes_per_s
 
     def comm_bytes(self, spec: MatrixSpec) -> int:
         """The base model's payload bytes."""
@@ -226,8 +236,23 @@ class MeasuredCost:
             "fit": list(self.fit),
             "class_fits": [list(f) for f in self.class_fits],
             "bytes_per_s": self.bytes_per_s,
+            "transfer_share": self.transfer_share,
             "batches": [[m, n, f, g] for (m, n), (f, g) in sorted(self._lines.items())],
         }
+
+
+def owner_transfer_share(num_ranks: int) -> float:
+    """The part of a matrix's transfer time that owning it adds to a rank: ``(W - 2) / W``.
+
+    The gather sends an owner the other ranks' ``(W - 1) / W`` of the payload and the
+    scatter sends as much back, while each other rank sends and receives its own ``1 / W``:
+    every rank moves ``2 / W`` of it whoever owns it, and the owner ``2 (W - 2) / W`` more,
+    which at the measured rate (bytes each way per second, sent and received at once) takes
+    ``(W - 2) / W`` of the payload's transfer time. On two ranks owning changes nothing.
+    """
+    if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or num_ranks < 1:
+        raise ValueError(f"num_ranks must be a positive int, got {num_ranks!r}")
+    return max(0.0, (num_ranks - 2) / num_ranks)
 
 
 def _fitted_line(points: Sequence[tuple[int, float]]) -> tuple[float, float] | None:
@@ -284,6 +309,7 @@ def reprice(
         fit=model.fit,
         class_fits=model.class_fits,
         bytes_per_s=model.bytes_per_s,
+        transfer_share=model.transfer_share,
         name=model.name,
         batches=tuple((shape, f, g) for shape, (f, g) in sorted(lines.items())),
     )
@@ -349,6 +375,7 @@ def measured_from_params(base: CostModel, entry: Mapping[str, Any]) -> MeasuredC
             for kind, value, a, b in entry.get("class_fits", ())
         ),
         bytes_per_s=float(entry["bytes_per_s"]),
+        transfer_share=float(entry.get("transfer_share", 1.0)),
         batches=tuple(
             ((int(m), int(n)), float(f), float(g)) for m, n, f, g in entry.get("batches", ())
         ),

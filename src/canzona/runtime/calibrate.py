@@ -15,7 +15,13 @@ import torch
 import torch.distributed as dist
 
 from canzona.plan import CostModel, GroupedCost, MatrixSpec
-from canzona.plan.measured import MeasuredCost, batch_line, class_fits, fit_loglog
+from canzona.plan.measured import (
+    MeasuredCost,
+    batch_line,
+    class_fits,
+    fit_loglog,
+    owner_transfer_share,
+)
 from canzona.runtime import timing
 from canzona.runtime.calibration_cache import DiskCache, Entry
 from canzona.runtime.routing import Item
@@ -410,6 +416,7 @@ def calibrate(
             fit=fit_loglog([(work, t) for _, work, t in points]),
             class_fits=class_fits(points),
             bytes_per_s=bytes_per_s,
+            transfer_share=owner_transfer_share(watchdog.world),
             batches=tuple(lines),
         )
     return GroupedCost(models, name=next(iter(bases.values())).name)
