@@ -217,9 +217,10 @@ def _plan(args: argparse.Namespace) -> int:
     optimizer: str | CostModel = name
     if args.cost is not None:
         try:
-            optimizer = load_cost_table(args.cost)
+            table = load_cost_table(args.cost)
         except ValueError as exc:
             raise CliError(str(exc)) from None
+        optimizer = table.for_world(args.world)  # its transfer share: this world's
         timed = optimizer.base.name
         if args.optimizer is not None and args.optimizer != timed:
             raise CliError(

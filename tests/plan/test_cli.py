@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -12,7 +13,8 @@ import pytest
 
 import canzona
 from canzona import cli
-from canzona.plan import PlanConfig, build_plan
+from canzona.plan import GroupedCost, MuonCost, PlanConfig, build_plan
+from canzona.plan.measured import MeasuredCost, save_cost_table
 from canzona.plan.models import model_specs
 from canzona.plan.report import format_bytes
 
@@ -298,6 +300,28 @@ def test_cost_table_from_calibrate(tmp_path: Path, capsys: pytest.CaptureFixture
     bad.write_text("[]")
     assert cli.main(["plan", "--model", "qwen3-0.6b", "--world", "4", "--cost", str(bad)]) == 2
     assert "not a canzona cost table" in capsys.readouterr().err
+
+
+def test_a_table_plans_with_the_transfer_share_of_the_world_planned(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A table saved by a job on some world size, planned for another. Catches: the saved
+    share kept (on two ranks a slow link would then move math off large matrices' owners)."""
+    fit = (math.log(1e-12), 1.0)  # seconds in proportion to FLOPs
+    paths = {}
+    for label, rate in (("slow", 2e6), ("none", 0.0)):
+        model = MeasuredCost(base=MuonCost(), table=(), fit=fit, bytes_per_s=rate)
+        paths[label] = tmp_path / f"{label}.json"
+        save_cost_table(paths[label], GroupedCost({"0": model}), {"device": "cpu"})
+    assert MeasuredCost(base=MuonCost(), table=()).for_world(8).transfer_share == 0.75
+
+    def makespan(label: str, world: int) -> float:
+        argv = ["plan", "--model", "qwen3-0.6b", "--world", str(world), "--json"]
+        assert cli.main([*argv, "--cost", str(paths[label])]) == 0
+        return float(json.loads(capsys.readouterr().out)["strategies"]["canzona"]["makespan"])
+
+    assert makespan("slow", 2) == makespan("none", 2)  # two ranks: owning moves nothing more
+    assert makespan("slow", 4) > makespan("none", 4)
 
 
 def test_calibrate_reuses_its_cache(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -203,6 +203,10 @@ class MeasuredCost:
         if line is None:
             return 0.0, self.flops(spec)
         return line[0], spec.batch * line[1] + self._transfer(spec)
+
+    def for_world(self, num_ranks: int) -> MeasuredCost:
+        """This table with the transfer share of a plan over ``num_ranks`` ranks."""
+        return replace(self, transfer_share=owner_transfer_share(num_ranks))
 
     def flops(self, spec: MatrixSpec) -> float:
         """Seconds: the math of every matrix of the spec plus the payload's transfer time."""
