@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -186,6 +187,11 @@ def test_save_and_load(tmp_path: Path) -> None:
     save_cost_table(path, GroupedCost({"0": cost}), {"device": "cpu"})
     loaded = load_cost_table(path)
     assert loaded.params() == cost.params()
+    # a table saved before the share existed charged owners the whole transfer: it still does
+    body = json.loads(path.read_text())
+    del body["models"]["0"]["transfer_share"]
+    path.write_text(json.dumps(body))
+    assert load_cost_table(path).transfer_share == 1.0
     path.write_text("{}")
     with pytest.raises(ValueError, match="not a canzona cost table"):
         load_cost_table(path)
