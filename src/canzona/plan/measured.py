@@ -209,7 +209,7 @@ class MeasuredCost:
         return replace(self, transfer_share=owner_transfer_share(num_ranks))
 
     def flops(self, spec: MatrixSpec) -> float:
-        """Seconds: the math of every matrix of the spec plus the payload's transfer time."""
+        """Seconds: the math of every matrix of the spec plus its owner's share of the transfer."""
         return spec.batch * self.seconds(spec.m, spec.n) + self._transfer(spec)
 
     def _transfer(self, spec: MatrixSpec) -> float:
