@@ -225,18 +225,26 @@ def test_a_failure_in_a_fused_micro_group_raises_everywhere_and_changes_nothing(
             assert unchanged
 
 
-def _mismatch_case() -> str:
+def _mismatch_case(field: str, mine: object, theirs: object) -> str:
     fulls = full_tensors(SHAPES)
     params = sharded_params(fulls, mesh((2,)), ROWS)
-    fuse = 0 if tdist.get_rank() == 0 else 1 << 20
-    pipeline = canzona.PipelineConfig(fuse_bytes=fuse)
+    value = mine if tdist.get_rank() == 0 else theirs
+    pipeline = canzona.PipelineConfig(**{field: value})
     opt = canzona.Muon(params, **KW, plan=plan(capacity_mb=TINY), pipeline=pipeline)
     return first_step_mismatch(opt, params, SHAPES)
 
 
-def test_ranks_that_fuse_differently_fail_before_any_collective(dist: Any) -> None:
-    """Catches: ``fuse_bytes`` left out of the configuration the ranks compare (a hang)."""
-    assert dist(2).run(_mismatch_case) == ["PlanMismatchError"] * 2
+@pytest.mark.parametrize(
+    ("field", "mine", "theirs"),
+    [("fuse_bytes", 0, 1 << 20), ("depth", 1, 2), ("overlap", True, False)],
+)
+def test_ranks_that_exchange_differently_fail_before_any_collective(
+    dist: Any, field: str, mine: object, theirs: object
+) -> None:
+    """Catches: a setting that decides the step's collectives (``fuse_bytes``, ``depth``,
+    ``overlap``: ``PipelineConfig.collective_settings``) left out of the configuration the
+    ranks compare (a hang)."""
+    assert dist(2).run(_mismatch_case, field, mine, theirs) == ["PlanMismatchError"] * 2
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "1"])

@@ -24,14 +24,14 @@ def _cases() -> dict[str, Any]:
     plain.grad = torch.ones(3, 3)
     names = ["x", "row", "col", "plain"]
     params = [row, col, plain]
-    got = local_grads(names, [1, 2, 3], params)
+    got = local_grads(names, [1, 2, 3], params, [None, *(p.grad for p in params)])
     one_by_one = [local_grad(names[i], p) for i, p in zip([1, 2, 3], params, strict=True)]
     errors = {}
     bad = nn.Parameter(distribute_tensor(torch.randn(4, 6), dm, [Shard(0)]))
     for label, grad in (("none", None), ("plain", torch.ones(4, 6)), ("sparse", torch.eye(4, 6))):
         bad.grad = grad.to_sparse() if label == "sparse" else grad
         try:
-            local_grads(["bad"], [0], [bad])
+            local_grads(["bad"], [0], [bad], [bad.grad])
         except (RuntimeError, TypeError) as exc:
             errors[label] = f"{type(exc).__name__}: {exc}"
     return {

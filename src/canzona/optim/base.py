@@ -374,12 +374,13 @@ class MatrixOptimizer(CopyMixin, CheckpointMixin, Optimizer):
         if self._algorithms:
             self._check_algorithms(params, names, gids)
         table = self._step_table(params, gids)
-        has_grad = [p.grad is not None for p in params]
+        raw = [p.grad for p in params]  # each gradient read once a step
+        has_grad = [g is not None for g in raw]
         failure: Failure | None = None
         nonfinite = False
         if self.pipeline_config.skip_nonfinite:
             try:
-                nonfinite = not all_finite([p.grad for p in params if p.grad is not None])
+                nonfinite = not all_finite([g for g in raw if g is not None])
             except Exception as exc:
                 failure = Failure("checking the gradients for NaN/Inf", exc)
         start = self._runtime.begin_step(
@@ -403,7 +404,7 @@ class MatrixOptimizer(CopyMixin, CheckpointMixin, Optimizer):
                 self.last_step_stats = StepStats(rank=self._runtime.rank, skipped=True)
                 return
             self._step_params = params
-            self.last_step_stats = self._run_step(start, table, params, names, gids, failure)
+            self.last_step_stats = self._run_step(start, table, params, raw, names, gids, failure)
         finally:
             self._runtime.abandon()
             self._step_params = []
@@ -413,6 +414,7 @@ class MatrixOptimizer(CopyMixin, CheckpointMixin, Optimizer):
         start: StepStart,
         table: StepTable,
         params: list[Tensor],
+        raw: list[Tensor | None],
         names: list[str],
         gids: list[int],
         failure: Failure | None,
@@ -428,7 +430,7 @@ class MatrixOptimizer(CopyMixin, CheckpointMixin, Optimizer):
         if failure is None and not start.declined:
             try:
                 work = self._step_work(start, table, params, gids, txn)
-                self._prepare(work, start, names, txn)
+                self._prepare(work, raw, names, txn)
             except Exception as exc:
                 failure = Failure("preparing the step", exc)
         try:
@@ -493,12 +495,19 @@ class MatrixOptimizer(CopyMixin, CheckpointMixin, Optimizer):
         return work
 
     def _prepare(
-        self, work: StepWork, start: StepStart, names: list[str], txn: StepTransaction
+        self,
+        work: StepWork,
+        raw: list[Tensor | None],
+        names: list[str],
+        txn: StepTransaction,
     ) -> None:
-        """Counters, AdamW moments and matrix payloads (before the vote)."""
+        """Counters, AdamW moments and matrix payloads (before the vote).
+
+        ``raw`` holds every parameter's ``.grad`` as the step read it (optimizer order).
+        """
         txn.bump(work.steps)
         for w in work.groups:
-            grads = local_grads(names, w.idxs, w.params)
+            grads = local_grads(names, w.idxs, w.params, raw)
             group = self.param_groups[w.gid]
             if w.adamw:
                 self._adamw_moments(w, grads, txn)

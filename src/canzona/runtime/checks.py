@@ -40,7 +40,7 @@ def digest_chunks(hexdigest: str) -> list[int]:
 
 def grads_digest(has_grad: Sequence[bool]) -> str:
     """sha256 of a gradient-presence bitmap."""
-    return hashlib.sha256(bytes(1 if g else 0 for g in has_grad)).hexdigest()
+    return hashlib.sha256(bytes(map(bool, has_grad))).hexdigest()
 
 
 def header_values(

@@ -150,6 +150,15 @@ class PipelineConfig:
         if cache is not None and (not isinstance(cache, str | os.PathLike) or not str(cache)):
             raise ValueError(f"calibration_cache must be a directory path or None, got {cache!r}")
 
+    @property
+    def collective_settings(self) -> tuple[bool, int, int, int]:
+        """The settings that decide which collectives a step makes, so ranks must agree.
+
+        ``(overlap, depth, fuse_bytes, reprice_steps)``: they enter the structure digest
+        that every rank compares before the first collective.
+        """
+        return (self.overlap, self.depth, self.fuse_bytes, self.reprice_steps)
+
     def keeps_buffers(self, device_type: str) -> bool:
         """Whether step buffers on a ``device_type`` device stay allocated between steps."""
         return device_type == "cpu" if self.keep_buffers is None else self.keep_buffers

@@ -445,29 +445,11 @@ class MatrixRuntime:
     def _structure_of(self, layouts: Sequence[ParamLayout], table: StepTable) -> str:
         """The structure digest of the parameters and configuration (cached per key)."""
         # frozen configs and the table's version: the key costs nothing per matrix
-        key = (
-            self._layout_version,
-            table.version,
-            table.config,
-            self.plan_config,
-            self.config.overlap,
-            self.config.depth,
-            self.config.fuse_bytes,
-            self.config.reprice_steps,
-        )
+        agreed = (table.config, self.plan_config, *self.config.collective_settings)
+        key = (self._layout_version, table.version, *agreed)
         if self._structure_key != key:
             self._structure_key = key
-            self._config_now = repr(
-                (
-                    table.config,
-                    self.plan_config,
-                    self.config.overlap,
-                    self.config.depth,
-                    self.config.fuse_bytes,
-                    self.config.reprice_steps,  # the re-pricing is a collective
-                    table.matrix,
-                )
-            )
+            self._config_now = repr((*agreed, table.matrix))
             self._structure_now = structure_digest(layouts, self._config_now)
         return self._structure_now
 

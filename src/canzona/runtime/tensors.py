@@ -90,25 +90,33 @@ def local_grad(name: str, p: torch.Tensor) -> torch.Tensor:
 
 
 def local_grads(
-    names: Sequence[str], idxs: Sequence[int], params: Sequence[torch.Tensor]
+    names: Sequence[str],
+    idxs: Sequence[int],
+    params: Sequence[torch.Tensor],
+    raw: Sequence[torch.Tensor | None],
 ) -> list[torch.Tensor]:
     """:func:`local_grad` of every ``params[j]`` (named ``names[idxs[j]]``), in one pass.
 
-    The common case (every gradient a dense tensor of its parameter's kind, DTensors in
-    their parameter's placements) costs one attribute read per parameter; anything else goes
-    through :func:`local_grad`, which raises its errors or redistributes.
+    ``raw[idxs[j]]`` is ``params[j].grad`` as the step read it (each gradient is read once
+    a step). The common case (every gradient a dense tensor of its parameter's kind,
+    DTensors in their parameter's placements) costs one attribute read per parameter;
+    anything else goes through :func:`local_grad`, which raises its errors or
+    redistributes.
     """
     out: list[torch.Tensor] = []
     append = out.append
     for i, p in zip(idxs, params, strict=True):
-        grad = p.grad
-        if grad is None or grad.is_sparse:
-            append(local_grad(names[i], p))  # raises
-        elif isinstance(p, DTensor):
-            if isinstance(grad, DTensor) and grad._spec.placements == p._spec.placements:
+        grad = raw[i]
+        if isinstance(grad, DTensor):
+            # FSDP2 gives a gradient its parameter's spec object: no placement compared
+            if isinstance(p, DTensor) and (
+                grad._spec is p._spec or grad._spec.placements == p._spec.placements
+            ):
                 append(grad._local_tensor)
             else:
                 append(local_grad(names[i], p))  # raises or redistributes
+        elif grad is None or grad.is_sparse or isinstance(p, DTensor):
+            append(local_grad(names[i], p))  # raises
         else:
             append(grad)
     return out
