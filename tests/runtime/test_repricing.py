@@ -79,8 +79,7 @@ def _run(
     calibrate_module._CACHE.clear()
     timing.clock = lambda: _fake_clock  # type: ignore[assignment]
     calibrate_module._eviction_seconds = lambda device: 0.0  # type: ignore[assignment]
-    out: dict[str, Any] = {"repricings": [], "owners": [], "digests": [], "rode": []}
-    out["failed"] = []
+    out: dict[str, Any] = {"repricings": [], "owners": [], "digests": [], "rode": [], "failed": []}
     try:
         opt = cls(
             params, **kw, plan=plan(), pipeline=canzona.PipelineConfig(reprice_steps=reprice_steps)

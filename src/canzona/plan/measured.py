@@ -307,14 +307,9 @@ def reprice(
         lines[(m, n)] = line
         k = points[-1][0]
         table[(m, n)] = (line[0] + k * line[1]) / k
-    return MeasuredCost(
-        base=model.base,
+    return replace(
+        model,
         table=tuple(sorted(table.items())),
-        fit=model.fit,
-        class_fits=model.class_fits,
-        bytes_per_s=model.bytes_per_s,
-        transfer_share=model.transfer_share,
-        name=model.name,
         batches=tuple((shape, f, g) for shape, (f, g) in sorted(lines.items())),
     )
 
