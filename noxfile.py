@@ -78,15 +78,21 @@ def demo(session: nox.Session) -> None:
     session.run("canzona", "demo", *session.posargs, env=THREAD_ENV)
 
 
+# The other distributed Muon implementations the step-latency benchmark runs side by side
+# with canzona (benchmarks/_peers.py); --no-deps keeps torch pinned (muon-fsdp2 and heavyball
+# compile with triton, installed with TORCHTITAN; opt-einsum is heavyball's only other import).
+PEERS = ["muon-fsdp2==0.3.0", "muonium==0.2.0", "heavyball==3.2.1", "opt-einsum==3.4.0"]
+
+
 @nox.session
 def bench(session: nox.Session) -> None:
     """Benchmarks in quick mode (``nox -s bench -- --full`` for the full grid).
 
-    TorchTitan's DistMuon is a peer of the step-latency and overhead benchmarks; it is
-    installed as in the tests session (``--no-deps``: torch stays pinned).
+    TorchTitan's DistMuon is a peer of the step-latency and overhead benchmarks; it and the
+    other peers are installed with ``--no-deps`` (torch stays pinned).
     """
     _install(session, "test,plot")
-    session.install("--no-deps", *TORCHTITAN)
+    session.install("--no-deps", *TORCHTITAN, *PEERS)
     mode = "--full" if "--full" in session.posargs else "--quick"
     session.run("python", "benchmarks/run_all.py", mode, env=THREAD_ENV)
 
