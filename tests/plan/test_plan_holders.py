@@ -30,6 +30,17 @@ def test_a_held_matrix_moves_when_that_strictly_lowers_the_makespan() -> None:
     assert set(kept.owner.values()) == {0} and kept.comm_bytes == (0, 0)
 
 
+def test_owning_a_held_matrix_on_its_holder_costs_no_bytes() -> None:
+    """With the blend on bytes alone (alpha=0), owning on the holder is free: nothing moves.
+
+    Were a held matrix priced at its payload, rank 0's three blocks would be a load that
+    moving one to rank 1 strictly lowers; priced at zero there is nothing to lower.
+    """
+    specs = [MatrixSpec(f"h{i}", (64, 64), holders=(0,)) for i in range(3)]
+    a = assign_owners(specs, 2, strategy="canzona", alpha=0.0)
+    assert set(a.owner.values()) == {0} and a.comm_bytes == (0, 0)
+
+
 def test_holders_must_be_eligible() -> None:
     with pytest.raises(ValueError, match="holders must be eligible"):
         MatrixSpec("w", (4, 4), ranks=(0, 1), holders=(2,))

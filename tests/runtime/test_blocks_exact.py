@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
-from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement, Replicate, Shard, _StridedShard
 
 import canzona
 from canzona import Split
@@ -139,8 +139,19 @@ ROWS = {n: (Shard(0),) if len(s) == 2 else (Shard(1),) for n, s in SHAPES.items(
         ((4,), {n: (Shard(len(s) - 1),) for n, s in SHAPES.items()}),
         ((2, 2), {n: (Shard(len(s) - 2), Shard(len(s) - 1)) for n, s in SHAPES.items()}),
         ((2, 2), {n: (Replicate(), Shard(len(s) - 2)) for n, s in SHAPES.items()}),
+        # each rank's rows of a split parameter are two runs (rows 0-3 and 8-11 of q/k/v on
+        # the first ranks): blocks meet the second run part-way through the local shard
+        (
+            (2, 2),
+            {
+                n: (_StridedShard(len(s) - 2, split_factor=2), Shard(len(s) - 1))
+                if n in SPLITS
+                else (Shard(0), Shard(1))
+                for n, s in SHAPES.items()
+            },
+        ),
     ],
-    ids=["rows", "columns", "2d", "hsdp"],
+    ids=["rows", "columns", "2d", "hsdp", "strided-rows"],
 )
 def test_blocks_on_meshes_match_torch_muon(dist: Any, mesh_shape: Any, placements: Any) -> None:
     assert_bitwise(dist(4).run(_case, mesh_shape, placements), BLOCKS_VS_TORCH)

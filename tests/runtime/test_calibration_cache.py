@@ -44,6 +44,21 @@ def test_entry_keys_cover_a_groups_settings_but_not_its_learning_rate() -> None:
     assert entry_key(Shape(0, 8, 8, 2, torch.float32), _table(canzona.Shampoo), CPU) != base
 
 
+def test_entry_keys_tell_optimizer_classes_apart() -> None:
+    """Catches: timings keyed without the optimizer's configuration: a subclass with its own
+    math and the same settings would reuse its parent's timings."""
+
+    class OtherMuon(canzona.Muon):
+        pass
+
+    shape = Shape(0, 8, 8, 1, torch.float32)
+    muon, other = _table(canzona.Muon), _table(OtherMuon)
+    assert calibrate_module.group_settings(muon.hparams[0]) == (
+        calibrate_module.group_settings(other.hparams[0])
+    )
+    assert entry_key(shape, other, CPU) != entry_key(shape, muon, CPU)
+
+
 def test_the_process_cache_times_again_when_a_setting_changes() -> None:
     """Catches: the in-process cache keyed without the group's settings."""
     calls: list[tuple[int, ...]] = []

@@ -60,6 +60,42 @@ def test_parameter_order_mismatch_raises_everywhere(dist: Any) -> None:
         assert "[0, 1, 3]" in msg and "[2]" in msg and "parameter list" in msg
 
 
+def _plan_mismatch() -> tuple[tuple[str, str], bool]:
+    """Rank 2 plans differently from the same agreed inputs (as a non-deterministic planner
+    would); the plan-digest check right after planning must stop every rank."""
+    from canzona.runtime import engine
+
+    params = _params(("square", "tall", "wide"))
+    before = {n: p.detach().to_local().clone() for n, p in params}
+    opt = canzona.Muon(params, lr=0.02)
+    for _, p in params:
+        p.grad = torch.ones_like(p)
+    original = engine.build_plan
+    if tdist.get_rank() == 2:
+
+        def other_plan(specs: Any, world: int, config: Any, **kw: Any) -> Any:
+            return original(specs, world, canzona.PlanConfig(strategy="replicated"), **kw)
+
+        engine.build_plan = other_plan  # type: ignore[assignment]
+    try:
+        outcome = _outcome(opt.step)
+    finally:
+        engine.build_plan = original  # type: ignore[assignment]
+    unchanged = all(torch.equal(p.detach().to_local(), before[n]) for n, p in params)
+    return outcome, unchanged
+
+
+def test_plans_that_differ_from_agreed_inputs_raise_everywhere(dist: Any) -> None:
+    """Catches: the plan digests not compared after planning (the ranks would exchange
+    fragments by different owner maps: a hang or a wrong update), or a mismatch raised on
+    the odd rank only."""
+    out = dist(4).run(_plan_mismatch, timeout=TIMEOUT)
+    for (kind, msg), unchanged in out:
+        assert kind == "PlanMismatchError", msg
+        assert "plan digests differ" in msg and "[0, 1, 3]" in msg and "[2]" in msg, msg
+        assert unchanged
+
+
 def _set_mismatch() -> tuple[str, str]:
     names = ("square", "tall") if tdist.get_rank() == 1 else ("square", "tall", "wide")
     params = _params(("square", "tall", "wide"))

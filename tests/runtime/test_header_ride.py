@@ -70,20 +70,22 @@ def _steady(
         collectives.append(stats.collectives)
     # payload bytes (even shards): the gather sends this rank's shard of every matrix owned
     # elsewhere (of every matrix, to every other rank, when every rank computes everything);
-    # the scatter sends every other rank its shard of the directions this rank owns
+    # the scatter sends every other rank its shard of the directions this rank owns; fp32
+    # parameters with the default bf16 Newton–Schulz travel cast, both ways: 2 bytes each
     plan = opt._runtime.plan
-    assert plan is not None and opt._table is not None
-    rows = dict(zip(opt._table.matrix, opt._table.rows, strict=True))
+    assert plan is not None
     world, rank = tdist.get_world_size(), tdist.get_rank()
+    bf16 = 2
     expected = 0
-    for i, (name, p) in enumerate(params):
+    for name, p in params:
+        assert p.dtype == torch.float32
         local = p.to_local().numel()
         if plan.assignment.replicated:
-            expected += local * (world - 1) * rows[i].payload_dtype.itemsize
+            expected += local * (world - 1) * bf16
         elif plan.assignment.owner[name] != rank:
-            expected += local * rows[i].payload_dtype.itemsize
+            expected += local * bf16
         else:
-            expected += local * (world - 1) * rows[i].direction_dtype.itemsize
+            expected += local * (world - 1) * bf16
     (pipeline,) = opt._runtime._pipelines.values()
     first = pipeline.schedule.micro_groups[0]
     return {
@@ -104,7 +106,8 @@ def test_steady_steps_ride_the_first_gather_and_stay_bitwise(dist: Any) -> None:
     result would differ from ``torch.optim.Muon``), for both strategies that scatter or not,
     and with one matrix per micro-group, whose first gathers travel fused; the slots not laid
     out in the payload buffer (the first gather's send buffer would be a copy), or written
-    before the payloads' cast overwrites them (the headers would decline every step)."""
+    before the payloads' cast overwrites them (the headers would decline every step), and
+    fp32 fragments sent uncast to a bf16 Newton–Schulz (twice the bytes for the same bits)."""
     fulls = full_tensors(SHAPE_OF)
     grads = grad_steps(SHAPE_OF, 5)
     want = reference_muon(fulls, grads, **KW)
