@@ -333,3 +333,38 @@ def test_assignment_validation() -> None:
     a = assign_owners([MatrixSpec("w", (2, 2))], 2)
     with pytest.raises(TypeError):
         a.owner["w"] = 1  # type: ignore[index]
+
+
+def _naive_lpt(specs: list[MatrixSpec], num_ranks: int) -> dict[str, int]:
+    """``numel`` LPT written plainly: each matrix, costliest first, to the least loaded of
+    its eligible ranks (ties to the lowest), scanning the loads afresh every time."""
+    loads = [0] * num_ranks
+    owners = {}
+    for s in sorted(specs, key=lambda s: (-s.numel, -s.nbytes, s.name)):
+        eligible = s.ranks if s.ranks is not None else range(num_ranks)
+        rank = min(eligible, key=lambda r: (loads[r], r))
+        loads[rank] += s.numel
+        owners[s.name] = rank
+    return owners
+
+
+@FAST
+@given(instances(max_ranks=6))
+def test_lpt_with_eligibility_sets_matches_a_plain_scan(inst: tuple[list[MatrixSpec], int]) -> None:
+    """Catches: the greedy's per-eligibility-set heaps trusted while stale (a rank that took
+    work through another set's heap looks as light as before), which sends a matrix to a
+    loaded rank while an eligible one sits idle."""
+    specs, p = inst
+    assert assign_owners(specs, p, strategy="numel").owner == _naive_lpt(specs, p)
+
+
+def test_lpt_refreshes_a_heap_that_another_eligibility_set_made_stale() -> None:
+    """The smallest instance: ``b`` (ranks 0-1 only) lands on rank 1 after the all-rank heap
+    was built; ``c`` must then go to idle rank 2, not to rank 1 as the stale heap says."""
+    specs = [
+        MatrixSpec("a", (10, 10)),
+        MatrixSpec("b", (9, 10), ranks=(0, 1)),
+        MatrixSpec("c", (8, 10)),
+    ]
+    a = assign_owners(specs, 4, strategy="numel")
+    assert a.owner == {"a": 0, "b": 1, "c": 2}
