@@ -133,6 +133,34 @@ def test_refine_owners_directly_respects_eligibility() -> None:
     assert refine_owners(costs, [None] * 5, [0] * 5, 2, max_iterations=0) == [0] * 5
 
 
+def test_refine_owners_never_swaps_in_a_matrix_the_heavy_rank_may_not_own() -> None:
+    # Rank 0 holds 4 + 4, rank 1 holds 2 + 2 that only rank 1 may own. Moving a 4 over gives
+    # (4, 8): no better. Swapping a 4 for a 2 would give (6, 6), but the 2 may not live on rank 0.
+    costs = [4.0, 4.0, 2.0, 2.0]
+    eligible: list[tuple[int, ...] | None] = [None, None, (1,), (1,)]
+    assert refine_owners(costs, eligible, [0, 0, 1, 1], 2) == [0, 0, 1, 1]
+    # the same swap is taken when the 2s may live anywhere
+    assert objective(costs, refine_owners(costs, [None] * 4, [0, 0, 1, 1], 2), 2) == (6.0, 2)
+
+
+@FAST
+@given(st.data())
+def test_refine_owners_keeps_eligibility_and_never_worsens(data: st.DataObject) -> None:
+    p = data.draw(st.integers(2, 4))
+    n = data.draw(st.integers(1, 12))
+    costs = data.draw(st.lists(st.integers(1, 20).map(float), min_size=n, max_size=n))
+    subsets = st.lists(st.integers(0, p - 1), min_size=1, max_size=p, unique=True)
+    eligible = data.draw(
+        st.lists(
+            st.one_of(st.none(), subsets.map(lambda r: tuple(sorted(r)))), min_size=n, max_size=n
+        )
+    )
+    start = [data.draw(st.sampled_from(e if e is not None else range(p))) for e in eligible]
+    owners = refine_owners(costs, eligible, start, p)
+    assert all(e is None or o in e for o, e in zip(owners, eligible, strict=True))
+    assert objective(costs, owners, p) <= objective(costs, start, p)
+
+
 def test_lower_bound_terms() -> None:
     assert lower_bound([], 4) == 0.0
     assert lower_bound([5.0], 4) == 5.0  # the costliest item

@@ -134,6 +134,7 @@ def test_a_line_through_two_batch_sizes() -> None:
     assert batch_line((1, 3.0), (2, 2.9)) is None  # noise: a bigger batch is cheaper
     assert batch_line((2, 3.0), (4, 7.0)) is None  # the line would start below zero
     assert batch_line((2, 3.0), (2, 3.5)) is None  # one batch size
+    assert batch_line((0, 0.0), (2, 3.0)) is None  # an empty batch is not a timing
 
 
 def test_a_call_costs_its_fixed_part_once() -> None:
@@ -233,6 +234,8 @@ def test_an_untimed_shape_is_priced_by_its_class_first() -> None:
     assert cost.seconds(*other) == pytest.approx(want, rel=1e-12)
     # one point in a class gives no slope: no fit for it
     assert class_fits([((16, 16), 1e6, 1e-3)]) == ()
+    # nor do two shapes of one work (a matrix and its transpose): two points, no slope
+    assert class_fits([((16, 32), 1e6, 1e-3), ((32, 16), 1e6, 2e-3)]) == ()
 
 
 def test_the_digest_covers_the_class_fits() -> None:

@@ -201,6 +201,16 @@ def test_replicated_oversized_matrix_forms_its_own_group() -> None:
     assert [g.names for g in groups] == [("big",), ("small", "tiny")]
 
 
+def test_replicated_groups_count_restricted_bytes_per_rank() -> None:
+    """Catches: a matrix restricted to some ranks checked against the bytes every rank holds
+    only, so two of them overfill their rank's group."""
+    specs = [MatrixSpec("a", (2, 8), ranks=(0,)), MatrixSpec("b", (2, 8), ranks=(0,))]  # 64 B
+    a = assign_owners(specs, 2, strategy="replicated")
+    groups = micro_groups(specs, a, capacity_bytes=100)
+    assert [g.names for g in groups] == [("a",), ("b",)]
+    assert [g.rank_bytes for g in groups] == [(64, 0), (64, 0)]
+
+
 def test_micro_groups_validation() -> None:
     specs = [MatrixSpec("w", (2, 2))]
     a = assign_owners(specs, 2)
@@ -340,3 +350,34 @@ def test_a_smaller_matrix_is_not_taken_where_groups_would_finish_later() -> None
         MatrixSpec("m4", (24, 24), ranks=(0,)),
     ]
     assert _cut(specs, 3072) == [{"m4", "m1"}, {"m0", "m3", "m2"}]
+
+
+def test_on_a_tie_the_grouping_with_fewer_calls_is_taken() -> None:
+    """Catches: the cost-order grouping kept where the class-kept one finishes as early with
+    fewer calls (rank 0's 32x8 hides rank 1's extra call, so the finish times tie)."""
+    specs = [
+        MatrixSpec("m0", (4, 64), ranks=(1,)),
+        MatrixSpec("m1", (8, 32), ranks=(1,)),
+        MatrixSpec("m2", (4, 64), ranks=(1,)),
+        MatrixSpec("m3", (16, 16), ranks=(1,)),
+        MatrixSpec("m4", (32, 8), ranks=(0,)),
+    ]
+    cost = _timed({(4, 64): 1e-3, (8, 32): 1e-3, (16, 16): 1e-3, (32, 8): 2e-3}, 0.5)
+    a = assign_owners(specs, 2, optimizer=cost)
+    groups = micro_groups(specs, a, capacity_bytes=2048, optimizer=cost)
+    assert [set(g.names) for g in groups] == [{"m4", "m0", "m2"}, {"m1", "m3"}]
+    assert _calls(groups, specs, a) == 4  # cost order: {m4, m0, m1}, {m2, m3}, five calls
+
+
+def test_a_class_too_big_for_any_group_does_not_wait_for_an_empty_one() -> None:
+    """Catches: a rank deferring a class whose queued run (three 1 KiB matrices) exceeds the
+    capacity (2 KiB) even in an empty group; the class then starts beside what the rank holds."""
+    specs = [MatrixSpec(name, (8, 32)) for name in ("m0", "m1", "m3")]
+    specs.append(MatrixSpec("m2", (4, 64)))
+    cost = _timed({(8, 32): 1.5e-3, (4, 64): 1.5e-3}, 0.5)
+    groups = micro_groups(
+        specs, assign_owners(specs, 1, optimizer=cost), capacity_bytes=2048, optimizer=cost
+    )
+    # deferred, the 8x32s would leave m2 alone in the first group: three groups, so the
+    # cost-order grouping {m0, m1}, {m2, m3} would be used instead
+    assert [set(g.names) for g in groups] == [{"m0", "m2"}, {"m1", "m3"}]

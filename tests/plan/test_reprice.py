@@ -84,3 +84,9 @@ def test_nothing_observed_changes_nothing() -> None:
     model = _model()
     assert reprice(model, {}).params() == model.params()
     assert reprice(model, {(16, 16): {}}).params() == model.params()
+
+
+def test_calls_timed_at_zero_or_empty_batches_are_ignored() -> None:
+    """Catches: a zero-second call (a timer's resolution) re-pricing a shape to nothing."""
+    model = _model()
+    assert reprice(model, {(16, 16): {4: 0.0}, (24, 8): {0: 1e-3}}).params() == model.params()
