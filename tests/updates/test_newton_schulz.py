@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 from torch.optim._muon import _zeropower_via_newtonschulz as torch_ns
@@ -139,6 +141,42 @@ def test_forced_batched_kernels_match_loop_above_min_side(dtype: torch.dtype) ->
     loop = newton_schulz(x, dtype=dtype, batched=False)
     assert torch.equal(forced, loop)
     assert batch_kernels_exact(4, 48, 32, dtype=dtype)
+
+
+def _skew_stacks(monkeypatch: pytest.MonkeyPatch, *, steps: int, norm_scale: float) -> None:
+    """Make the batched kernels differ from the loop by one ulp, only for schedules of
+    ``steps`` iterations and the given norm scale; clear the probe's verdicts."""
+    mod = importlib.import_module("canzona.updates.newton_schulz")  # the function shadows it
+
+    real = mod._ns_stack
+    monkeypatch.setattr(mod, "_BATCH_EXACT", {})
+
+    def skewed(
+        x: torch.Tensor,
+        schedule: tuple[tuple[float, float, float], ...],
+        eps: float,
+        dtype: torch.dtype,
+        scale: float,
+    ) -> torch.Tensor:
+        out = real(x, schedule, eps, dtype, scale)
+        if len(schedule) == steps and scale == norm_scale:
+            out = torch.nextafter(out, torch.full_like(out, float("inf")))
+        return out
+
+    monkeypatch.setattr(mod, "_ns_stack", skewed)
+
+
+def test_the_probe_judges_each_schedule_and_norm_scale(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Catches: a verdict reused for another schedule or norm scale (BLAS may special-case
+    some scalars), or a probe run with another norm scale than the one asked about."""
+    _skew_stacks(monkeypatch, steps=2, norm_scale=1.01)
+    schedule = (DEFAULT_NS_COEFFICIENTS,) * 2
+    assert batch_kernels_exact(4, 48, 32, dtype=torch.float32, schedule=schedule)
+    assert not batch_kernels_exact(
+        4, 48, 32, dtype=torch.float32, schedule=schedule, norm_scale=1.01
+    )
+    three = schedule[:1] * 3
+    assert batch_kernels_exact(4, 48, 32, dtype=torch.float32, schedule=three, norm_scale=1.01)
 
 
 @pytest.mark.parametrize("shape", [(32, 48), (48, 32), (64, 64)])

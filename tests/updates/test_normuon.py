@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -227,6 +228,36 @@ def test_forced_stacked_path_matches_the_loop_where_the_probe_says_so() -> None:
     loop = normuon_direction(o, states[1], 1, RMS, batched=False)
     assert torch.equal(forced, loop)
     assert torch.equal(states[0]["second_momentum_buffer"], states[1]["second_momentum_buffer"])
+
+
+def _skew_stacked_calls(monkeypatch: pytest.MonkeyPatch, *, state: bool, rescale: str) -> None:
+    """Make a stacked ``_normalise`` call differ from the loop by one ulp: in its state update
+    (``state``) or in its result, for the given rescale mode only."""
+    from canzona.updates import normuon as mod
+
+    real = mod._normalise
+    monkeypatch.setattr(mod, "_BATCH_EXACT", {})
+
+    def skewed(o: torch.Tensor, v: torch.Tensor, hp: NorMuonHParams) -> torch.Tensor:
+        out = real(o, v, hp)
+        if o.ndim == 3 and hp.rescale == rescale:
+            target = v if state else out
+            target.copy_(torch.nextafter(target, torch.full_like(target, math.inf)))
+        return out
+
+    monkeypatch.setattr(mod, "_normalise", skewed)
+
+
+@pytest.mark.parametrize(
+    ("state", "rescale"), [(True, "rms"), (False, "preserve_norm"), (False, "rms")]
+)
+def test_the_probe_refuses_a_stack_that_changes_a_bit(
+    monkeypatch: pytest.MonkeyPatch, state: bool, rescale: str
+) -> None:
+    """Catches: a probe that compares the results only (not the state update), or only in one
+    rescale mode."""
+    _skew_stacked_calls(monkeypatch, state=state, rescale=rescale)
+    assert not normuon_batch_exact(4, 48, 32, dtype=torch.float32)
 
 
 def test_half_precision_input_is_cast_to_the_state_dtype() -> None:
