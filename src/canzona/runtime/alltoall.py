@@ -9,6 +9,10 @@ import torch
 import torch.distributed as dist
 from torch.overrides import has_torch_function
 
+#: Whether a process group issues an all-to-all itself (torch 2.13's ``ProcessGroup`` does;
+#: where it does not, as in torch 2.11, the call goes through the c10d wrapper).
+DIRECT = hasattr(dist.ProcessGroup, "all_to_all_single")
+
 
 def all_to_all(
     out: torch.Tensor,
@@ -23,7 +27,8 @@ def all_to_all(
     ``group`` takes part, so the wrapper's checks (group membership, tensor kinds, the
     exception logger) always pass; skipping them saves about a third of the host time of
     issuing a small all-to-all on gloo. Tensors with a ``__torch_function__`` override
-    (tracing, export) take the wrapper, which redirects them.
+    (tracing, export) take the wrapper, which redirects them, and so does every call where
+    process groups have no ``all_to_all_single`` of their own (:data:`DIRECT`).
 
     Args:
         out: Receive buffer (``sum(out_splits)`` elements along dim 0).
@@ -35,7 +40,7 @@ def all_to_all(
     Returns:
         The collective's work handle.
     """
-    if has_torch_function((inp, out)):
+    if not DIRECT or has_torch_function((inp, out)):
         return dist.all_to_all_single(
             out, inp, list(out_splits), list(in_splits), group=group, async_op=True
         )
