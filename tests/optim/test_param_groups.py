@@ -266,6 +266,26 @@ def test_routers_go_to_adamw_but_gate_projections_do_not() -> None:
     assert {"router.gate.weight", "gate.weight", "conv.weight"} <= set(adamw)
 
 
+def test_embedding_bags_go_to_adamw() -> None:
+    """Catches: an nn.EmbeddingBag's 2-D table sent to the matrix algorithm."""
+    model = nn.Module()
+    model.bag = nn.EmbeddingBag(16, 8)
+    model.proj = nn.Linear(8, 8, bias=False)
+    assert _routing(canzona.param_groups(model)) == {
+        "matrix": ["proj.weight"],
+        "adamw": ["bag.weight"],
+    }
+
+
+def test_the_first_matching_split_pattern_wins() -> None:
+    """Catches: a later pattern overriding an earlier one for the same parameter."""
+    heads = canzona.Split(dim=0, size=8)
+    qkv = canzona.Split(dim=0, sizes=(8, 8, 8))
+    groups = canzona.param_groups(_Moe(), split={"qkv_proj.weight": qkv, "*_proj.weight": heads})
+    by_split = {g.get("split"): [n for n, _ in g["params"]] for g in groups[:-1]}
+    assert by_split == {qkv: ["qkv_proj.weight"], heads: ["gate_proj.weight"]}
+
+
 def test_splits_make_one_group_per_declaration() -> None:
     qkv = canzona.Split(dim=0, sizes=(8, 8, 8))
     halves = canzona.Split(dim=0, size=8)
@@ -302,6 +322,13 @@ def test_flatten_sends_convolutions_to_the_matrix_algorithm() -> None:
     assert [n for n, _ in flat[0]["params"]] == ["conv.weight"]
     assert "conv.weight" not in [n for n, _ in groups[-1]["params"]]
     canzona.Muon(groups)
+
+
+def test_flatten_leaves_a_convolution_forced_to_adamw_there() -> None:
+    """Catches: flatten=True taking a >3-D weight that a to_adamw pattern names."""
+    groups = canzona.param_groups(_Moe(), flatten=True, to_adamw=["conv.*"])
+    assert not [g for g in groups if g.get("flatten")]
+    assert "conv.weight" in [n for n, _ in groups[-1]["params"]]
 
 
 # ------------------------------------------------- split declared in a raw param group
