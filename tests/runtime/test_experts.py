@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
 import torch
-from torch.distributed.tensor.placement_types import Placement, Shard
+from torch.distributed.tensor.placement_types import Placement, Shard, _StridedShard
 
 import canzona
 
@@ -105,6 +106,30 @@ def test_expert_parallel_on_a_2d_mesh(dist: Any, placements: tuple[Placement, ..
             assert out["experts_alone"] == 0, out
         else:  # the check can fail: row-sharded experts must travel
             assert out["experts_alone"] > 0, out
+
+
+@pytest.mark.parametrize(
+    ("mesh_shape", "placements"),
+    [
+        ((2,), (_StridedShard(0, split_factor=2),)),
+        ((2, 2), (_StridedShard(0, split_factor=2), Shard(0))),
+    ],
+    ids=["strided_experts", "fsdp_over_ep"],
+)
+def test_experts_in_strided_runs_are_owned_where_they_lie(
+    dist: Any, mesh_shape: tuple[int, ...], placements: tuple[Placement, ...]
+) -> None:
+    """Experts over the leading dim in strided runs: on (2,) each rank holds experts 0-1 and
+    4-5, or 2-3 and 6-7 (two runs); on (dp_shard, ep), FSDP2 over expert parallel, each rank
+    two whole experts. Every expert is owned where it lies (0 bytes) and bitwise.
+
+    Catches: an expert's place in a local stack of several runs taken within its run."""
+    shapes = {"experts": (8, 16, 12)}
+    for out in dist(math.prod(mesh_shape)).run(
+        _experts_case, mesh_shape, {"experts": placements}, shapes
+    ):
+        assert out["sent"] == [0, 0]
+        assert out["same"] == {"experts": True}
 
 
 def test_single_device_reference_is_torch_muon_per_expert() -> None:

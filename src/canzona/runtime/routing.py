@@ -6,7 +6,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from torch.distributed.tensor.placement_types import Shard
+from torch.distributed.tensor.placement_types import Shard, _StridedShard
 
 from canzona.plan import MatrixSpec, Plan, Split
 from canzona.runtime.layout import Fragment, LayoutError, fragment_for
@@ -166,8 +166,8 @@ def item_holders(items: Sequence[Item], topology: Topology) -> dict[str, tuple[i
         if item.is_local:
             continue
         layout = topology.layouts[item.param]
-        if not any(isinstance(p, Shard) for p in layout.placements):
-            continue  # replicated: every rank holds it whole
+        if not any(isinstance(p, Shard | _StridedShard) for p in layout.placements):
+            continue  # replicated: every rank holds it whole (_StridedShard is no Shard)
         pos_of = {r: i for i, r in enumerate(item.copy)}
         found = []
         for r in item.unit:
