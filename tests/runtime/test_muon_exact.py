@@ -154,6 +154,33 @@ def test_more_ranks_than_matrices(dist: Any) -> None:
     assert sorted(o["computed"] for o in out) == [0, 0, 1, 1]
 
 
+def _hsdp_computed(dedup: bool) -> dict[str, Any]:
+    """One step on (replicate 2, shard 2): how many matrices this rank computed."""
+    shapes = {f"w{i}": (8, 8) for i in range(4)}
+    params = sharded_params(
+        full_tensors(shapes), mesh((2, 2)), {n: (Replicate(), Shard(0)) for n in shapes}
+    )
+    opt = canzona.Muon(params, lr=0.02, plan=plan("canzona", replica_dedup=dedup))
+    for _, p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    stats = opt.last_step_stats
+    assert stats is not None
+    return {"computed": stats.matrices_computed}
+
+
+@pytest.mark.parametrize("dedup", [True, False])
+def test_replica_groups_compute_their_own_copy_without_dedup(dist: Any, dedup: bool) -> None:
+    """HSDP: with ``replica_dedup`` each of the 4 matrices is computed once in the world;
+    without it once per replica group (twice), each group's ranks among themselves.
+
+    Catches: replica groups merged into one unit when ``replica_dedup=False`` (the results
+    stay bitwise either way, so only the counts tell)."""
+    out = dist(4).run(_hsdp_computed, dedup)
+    assert sum(o["computed"] for o in out) == (4 if dedup else 8)
+    assert all(o["computed"] == (1 if dedup else 2) for o in out)
+
+
 def test_single_process_matches_torch() -> None:
     shapes = dict(SHAPES)
     fulls = full_tensors(shapes)
