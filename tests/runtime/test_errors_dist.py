@@ -147,6 +147,27 @@ def test_gradient_on_some_ranks_only(dist: Any) -> None:
         assert "'tall' has a gradient on 2 of 4 ranks (missing on ranks [1, 3])" in msg
 
 
+def _many_partial_grads() -> tuple[str, str]:
+    shapes = {f"p{i}": (8, 4) for i in range(7)} | {"none": (8, 4), "all": (8, 4)}
+    params = sharded_params(full_tensors(shapes), mesh((4,)), {n: (Shard(0),) for n in shapes})
+    opt = canzona.Muon(params, lr=0.02)
+    for name, p in params:
+        if name == "all" or (name != "none" and tdist.get_rank() != 1):
+            p.grad = torch.ones_like(p)
+    return _outcome(opt.step)
+
+
+def test_the_gradient_report_names_five_and_counts_the_rest(dist: Any) -> None:
+    """Catches: a report that names a parameter without a gradient on any rank (that is no
+    mismatch), or drops the count of the partial parameters past the fifth."""
+    out = dist(4).run(_many_partial_grads, timeout=TIMEOUT)
+    assert {kind for kind, _ in out} == {"GradientMismatchError"}
+    for _, msg in out:
+        named = [f"'p{i}' has a gradient on 3 of 4 ranks (missing on ranks [1])" for i in range(5)]
+        assert all(n in msg for n in named), msg
+        assert "and 2 more." in msg and "'none'" not in msg and "'p5'" not in msg
+
+
 def _no_grads_anywhere() -> dict[str, Any]:
     params = _params(("square", "tall"))
     before = {n: full_of(p) for n, p in params}
@@ -203,13 +224,21 @@ def test_vector_in_matrix_group_rejected(dist: Any) -> None:
         assert "'norm.weight'" in msg and 'algorithm="adamw"' in msg
 
 
-def _nonfinite(cls_name: str, skip: bool, at: int = 1, strategy: str = "canzona") -> dict[str, Any]:
+def _nonfinite(
+    cls_name: str, skip: bool, at: int = 1, strategy: str = "canzona", last_rank: bool = False
+) -> dict[str, Any]:
+    """Three steps with a NaN and an inf in step ``at``'s gradients: rank 0's rows, or with
+    ``last_rank`` only rank 3's (the last rows of one matrix)."""
     cls = getattr(canzona, cls_name)
     shapes = {"square": SHAPES["square"], "odd": SHAPES["odd"]}
     fulls = full_tensors(shapes)
     grads = grad_steps(shapes, 3)
-    grads[at]["square"][3, 5] = float("nan")
-    grads[at]["odd"][0, 0] = float("inf")
+    if last_rank:
+        grads[at]["square"][-1, 5] = float("nan")
+        grads[at]["square"][-2, 0] = float("inf")
+    else:
+        grads[at]["square"][3, 5] = float("nan")
+        grads[at]["odd"][0, 0] = float("inf")
     cfg = canzona.PipelineConfig(skip_nonfinite=skip)
     local = [(n, nn.Parameter(t.clone())) for n, t in fulls.items()]
     dist_params = sharded_params(fulls, mesh((4,)), {n: (Shard(0),) for n in shapes})
@@ -276,6 +305,17 @@ def test_skip_nonfinite_skips_the_step_on_every_rank(dist: Any) -> None:
                 "skipped": [1, 1],
                 "nan": False,
             }
+
+
+def test_a_nonfinite_gradient_on_the_last_rank_alone_skips_everywhere(dist: Any) -> None:
+    """Catches: the skip decided by rank 0's flag (rank 0's gradients are finite here)."""
+    for out in dist(4).run(_nonfinite, "Muon", True, 1, "canzona", True, timeout=TIMEOUT):
+        assert out == {
+            "same": {"square": True, "odd": True},
+            "errors": ["ok", "ok"],
+            "skipped": [1, 1],
+            "nan": False,
+        }
 
 
 def _skip_step_on_rank1() -> tuple[str, str]:

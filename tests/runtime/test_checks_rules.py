@@ -1,0 +1,44 @@
+"""The pure parts of the cross-rank checks: who is named first, what a riding header says."""
+
+from __future__ import annotations
+
+from canzona.runtime.checks import (
+    RIDE_READY,
+    RIDE_WORDS,
+    digest_chunks,
+    header_values,
+    ranks_by_value,
+    ride_agrees,
+    ride_header,
+)
+
+
+def test_the_majority_is_named_first_and_ties_by_lowest_rank() -> None:
+    """Catches: an odd rank 0 named as if it were the majority (errors would blame the
+    three ranks that agree)."""
+    assert ranks_by_value(["b", "a", "a", "a"]) == [("a", [1, 2, 3]), ("b", [0])]
+    assert ranks_by_value(["y", "x", "x", "y"]) == [("y", [0, 3]), ("x", [1, 2])]
+
+
+def test_digests_travel_as_three_exact_40_bit_words() -> None:
+    words = digest_chunks("f" * 64)
+    assert words == [(1 << 40) - 1] * 3 and all(w < 2**63 for w in words)
+    assert digest_chunks("") == [0, 0, 0]
+
+
+def test_a_riding_header_goes_on_only_when_equal_and_ready() -> None:
+    header = header_values(
+        num_params=3,
+        structure="ab" * 32,
+        plan="cd" * 32,
+        hparams="ef" * 32,
+        has_grad=[True, True, False],
+        failed=False,
+        nonfinite=False,
+        needs_setup=False,
+    )
+    ready, not_ready = ride_header(header, True), ride_header(header, False)
+    assert len(ready) == RIDE_WORDS and ready[RIDE_READY] == 1 and not_ready[RIDE_READY] == 0
+    assert ride_agrees([ready, ready])
+    assert not ride_agrees([not_ready, not_ready])  # equal, but nobody prepared by the plan
+    assert not ride_agrees([ready, ride_header([4, *header[1:]], True)])
