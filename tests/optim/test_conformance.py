@@ -80,6 +80,25 @@ def test_state_dict_round_trip_before_the_first_step(name: str) -> None:
     assert_state_dicts_equal(opt2.state_dict(), opt.state_dict())
 
 
+def test_loading_a_fresh_state_forgets_what_the_steps_built(name: str) -> None:
+    """Load the state dict of an optimizer that never stepped into one that has: it then
+    steps as a fresh one does.
+
+    Catches: owner-held state (momentum, factors, eigenbases) kept past such a load, which
+    the next step would start from."""
+    grads = gradients(steps=5)
+    params, opt = make(name)
+    train(params, opt, grads[:3])
+    at_load = snapshot(params)
+    opt.load_state_dict(_transport(make(name)[1].state_dict(), "deepcopy"))
+    assert opt.state_dict()["state"] == {}
+    train(params, opt, grads[3:])
+    params2, opt2 = make(name, at_load)
+    train(params2, opt2, grads[3:])
+    assert_params_equal(params, params2)
+    assert_state_dicts_equal(opt.state_dict(), opt2.state_dict())
+
+
 def test_state_dict_keeps_named_parameters(name: str) -> None:
     grads = gradients(steps=4)
     params, opt = make(name, named=True)
