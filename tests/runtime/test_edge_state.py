@@ -47,6 +47,9 @@ def _layout(kind: str) -> tuple[dict[str, tuple[int, ...]], Any, dict[str, Any]]
         shapes = {"stack": SHAPES["stack"], "wide_stack": (5, 4, 9)}
         pl = {"stack": (Shard(0), Shard(0)), "wide_stack": (Shard(0), Shard(2))}
         return shapes, mesh((2, 2)), pl
+    if kind in ("split", "float64"):  # fused blocks across shard boundaries; float64 state
+        shapes = {"qkv": (20, 12), "square": SHAPES["square"]}
+        return shapes, mesh((4,)), {"qkv": (Shard(0),), "square": (Shard(1),)}
     if kind == "submeshes":  # one 2-D mesh and two 1-D sub-meshes with two copies each
         shapes = {"square": SHAPES["square"], "wide": SHAPES["wide"], "odd": SHAPES["odd"]}
         dm = mesh((2, 2), ("dp", "tp"))
@@ -64,9 +67,20 @@ def _resume_in_memory(
     shapes, meshes, placements = _layout(kind)
     fulls = full_tensors(shapes)
     grads = grad_steps(shapes, 5)
+    if kind == "float64":
+        fulls = {n: t.double() for n, t in fulls.items()}
+        grads = [{n: t.double() for n, t in g.items()} for g in grads]
+
+    def groups(ps: list[tuple[str, nn.Parameter]]) -> Any:
+        """With ``split``: q, k, v of 8, 4 and 8 rows, each a matrix of its own."""
+        if kind != "split":
+            return ps
+        qkv = canzona.Split(dim=0, sizes=(8, 4, 8))
+        return [{"params": ps[:1], "split": qkv}, {"params": ps[1:]}]
+
     want = {}
     params = [(n, nn.Parameter(t.clone())) for n, t in fulls.items()]
-    ref = cls(params, **OWNER_KW[name])
+    ref = cls(groups(params), **OWNER_KW[name])
     for g in grads:
         set_grads(params, g)
         ref.step()
@@ -74,13 +88,13 @@ def _resume_in_memory(
     want = {n: full_of(p) for n, p in params}
 
     params = sharded_params(fulls, meshes, placements)
-    opt = cls(params, **OWNER_KW[name], plan=canzona.PlanConfig(**save_cfg))
+    opt = cls(groups(params), **OWNER_KW[name], plan=canzona.PlanConfig(**save_cfg))
     for g in grads[:3]:
         set_grads(params, g)
         opt.step()
         opt.zero_grad(set_to_none=True)
     sd = opt.state_dict()
-    opt2 = cls(params, **OWNER_KW[name], plan=canzona.PlanConfig(**load_cfg))
+    opt2 = cls(groups(params), **OWNER_KW[name], plan=canzona.PlanConfig(**load_cfg))
     opt2.load_state_dict(sd)
     for g in grads[3:]:
         set_grads(params, g)
@@ -100,6 +114,8 @@ RESUME_CASES = [
     ("experts", {"strategy": "replicated"}, {}),
     ("experts2d", {"replica_dedup": False}, {"strategy": "numel"}),
     ("submeshes", {}, {"strategy": "count"}),
+    ("split", {}, {"strategy": "round_robin"}),
+    ("float64", {"strategy": "replicated"}, {}),
 ]
 
 
