@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as tdist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.placement_types import Partial, Shard
 
@@ -111,6 +112,65 @@ def test_parameter_set_mismatch_raises_everywhere(dist: Any) -> None:
     out = dist(4).run(_set_mismatch, timeout=TIMEOUT)
     assert {kind for kind, _ in out} == {"PlanMismatchError"}
     assert all("number of parameters (3 vs 2)" in msg for _, msg in out)
+
+
+def _dtensor(
+    full: torch.Tensor, ranks: list[int], names: tuple[str, ...], dim: int
+) -> nn.Parameter:
+    """``full`` sharded on ``dim`` over a 1-D mesh of ``ranks`` (no process group of its own:
+    every collective here is the optimizer's, on the default group)."""
+    dm = DeviceMesh("cpu", ranks, mesh_dim_names=names, _init_backend=False)
+    local = full.tensor_split(len(ranks), dim)[ranks.index(tdist.get_rank())]
+    return nn.Parameter(DTensor.from_local(local, dm, [Shard(dim)], run_check=False))
+
+
+def _layout_mismatch(kind: str) -> tuple[str, str]:
+    """Rank 2 alone differs from the others in one parameter's dtype, placement or mesh."""
+    odd = tdist.get_rank() == 2
+    fulls = full_tensors({"square": (16, 16), "tall": (24, 8)})
+    world = [0, 1, 2, 3]
+    if kind == "dtype" and odd:
+        fulls["tall"] = fulls["tall"].double()
+    dim = 1 if kind == "placement" and odd else 0
+    names = ("other",) if kind == "dim_names" and odd else ("dp",)
+    params = [
+        ("square", _dtensor(fulls["square"], world, names, dim)),
+        ("tall", _dtensor(fulls["tall"], world, ("dp",), 0)),
+    ]
+    if kind == "same_names":  # a second mesh of the same shape and names, other rank order
+        params[1] = ("tall", _dtensor(fulls["tall"], world[::-1], ("dp",), 0))
+    if kind == "overlap":  # copies of one (2,) mesh: [0, 1], [2, 3] and, on rank 3, [3, 1]
+        rank = tdist.get_rank()
+        ranks = {0: [0, 1], 1: [0, 1], 2: [2, 3], 3: [3, 1]}[rank]
+        params = [("pair", _dtensor(fulls["square"], ranks, ("pair",), 0))]
+    opt = canzona.Muon(params, lr=0.02)
+    for _, p in params:
+        p.grad = torch.ones_like(p)
+    return _outcome(opt.step)
+
+
+@pytest.mark.parametrize(
+    ("kind", "error", "detail"),
+    [
+        ("dtype", "PlanMismatchError", "torch.float64"),
+        ("placement", "PlanMismatchError", "Shard(dim=1)"),
+        ("dim_names", "PlanMismatchError", "('other',)"),
+        ("same_names", "ValueError", "give distinct meshes distinct mesh_dim_names"),
+        ("overlap", "PlanMismatchError", "overlap across ranks"),
+    ],
+)
+def test_layouts_that_differ_across_ranks_raise_everywhere(
+    dist: Any, kind: str, error: str, detail: str
+) -> None:
+    """Catches: a parameter's dtype, placements or mesh names left out of what the ranks
+    compare (they would exchange fragments of different sizes or layouts), two meshes of one
+    shape and names taken for one, and copies of a mesh that share a rank."""
+    out = dist(4).run(_layout_mismatch, kind, timeout=TIMEOUT)
+    for kind_seen, msg in out:
+        assert kind_seen == error, msg
+        assert detail in msg, msg
+        if error == "PlanMismatchError" and kind != "overlap":
+            assert "ranks [0, 1, 3] and ranks [2]" in msg and "first difference" in msg, msg
 
 
 def _hyper_mismatch() -> tuple[str, str]:

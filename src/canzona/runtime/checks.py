@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Hashable, Sequence
+import itertools
+from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING
 
 import torch.distributed as dist
@@ -29,6 +30,14 @@ def ranks_by_value(values: Sequence[Hashable]) -> list[tuple[Hashable, list[int]
     for rank, value in enumerate(values):
         groups.setdefault(value, []).append(rank)
     return sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[1]))
+
+
+def first_difference(lists: Sequence[Sequence[str]], a: int, b: int) -> str:
+    """The first entry where rank ``a``'s and rank ``b``'s descriptions differ, both shown."""
+    for i, (x, y) in enumerate(itertools.zip_longest(lists[a], lists[b])):
+        if x != y:
+            return f"entry {i}: rank {a} has {x}, rank {b} has {y}"
+    return "no difference found in the parameter layouts (configuration differs)"
 
 
 def digest_chunks(hexdigest: str) -> list[int]:
@@ -98,6 +107,7 @@ def check_header(
     has_grad: Sequence[bool] = (),
     nonfinite: bool = False,
     failed: bool = False,
+    describe: Callable[[], Sequence[str]] | None = None,
 ) -> tuple[bool, bool, bool]:
     """Gather one small fixed-size header from every rank and compare.
 
@@ -105,6 +115,10 @@ def check_header(
     the hyper-parameters and the gradient-presence bitmap, plus three flags (something
     already failed on this rank, non-finite gradient, re-plan needed). It is the only
     collective of a step's checks when everything agrees.
+
+    ``describe`` gives this rank's configuration and parameter layouts as strings (what the
+    structure digest covers): when the parameter lists differ, one more all-gather of them
+    names the first difference.
 
     Returns:
         (any rank needs to (re)build its plan, any rank saw a non-finite gradient, any
@@ -139,19 +153,25 @@ def check_header(
         plan_slice = slice(1 + _CHUNKS, 1 + 2 * _CHUNKS)
         compared = [r[: plan_slice.start] + r[plan_slice.stop :] for r in compared]
     if len(set(compared)) != 1:
-        _raise_mismatch(rows, setup)
+        _raise_mismatch(rows, setup, describe, watchdog)
     if len({tuple(r[len(values) : len(values) + _CHUNKS]) for r in gathered}) != 1:
         _raise_partial_gradients(names, has_grad, watchdog=watchdog)
     return setup, flagged, False
 
 
-def _raise_mismatch(rows: list[tuple[int, ...]], replanning: bool) -> None:
+def _raise_mismatch(
+    rows: list[tuple[int, ...]],
+    replanning: bool,
+    describe: Callable[[], Sequence[str]] | None,
+    watchdog: Watchdog,
+) -> None:
     parts = ranks_by_value([row[:-1] for row in rows])
     (a, ranks_a), (b, ranks_b) = parts[0], parts[1]
     assert isinstance(a, tuple) and isinstance(b, tuple)
+    layouts = slice(1, 1 + _CHUNKS)
     spans = {
         "the number of parameters": slice(0, 1),
-        "the parameter list (names, order, shapes, dtypes or layouts)": slice(1, 1 + _CHUNKS),
+        "the parameter list (names, order, shapes, dtypes or layouts)": layouts,
         "the plan digest": slice(1 + _CHUNKS, 1 + 2 * _CHUNKS),
         "the param groups' hyper-parameters": slice(1 + 2 * _CHUNKS, 1 + 3 * _CHUNKS),
     }
@@ -160,9 +180,16 @@ def _raise_mismatch(rows: list[tuple[int, ...]], replanning: bool) -> None:
     ]
     if a[0] != b[0]:
         what[0] += f" ({a[0]} vs {b[0]})"
+    detail = ""
+    if describe is not None and a[layouts] != b[layouts]:
+        # every rank saw the same rows, so every rank gathers here (an error path only)
+        full: list[list[str] | None] = [None] * watchdog.world
+        dist.all_gather_object(full, list(describe()), group=watchdog.process_group)
+        lists = [f or [] for f in full]
+        detail = f" (first difference: {first_difference(lists, ranks_a[0], ranks_b[0])})"
     raise PlanMismatchError(
-        f"ranks {ranks_a} and ranks {ranks_b} disagree on {' and '.join(what)}; every "
-        "rank must call step() with the same parameters, param groups and configuration"
+        f"ranks {ranks_a} and ranks {ranks_b} disagree on {' and '.join(what)}{detail}; "
+        "every rank must call step() with the same parameters, param groups and configuration"
     )
 
 

@@ -418,6 +418,7 @@ class MatrixRuntime:
                 has_grad=has_grad,
                 nonfinite=nonfinite,
                 failed=failed,
+                describe=lambda: [self._config_now, *(lo.structure() for lo in layouts)],
             )
             if failed:
                 return None, flagged, True

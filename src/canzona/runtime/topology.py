@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -12,7 +11,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement, Replicate
 
-from canzona.runtime.checks import ranks_by_value
+from canzona.runtime.checks import first_difference, ranks_by_value
 from canzona.runtime.config import PlanMismatchError
 from canzona.runtime.layout import check_placements
 
@@ -130,13 +129,6 @@ class Topology:
         return self.copies[layout.mesh_key]
 
 
-def _first_difference(lists: Sequence[Sequence[str]], a: int, b: int) -> str:
-    for i, (x, y) in enumerate(itertools.zip_longest(lists[a], lists[b])):
-        if x != y:
-            return f"entry {i}: rank {a} has {x}, rank {b} has {y}"
-    return "no difference found in the parameter layouts (configuration differs)"
-
-
 def agree(
     layouts: Sequence[ParamLayout],
     *,
@@ -176,7 +168,7 @@ def agree(
             full, [extra, *(lo.structure() for lo in layouts)], group=process_group
         )
         lists = [f or [] for f in full]
-        detail = _first_difference(lists, parts[0][0], parts[1][0])
+        detail = first_difference(lists, parts[0][0], parts[1][0])
         raise PlanMismatchError(
             "ranks disagree on the optimizer's parameters or configuration: "
             + " vs ".join(f"ranks {p}" for p in parts)
