@@ -14,6 +14,7 @@ from hypothesis import given, settings
 import canzona
 from canzona.plan import (
     MIB,
+    GroupedCost,
     MatrixSpec,
     Plan,
     PlanConfig,
@@ -101,6 +102,33 @@ def test_digest_changes_with_owner_shape_group_and_config() -> None:
     assert build_plan(specs, 4, plan.config, optimizer=cost_model("muon", ns_steps=3)).digest() != (
         plan.digest()
     )
+
+
+def test_digest_covers_every_spec_field_and_config_entry_even_with_the_same_owners() -> None:
+    """Catches: a spec field or config entry left out of the digest. Each variant keeps the
+    owners and groups of the base plan, so only the field itself can tell the digests apart
+    (ranks planning with different payload sizes, cost keys, eligibility or pinning would
+    exchange mismatched buffers)."""
+    grouped = GroupedCost({"a": cost_model("muon"), "b": cost_model("muon")})
+    base_spec = MatrixSpec("w", (8, 8), 4, (0, 1), "a", (0,), False)
+    variants = [
+        MatrixSpec("w", (8, 8), 2, (0, 1), "a", (0,), False),  # itemsize
+        MatrixSpec("w", (8, 8), 4, None, "a", (0,), False),  # eligible ranks
+        MatrixSpec("w", (8, 8), 4, (0, 1), "b", (0,), False),  # cost key
+        MatrixSpec("w", (8, 8), 4, (0, 1), "a", (0,), True),  # pinned
+        MatrixSpec("w", (8, 8), 4, (0, 1), "a", None, False),  # holders
+    ]
+    base = build_plan([base_spec], 2, PlanConfig(), optimizer=grouped)
+    digests = {base.digest()}
+    for spec in variants:
+        plan = build_plan([spec], 2, PlanConfig(), optimizer=grouped)
+        assert plan.assignment.owner == base.assignment.owner
+        digests.add(plan.digest())
+    for change in ({"replica_dedup": False}, {"cost": "flops"}, {"refine": False}):
+        plan = build_plan([base_spec], 2, PlanConfig(**change), optimizer=grouped)
+        assert plan.assignment.owner == base.assignment.owner
+        digests.add(plan.digest())
+    assert len(digests) == 1 + len(variants) + 3
 
 
 @settings(max_examples=40, deadline=None)
