@@ -84,6 +84,65 @@ def test_an_early_failure_is_not_reported_as_the_deadline() -> None:
     assert error in message and "did not complete within" not in message
 
 
+class _Store:
+    """A key-value store like the default one; ``set`` fails once it has gone away."""
+
+    def __init__(self, entries: dict[str, str], gone: bool = False) -> None:
+        self.entries, self.gone = entries, gone
+
+    def set(self, key: str, value: str) -> None:
+        if self.gone:
+            raise RuntimeError("Connection reset by peer")
+        self.entries[key] = value
+
+    def check(self, keys: list[str]) -> bool:
+        return all(k in self.entries for k in keys)
+
+    def get(self, key: str) -> bytes:
+        return self.entries[key].encode()
+
+
+def _marking(monkeypatch: pytest.MonkeyPatch, store: _Store, rank: int, world: int) -> Watchdog:
+    from canzona.runtime import watchdog as module
+
+    monkeypatch.setattr(module, "default_store", lambda: store)
+    watchdog = Watchdog(object(), rank, world, 5.0, tag="t")  # type: ignore[arg-type]
+    assert watchdog.markers
+    return watchdog
+
+
+def test_ranks_behind_in_the_same_step_or_in_none_are_named(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Catches: ranks compared by step alone (a rank stuck at an earlier collective of the
+    same step would not be named)."""
+    store = _Store(
+        {
+            "canzona/progress/t/1": "7|1|the gather of micro-group 0",
+            "canzona/progress/t/2": "7|3|the scatter of micro-group 1",
+            "canzona/progress/t/3": "6|9|the step's success vote",
+        }
+    )
+    watchdog = _marking(monkeypatch, store, 2, 5)
+    watchdog.step = 7
+    watchdog.mark(3, "the scatter of micro-group 1")
+    assert watchdog.behind() == [
+        (0, "not waiting in any collective"),
+        (1, "step 7: the gather of micro-group 0"),
+        (3, "step 6: the step's success vote"),
+        (4, "not waiting in any collective"),
+    ]
+
+
+def test_a_store_that_went_away_turns_the_markers_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Catches: a slow wait that raises because the store it publishes to is gone (the step
+    would fail where the collective itself succeeds)."""
+    watchdog = _marking(monkeypatch, _Store({}, gone=True), 0, 2)
+    watchdog.mark(0, "the step's cross-rank check")
+    watchdog._publish()
+    assert not watchdog.markers and watchdog.behind() == []
+
+
 def _peer_leaves() -> tuple[str, str]:
     group = tdist.new_group(backend="gloo", timeout=timedelta(seconds=20))
     if tdist.get_rank() == 1:  # closes its connections of ``group``
