@@ -130,6 +130,35 @@ def test_model_from_json_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert cli.main(["plan", "--model", str(wrapped), "--world", "3"]) == 0
 
 
+def test_model_files_carry_payload_sizes_and_eligible_ranks(tmp_path: Path) -> None:
+    """Catches: a file's ``itemsize`` or ``ranks`` dropped (bf16 payloads planned as fp32,
+    matrices planned on ranks that may not own them)."""
+    path = tmp_path / "m.json"
+    entries = [
+        {"name": "a", "shape": [8, 8]},
+        {"name": "b", "shape": [2, 8, 8], "itemsize": 2, "ranks": [0, 2]},
+    ]
+    path.write_text(json.dumps(entries))
+    a, b = cli.load_specs(path)
+    assert (a.itemsize, a.ranks) == (4, None)
+    assert (b.shape, b.itemsize, b.ranks) == ((2, 8, 8), 2, (0, 2))
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--alpha", "1.5", "--alpha must be in [0, 1], got 1.5"),
+        ("--capacity-mb", "0", "--capacity-mb must be positive, got 0.0"),
+        ("--capacity-mb", "inf", "--capacity-mb must be positive, got inf"),
+    ],
+)
+def test_bad_numbers_are_named_with_their_flag(
+    flag: str, value: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["plan", "--model", "qwen3-8b", "--world", "8", flag, value]) != 0
+    assert capsys.readouterr().err.strip() == f"canzona plan: error: {message}"
+
+
 @pytest.mark.parametrize(
     "args",
     [
