@@ -90,6 +90,38 @@ def test_hand_written_groups_keep_their_patterns() -> None:
         routed.build(model_parts=[_Plain()])
 
 
+@requires_torchtitan
+def test_shape_routed_parameters_go_to_their_own_optimizers_adamw_group() -> None:
+    """Catches: a parameter that Muon's groups route to AdamW sent to the AdamW group of
+    another optimizer of the job (here Shampoo's, listed first)."""
+    from torchtitan.components.optimizer import ParamGroupConfig
+
+    from canzona.integrations.torchtitan import CanzonaOptimizersContainer
+
+    adamw = {"algorithm": "adamw"}
+    groups = [
+        ParamGroupConfig(
+            pattern=r"^body\.0\.", optimizer_name="canzona.Shampoo", optimizer_kwargs={}
+        ),
+        ParamGroupConfig(pattern=r"^$", optimizer_name="canzona.Shampoo", optimizer_kwargs=adamw),
+        ParamGroupConfig(pattern=".*", optimizer_name="canzona.Muon", optimizer_kwargs={}),
+        ParamGroupConfig(pattern=r"^$", optimizer_name="canzona.Muon", optimizer_kwargs=adamw),
+    ]
+    config = CanzonaOptimizersContainer.Config(param_groups=groups, route_by_shape=True)
+    opt = config.build(model_parts=[_Plain()])
+    routed = {
+        type(inner).__name__: {g["algorithm"]: g["param_names"] for g in inner.param_groups}
+        for inner in opt.optimizers
+    }
+    assert routed == {
+        "Shampoo": {"shampoo": ["body.0.weight"]},
+        "Muon": {
+            "muon": ["body.2.weight"],
+            "adamw": ["emb.weight", "body.1.weight", "body.1.bias", "body.2.bias", "output.weight"],
+        },
+    }
+
+
 def _doc_block(marker: str) -> str:
     text = (Path(__file__).resolve().parents[2] / "docs" / "torchtitan.md").read_text()
     blocks = [b for b in re.findall(r"```python\n(.*?)```", text, re.DOTALL) if marker in b]
