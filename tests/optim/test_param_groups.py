@@ -316,6 +316,36 @@ def test_bad_split_declarations_name_the_culprit() -> None:
         canzona.Split(dim=2, size=4)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"dim": True, "size": 4}, r"Split\.dim must be 0 \(rows\) or 1 \(columns\), got True"),
+        ({"dim": 0, "sizes": (4.0, 4)}, r"Split\.sizes must be positive integers, got \(4\.0, 4\)"),
+        ({"dim": 0, "sizes": (4, False)}, r"Split\.sizes must be positive integers"),
+        ({"dim": 0, "size": 2.5}, r"Split\.size must be a positive integer, got 2\.5"),
+        ({"dim": 1, "size": True}, r"Split\.size must be a positive integer, got True"),
+    ],
+)
+def test_split_refuses_what_is_not_a_plain_integer(kwargs: dict[str, Any], match: str) -> None:
+    """Catches: bools and floats taken as sizes or dims (``True`` would split by 1, a float
+    size would make fractional blocks)."""
+    with pytest.raises(ValueError, match=match):
+        canzona.Split(**kwargs)
+
+
+def test_split_descriptions_tell_every_declaration_apart() -> None:
+    """Catches: a description (what ranks compare) that leaves out the block size: ranks
+    declaring heads of 8 and of 4 would plan different blocks unnoticed."""
+    splits = [
+        canzona.Split(dim=0, size=8),
+        canzona.Split(dim=0, size=4),
+        canzona.Split(dim=1, size=8),
+        canzona.Split(dim=0, sizes=(8, 8)),
+        canzona.Split(dim=0, sizes=(4, 12)),
+    ]
+    assert len({s.describe() for s in splits}) == len(splits)
+
+
 def test_flatten_sends_convolutions_to_the_matrix_algorithm() -> None:
     groups = canzona.param_groups(_Moe(), flatten=True)
     flat = [g for g in groups if g.get("flatten")]
