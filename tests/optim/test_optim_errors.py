@@ -432,7 +432,12 @@ def test_a_group_keeps_its_algorithm_once_it_has_state(name: str, switch: str) -
     "kwargs, match",
     [
         ({"timeout_s": 0.0}, "timeout_s must be > 0, got 0.0"),
+        ({"timeout_s": float("nan")}, "timeout_s must be > 0, got nan"),
         ({"depth": 0}, "depth must be an int >= 1, got 0"),
+        ({"depth": 1.5}, "depth must be an int >= 1, got 1.5"),
+        ({"fuse_bytes": -1}, "fuse_bytes must be an int >= 0, got -1"),
+        ({"fuse_bytes": True}, "fuse_bytes must be an int >= 0, got True"),
+        ({"reprice_steps": True}, "reprice_steps must be an int >= 0, got True"),
         ({"overlap": 1}, "overlap must be a bool, got 1"),
         ({"atomic": None}, "atomic must be a bool, got None"),
         ({"keep_buffers": "yes"}, "keep_buffers must be a bool or None, got 'yes'"),
