@@ -174,11 +174,23 @@ def test_plan_config_validation() -> None:
     )
     assert cfg.capacity_bytes == 512 * MIB
     assert PlanConfig(alpha=0).alpha == 0.0
+    # integers are stored as floats: ranks passing alpha=1 and alpha=1.0 plan the same digest
+    assert (
+        type(PlanConfig(alpha=1).alpha) is float
+        and type(PlanConfig(capacity_mb=2).capacity_mb) is float
+    )
+    specs = [MatrixSpec("w", (8, 8))]
+    one = build_plan(specs, 2, PlanConfig(alpha=1, capacity_mb=2))
+    assert one.digest() == build_plan(specs, 2, PlanConfig(alpha=1.0, capacity_mb=2.0)).digest()
+    # a capacity below one byte still admits one byte (a matrix per owner per group)
+    assert PlanConfig(capacity_mb=1e-9).capacity_bytes == 1
+    assert len(build_plan(specs, 2, PlanConfig(capacity_mb=1e-9)).micro_groups) == 1
     for kwargs, match in [
         ({"strategy": "lpt"}, "strategy"),
         ({"alpha": 2.0}, "alpha"),
         ({"alpha": True}, "alpha"),
         ({"capacity_mb": 0}, "capacity_mb"),
+        ({"capacity_mb": True}, "capacity_mb must be a positive finite number, got True"),
         ({"capacity_mb": float("inf")}, "capacity_mb"),
         ({"refine": 1}, "refine"),
         ({"replica_dedup": "yes"}, "replica_dedup"),
