@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# One short GPU check (<= 8 minutes): Newton–Schulz throughput vs the bf16 matmul peak,
-# single-GPU step latency of canzona.Muon vs torch.optim.Muon, the host cost per matrix; then
-# the GPU tests. Needs one CUDA device and a CUDA build of torch in the current environment.
+# One short GPU check (<= 10 minutes): Newton–Schulz throughput vs the bf16 matmul peak,
+# single-GPU step latency of canzona.Muon vs torch.optim.Muon, the host cost per matrix; cost
+# tables of Qwen3 models timed on the GPU (for benchmarks/device_plans.py); then the GPU
+# tests. Needs one CUDA device and a CUDA build of torch in the current environment.
 # Runs from the source tree (no install: a GPU image may have no network); PYTHON picks the
 # interpreter (default python3).
 set -euo pipefail
@@ -9,6 +10,14 @@ cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 timeout 300 "$PYTHON" benchmarks/gpu_check.py "$@"
+# canzona calibrate on this device, one table per model and split (CANZONA_TABLES: where).
+TABLES="${CANZONA_TABLES:-benchmarks/results/device_costs}"
+mkdir -p "$TABLES"
+for case in qwen3-32b:heads qwen3-32b:qkv qwen3-30b-a3b:qkv; do
+    model="${case%%:*}" split="${case##*:}"
+    timeout 120 "$PYTHON" -m canzona.cli calibrate --model "$model" --split "$split" \
+        --device cuda --budget 30 --out "$TABLES/${model}__${split}.json"
+done
 # The GPU tests: canzona.Muon on CUDA against torch, state on the device, the host syncs of a
 # step (one device and two ranks sharing it), CUDA-event calibration, the NCCL path.
 if "$PYTHON" -c "import pytest" 2>/dev/null; then
