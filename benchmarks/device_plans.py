@@ -1,8 +1,9 @@
 """Plans priced on a device: every strategy's owners in the seconds a GPU calibration measured.
 
-``benchmarks/gpu_check.sh`` runs ``canzona calibrate --device cuda`` on Qwen3 models (one
-table per model and split, under ``benchmarks/results/device_costs/``). This script plans
-each model for several world sizes with every strategy, ``canzona`` twice: on the measured
+``benchmarks/gpu_check.sh`` runs ``canzona calibrate --device cuda --world W`` on Qwen3
+models (one table per model, split and world size, each shape timed on the stack an owner
+of a W-rank plan forms, under ``benchmarks/results/device_costs/``). This script plans each
+model for each of those world sizes with every strategy, ``canzona`` twice: on the measured
 table (what the runtime plans with, ``PlanConfig(cost="measured")``) and on the closed-form
 FLOPs (``cost="flops"``), and prices every plan's owner math in the table's seconds, batch
 by batch as the runtime stacks it (``predict_seconds``: per micro-group, rank and shape, one
@@ -30,7 +31,6 @@ from canzona.plan.models import model_specs
 from _report import DOC, RESULTS, markdown_table, update_section, write_json
 
 TABLES = RESULTS / "device_costs"
-WORLDS = (8, 64, 256)
 #: (row label, owner strategy, planned on the measured table?)
 STRATEGIES = (
     ("canzona (measured)", "canzona", True),
@@ -41,12 +41,14 @@ STRATEGIES = (
 )
 
 
-def table_case(path: Path) -> tuple[str, str]:
-    """``(model, split)`` of a table file named ``<model>__<split>.json``."""
-    model, sep, split = path.stem.partition("__")
-    if not sep or not model or not split:
-        raise ValueError(f"a device cost table is named <model>__<split>.json, got {path.name!r}")
-    return model, split
+def table_case(path: Path) -> tuple[str, str, int]:
+    """``(model, split, world)`` of a table file named ``<model>__<split>__w<world>.json``."""
+    parts = path.stem.split("__")
+    if len(parts) != 3 or not all(parts) or not parts[2][1:].isdigit() or parts[2][0] != "w":
+        raise ValueError(
+            f"a device cost table is named <model>__<split>__w<world>.json, got {path.name!r}"
+        )
+    return parts[0], parts[1], int(parts[2][1:])
 
 
 def price(
@@ -89,26 +91,19 @@ def per_flop(table: MeasuredCost) -> list[dict[str, Any]]:
     return rows
 
 
-def run_case(path: Path) -> dict[str, Any]:
-    model, split = table_case(path)
-    table = load_cost_table(path)
-    meta = json.loads(path.read_text())["meta"]
+def run_case(model: str, split: str, paths: dict[int, Path]) -> dict[str, Any]:
+    """Every strategy at each world size, priced with the table timed for that world."""
     specs = model_specs(model, split=split)
     worlds = []
-    for world in WORLDS:
+    for world, path in sorted(paths.items()):
+        table = load_cost_table(path)
         rows = {label: price(specs, world, table, s, m) for label, s, m in STRATEGIES}
         best = rows["canzona (measured)"]["makespan_s"]
         for row in rows.values():
             row["vs_measured"] = row["makespan_s"] / best
-        worlds.append({"world": world, "strategies": rows})
-    return {
-        "model": model,
-        "split": split,
-        "matrices": len(specs),
-        "meta": meta,
-        "shapes": per_flop(table),
-        "worlds": worlds,
-    }
+        meta = json.loads(path.read_text())["meta"]
+        worlds.append({"world": world, "meta": meta, "shapes": per_flop(table), "strategies": rows})
+    return {"model": model, "split": split, "matrices": len(specs), "worlds": worlds}
 
 
 def render(payload: dict[str, Any]) -> str:
@@ -116,9 +111,10 @@ def render(payload: dict[str, Any]) -> str:
         "## Plans priced on a GPU",
         "",
         f"`python benchmarks/device_plans.py` (commit `{payload['commit']}`), from the tables "
-        "`bash benchmarks/gpu_check.sh` wrote with `canzona calibrate --device cuda` "
-        "(`benchmarks/results/device_costs/`). Every strategy plans the model for each world "
-        "size; `canzona` twice, on the measured table (the runtime's default) and on "
+        "`bash benchmarks/gpu_check.sh` wrote with `canzona calibrate --device cuda --world W` "
+        "(`benchmarks/results/device_costs/`: per world size, each shape timed on the stack "
+        "an owner forms). Every strategy plans the model for each world size; `canzona` "
+        "twice, on the measured table (the runtime's default) and on "
         "closed-form FLOPs. Each plan's owner math is priced in the table's seconds as the "
         "runtime stacks it (per micro-group, rank and shape one call: `predict_seconds`). "
         "*Busiest rank* is the largest per-rank sum; *makespan / LB (s)* divides it by the "
@@ -127,19 +123,27 @@ def render(payload: dict[str, Any]) -> str:
         "closed-form FLOPs, what a FLOP planner sees.",
     ]
     for case in payload["cases"]:
-        meta = case["meta"]
+        meta = case["worlds"][0]["meta"]
         lines += [
             "",
             f"### {case['model']}, split {case['split']} ({case['matrices']} matrices; "
             f"{meta['device']}, torch {meta['torch']}, {meta['ns_dtype']} Newton–Schulz)",
             "",
+            "Seconds per FLOP of each timed shape (per matrix, in the stacks each world's "
+            "owners form), relative to the cheapest:",
+            "",
         ]
-        shapes = sorted(case["shapes"], key=lambda r: r["relative"])
-        lines.append(
-            "Seconds per FLOP of each timed shape, relative to the cheapest: "
-            + ", ".join(f"{r['shape'][0]}×{r['shape'][1]} {r['relative']:.2f}" for r in shapes)
-            + "."
-        )
+        for w in case["worlds"]:
+            shapes = sorted(w["shapes"], key=lambda r: r["relative"])
+            stacks = {tuple(x[:2]): x[2] for x in w["meta"].get("stacks", [])}
+            lines.append(
+                f"- world {w['world']}: "
+                + ", ".join(
+                    f"{r['shape'][0]}×{r['shape'][1]} (stack {stacks.get(tuple(r['shape']), 1)}) "
+                    f"{r['relative']:.2f}"
+                    for r in shapes
+                )
+            )
         lines.append("")
         rows = []
         for w in case["worlds"]:
@@ -179,16 +183,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     paths = sorted(args.tables.glob("*__*.json"))
     if not paths:
-        raise SystemExit(f"no cost tables (<model>__<split>.json) under {args.tables}")
+        raise SystemExit(f"no cost tables (<model>__<split>__w<world>.json) under {args.tables}")
+    grouped: dict[tuple[str, str], dict[int, Path]] = {}
+    for path in paths:
+        model, split, world = table_case(path)
+        grouped.setdefault((model, split), {})[world] = path
     start = time.perf_counter()
-    cases = [run_case(p) for p in paths]
+    cases = [run_case(model, split, worlds) for (model, split), worlds in sorted(grouped.items())]
     for case in cases:
         for w in case["worlds"]:
             flops = w["strategies"]["canzona (FLOPs)"]["vs_measured"]
             print(f"{case['model']} {case['split']} world {w['world']}: FLOP plan {flops:.3f}")
     payload: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d"),
-        "worlds": list(WORLDS),
         "cases": cases,
         "bench_seconds": time.perf_counter() - start,
     }

@@ -10,13 +10,16 @@ cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 timeout 300 "$PYTHON" benchmarks/gpu_check.py "$@"
-# canzona calibrate on this device, one table per model and split (CANZONA_TABLES: where).
+# canzona calibrate on this device, one table per model, split and world size, each shape
+# timed on the stack an owner of that world's plan forms (CANZONA_TABLES: where).
 TABLES="${CANZONA_TABLES:-benchmarks/results/device_costs}"
 mkdir -p "$TABLES"
 for case in qwen3-32b:heads qwen3-32b:qkv qwen3-30b-a3b:qkv; do
     model="${case%%:*}" split="${case##*:}"
-    timeout 120 "$PYTHON" -m canzona.cli calibrate --model "$model" --split "$split" \
-        --device cuda --budget 30 --out "$TABLES/${model}__${split}.json"
+    for world in 8 64 256; do
+        timeout 120 "$PYTHON" -m canzona.cli calibrate --model "$model" --split "$split" \
+            --world "$world" --device cuda --budget 20 --out "$TABLES/${model}__${split}__w${world}.json"
+    done
 done
 # The GPU tests: canzona.Muon on CUDA against torch, state on the device, the host syncs of a
 # step (one device and two ranks sharing it), CUDA-event calibration, the NCCL path.

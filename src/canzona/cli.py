@@ -192,6 +192,12 @@ def _parser() -> argparse.ArgumentParser:
         "--budget", type=float, default=60.0, help="seconds of timing; the rest is predicted"
     )
     cal.add_argument(
+        "--world",
+        type=int,
+        help="ranks the plan is for: each shape timed on the stack an owner forms (its count / "
+        "world matrices, at most 8), as the runtime calibrates; default: one matrix per call",
+    )
+    cal.add_argument(
         "--cache",
         type=Path,
         metavar="DIR",
@@ -293,6 +299,8 @@ def _plan(args: argparse.Namespace) -> int:
 def _calibrate(args: argparse.Namespace) -> int:
     if not args.budget > 0:
         raise CliError(f"--budget must be positive, got {args.budget}")
+    if args.world is not None and args.world < 1:
+        raise CliError(f"--world must be >= 1, got {args.world}")
     _, specs = _resolve_model(args.model, args.split, None)
     from canzona.optim.calibration import calibrate_model  # torch: only for this command
 
@@ -305,6 +313,7 @@ def _calibrate(args: argparse.Namespace) -> int:
             ns_dtype=args.ns_dtype,
             budget_s=args.budget,
             cache=args.cache,
+            world=args.world,
         )
     except (ValueError, RuntimeError) as exc:
         raise CliError(str(exc)) from None

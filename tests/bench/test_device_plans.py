@@ -19,7 +19,7 @@ if str(BENCH) not in sys.path:
 import device_plans  # noqa: E402
 
 
-def _table(path: Path, slow: float) -> None:
+def _table(path: Path, slow: float, stacks: list[list[int]] | None = None) -> None:
     """Qwen3-0.6B's per-head shapes ``slow`` times dearer per FLOP than its MLP shapes."""
     base = MuonCost()
     shapes = sorted({(s.m, s.n) for s in model_specs("qwen3-0.6b", split="heads")})
@@ -29,13 +29,15 @@ def _table(path: Path, slow: float) -> None:
         factor = slow if min(m, n) <= 128 else 1.0
         table.append(((m, n), factor * rate * base.flops(MatrixSpec("x", (m, n)))))
     cost = MeasuredCost(base=base, table=tuple(table))
-    save_cost_table(path, cost, {"device": "test", "torch": "x", "ns_dtype": "bfloat16"})
+    meta = {"device": "test", "torch": "x", "ns_dtype": "bfloat16", "stacks": stacks or []}
+    save_cost_table(path, cost, meta)
 
 
 def test_device_plans_price_every_plan_in_the_table_seconds(tmp_path: Path) -> None:
     tables = tmp_path / "tables"
     tables.mkdir()
-    _table(tables / "qwen3-0.6b__heads.json", slow=4.0)
+    _table(tables / "qwen3-0.6b__heads__w8.json", slow=4.0, stacks=[[128, 1024, 8]])
+    _table(tables / "qwen3-0.6b__heads__w64.json", slow=1.0)
     doc = tmp_path / "doc.md"
     assert (
         device_plans.main(["--tables", str(tables), "--out", str(tmp_path), "--doc", str(doc)]) == 0
@@ -43,21 +45,26 @@ def test_device_plans_price_every_plan_in_the_table_seconds(tmp_path: Path) -> N
     payload = json.loads((tmp_path / "device_plans.json").read_text())
     (case,) = payload["cases"]
     assert (case["model"], case["split"], case["matrices"]) == ("qwen3-0.6b", "heads", 1428)
-    rel = {tuple(r["shape"]): r["relative"] for r in case["shapes"]}
+    eight, sixty_four = case["worlds"]  # each world planned with its own table
+    assert (eight["world"], sixty_four["world"]) == (8, 64)
+    rel = {tuple(r["shape"]): r["relative"] for r in eight["shapes"]}
     assert rel[(128, 1024)] == pytest.approx(4.0) and rel[(3072, 1024)] == pytest.approx(1.0)
-    eight = case["worlds"][0]
-    assert eight["world"] == 8
+    assert [r["relative"] for r in sixty_four["shapes"]] == pytest.approx([1.0] * 4)
     rows = eight["strategies"]
     assert rows["canzona (measured)"]["vs_measured"] == 1.0
     # the FLOP plan balances FLOPs, which the table prices unevenly: dearer in seconds
     assert rows["canzona (FLOPs)"]["makespan_ratio_flops"] < 1.01
     assert rows["canzona (FLOPs)"]["vs_measured"] > 1.05
     assert rows["canzona (measured)"]["makespan_ratio_s"] < 1.01
-    assert "### qwen3-0.6b, split heads (1428 matrices; test" in doc.read_text()
+    text = doc.read_text()
+    assert "### qwen3-0.6b, split heads (1428 matrices; test" in text
+    assert "128×1024 (stack 8) 4.00" in text.split("- world 8: ")[1].split("\n")[0]
 
 
 def test_a_table_name_without_model_and_split_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match=r"'qwen3-32b\.json'"):
-        device_plans.table_case(tmp_path / "qwen3-32b.json")
+    for name in ("qwen3-32b.json", "qwen3-32b__heads.json", "qwen3-32b__heads__64.json"):
+        with pytest.raises(ValueError, match=f"got '{name}'"):
+            device_plans.table_case(tmp_path / name)
+    assert device_plans.table_case(tmp_path / "a__qkv__w64.json") == ("a", "qkv", 64)
     with pytest.raises(SystemExit, match="no cost tables"):
         device_plans.main(["--tables", str(tmp_path), "--no-docs"])

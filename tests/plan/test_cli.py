@@ -368,3 +368,40 @@ def test_calibrate_reuses_its_cache(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert f"({len(rows)} from the cache)" in capsys.readouterr().out
     again = json.loads(second.read_text())["models"]["0"]["table"]
     assert all(row in again for row in rows)  # the stored seconds, not new timings
+
+
+@pytest.mark.parametrize(
+    ("world", "stacks"),
+    [(None, [[8, 8, 1], [16, 8, 1]]), (4, [[8, 8, 1], [16, 8, 5]]), (2, [[8, 8, 2], [16, 8, 8]])],
+)
+def test_calibrate_times_the_stack_an_owner_forms(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], world: int | None, stacks: list[list[int]]
+) -> None:
+    """``--world W``: each shape timed on ``ceil(count / W)`` matrices, at most 8, as the
+    runtime calibrates; without it one matrix per call. Catches: --world not passed on, the
+    stack not taken from the shape's own count, the cap of 8 missed, a floor for a ceiling."""
+    model = tmp_path / "model.json"
+    matrices = [{"name": f"a{i}", "shape": [16, 8]} for i in range(17)]
+    matrices += [{"name": f"b{i}", "shape": [8, 8]} for i in range(3)]
+    model.write_text(json.dumps(matrices))
+    table = tmp_path / "cost.json"
+    argv = ["calibrate", "--model", str(model), "--ns-dtype", "float32", "--out", str(table)]
+    argv += ["--budget", "2"] + ([] if world is None else ["--world", str(world)])
+    assert cli.main(argv) == 0
+    meta = json.loads(table.read_text())["meta"]
+    assert (meta["world"], meta["stacks"]) == (world, stacks)
+    body = json.loads(table.read_text())["models"]["0"]
+    assert [row[:2] for row in body["table"]] == [[8, 8], [16, 8]]  # both shapes timed
+
+
+def test_calibrate_refuses_a_world_below_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["calibrate", "--model", "qwen3-0.6b", "--out", str(tmp_path / "t.json")]
+    assert cli.main([*argv, "--world", "0"]) == 2
+    assert "--world must be >= 1, got 0" in capsys.readouterr().err
+    assert not (tmp_path / "t.json").exists()
+    from canzona.optim.calibration import calibrate_model
+
+    with pytest.raises(ValueError, match="world must be a positive int or None, got True"):
+        calibrate_model([], optimizer="muon", out=tmp_path / "t.json", world=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -34,6 +35,13 @@ def _optimizer(name: str, device: torch.device, ns_dtype: torch.dtype) -> Any:
     raise ValueError(f"canzona calibrate times muon, shampoo or soap, got {name!r}")
 
 
+def _stack(count: int, world: int | None) -> int:
+    """Matrices per timed call: 1, or the stack an owner over ``world`` ranks forms."""
+    if world is None:
+        return 1
+    return max(1, min(runtime_calibrate.MAX_BATCH, math.ceil(count / world)))
+
+
 def calibrate_model(
     specs: Sequence[MatrixSpec],
     *,
@@ -43,6 +51,7 @@ def calibrate_model(
     ns_dtype: str = "bfloat16",
     budget_s: float = 60.0,
     cache: Path | None = None,
+    world: int | None = None,
 ) -> dict[str, Any]:
     """Time the owner math of every distinct shape of ``specs`` and write a cost table.
 
@@ -51,17 +60,23 @@ def calibrate_model(
     ``budget_s``; shapes beyond it are predicted by the table's fit. The file feeds
     ``canzona plan --cost``. With a ``cache`` directory (the format of
     ``PipelineConfig(calibration_cache=...)``), the entries it holds for these shapes, batch
-    and settings stand in for timings, and the ones timed here are added.
+    and settings stand in for timings, and the ones timed here are added. With ``world``,
+    each shape is timed on the stack an owner of a plan over that many ranks forms (its
+    count / world matrices, at least 1, at most ``MAX_BATCH``; the runtime's calibration
+    does the same) instead of one matrix per call: on a GPU small matrices are launch-bound
+    alone and cost far less per matrix in a stack.
 
     Returns:
         A summary: shapes, how many are in the table, how many of those came from the
         cache, seconds spent, the device.
 
     Raises:
-        ValueError: for an unknown optimizer or dtype.
+        ValueError: for an unknown optimizer or dtype, or a world below 1.
     """
     if ns_dtype not in _DTYPES:
         raise ValueError(f"ns_dtype must be one of {sorted(_DTYPES)}, got {ns_dtype!r}")
+    if world is not None and (isinstance(world, bool) or not isinstance(world, int) or world < 1):
+        raise ValueError(f"world must be a positive int or None, got {world!r}")
     dev = torch.device(device)
     opt = _optimizer(optimizer, dev, _DTYPES[ns_dtype])
     params, _, gids = opt._flat()
@@ -69,7 +84,10 @@ def calibrate_model(
     payload = table.row(0).payload_dtype
     counts = Counter((s.m, s.n) for s in specs)
     shapes = sorted(counts)
-    wanted = [runtime_calibrate.Shape(0, m, n, 1, payload, counts[m, n]) for m, n in shapes]
+    wanted = [
+        runtime_calibrate.Shape(0, m, n, _stack(counts[m, n], world), payload, counts[m, n])
+        for m, n in shapes
+    ]
     base = cost_model(optimizer, **opt._cost_params(opt.param_groups[0]))
     disk = None if cache is None else DiskCache(cache, runtime_calibrate.device_name(dev))
     held = disk.load() if disk is not None else {}
@@ -96,6 +114,8 @@ def calibrate_model(
         "device": runtime_calibrate.device_name(dev),
         "torch": torch.__version__,
         "seconds": seconds,
+        "world": world,
+        "stacks": [[s.m, s.n, s.k] for s in wanted],
     }
     save_cost_table(out, cost, meta)
     return {
