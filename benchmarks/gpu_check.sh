@@ -11,19 +11,21 @@ PYTHON="${PYTHON:-python3}"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 timeout 300 "$PYTHON" benchmarks/gpu_check.py "$@"
 # canzona calibrate on this device, one table per model, split and world size, each shape
-# timed on the stack an owner of that world's plan forms (CANZONA_TABLES: where). The budget
-# is a bound, not what it takes (seconds here): a shape is skipped (fitted) when its call,
-# predicted at the highest seconds per FLOP timed so far, exceeds a quarter of it, and the
-# launch-bound head blocks, timed first, predict the MLP matrices ~200x too slow.
+# timed on the stack an owner of that world's plan forms (CANZONA_TABLES: where).
 TABLES="${CANZONA_TABLES:-benchmarks/results/device_costs}"
 mkdir -p "$TABLES"
-for case in qwen3-32b:heads qwen3-32b:qkv qwen3-30b-a3b:qkv; do
-    model="${case%%:*}" split="${case##*:}"
-    for world in 8 64 256; do
-        timeout 120 "$PYTHON" -m canzona.cli calibrate --model "$model" --split "$split" \
-            --world "$world" --device cuda --budget 600 --out "$TABLES/${model}__${split}__w${world}.json"
-    done
-done
+timeout 300 "$PYTHON" - "$TABLES" <<'EOF'
+import sys
+
+from canzona.cli import main
+
+for model, split in (("qwen3-32b", "heads"), ("qwen3-32b", "qkv"), ("qwen3-30b-a3b", "qkv")):
+    for world in (8, 64, 256):
+        out = f"{sys.argv[1]}/{model}__{split}__w{world}.json"
+        argv = ["calibrate", "--model", model, "--split", split, "--world", str(world)]
+        if main([*argv, "--device", "cuda", "--budget", "60", "--out", out]):
+            sys.exit(1)
+EOF
 # The GPU tests: canzona.Muon on CUDA against torch, state on the device, the host syncs of a
 # step (one device and two ranks sharing it), CUDA-event calibration, the NCCL path.
 if "$PYTHON" -c "import pytest" 2>/dev/null; then

@@ -90,3 +90,17 @@ def test_each_round_times_the_calls_lightest_first(monkeypatch: Any) -> None:
     timing.time_rounds(calls)
     assert seen == [0.1, 0.2, 0.3] * 2
     assert [len(c.times) for c in calls] == [2, 2, 2]
+
+
+def test_the_order_puts_the_cheapest_shape_first_on_the_cpu_only() -> None:
+    """Catches: the CPU's cheapest-first order on an accelerator (there a launch-bound shape
+    prices every large one past the cap), or the CPU's order lost (its first rate is then
+    not the highest: a large call could be started past the budget)."""
+    from canzona.runtime.calibrate import Shape, timing_order
+
+    # (side, count): the 16s are cheapest, the 64 carries the most work (count x FLOPs)
+    shapes = [Shape(0, m, m, 1, torch.float32, c) for m, c in ((32, 4), (16, 2), (64, 3))]
+    flops = [float(s.m**3) for s in shapes]
+    assert timing_order(shapes, flops, torch.device("cpu")) == [1, 2, 0]
+    assert timing_order(shapes, flops, torch.device("cuda")) == [2, 0, 1]
+    assert timing_order(shapes, flops, torch.device("meta")) == [2, 0, 1]

@@ -140,3 +140,18 @@ def test_one_rank_under_nccl(tmp_path: Path) -> None:
     assert r["bitwise"] == [True] * len(_gpu_ranks.SHAPES)
     assert r["planned"] is False
     assert r["syncs_per_step"] == [0, 0, 0], r["sync_sites"]
+
+
+def test_a_per_head_model_times_its_large_matrices_on_cuda(tmp_path: Path) -> None:
+    """Two Qwen3-32B layers split per head, calibrated on CUDA within the runtime's 1.5 s:
+    the MLP matrices are timed, not fitted. Catches: the CPU's order on a GPU (the
+    launch-bound head blocks first, whose seconds per FLOP priced the MLP calls past the cap)."""
+    from canzona.optim.calibration import calibrate_model
+    from canzona.plan.models import model_specs
+
+    specs = [s for s in model_specs("qwen3-32b", split="heads") if s.name.startswith("layers.0.")]
+    out = tmp_path / "table.json"
+    summary = calibrate_model(specs, optimizer="muon", out=out, device="cuda", budget_s=1.5)
+    rows = json.loads(out.read_text())["models"]["0"]["table"]
+    print(json.dumps({"shapes": summary["shapes"], "timed": [r[:2] for r in rows]}))
+    assert sorted(r[:2] for r in rows) == [[128, 5120], [5120, 128], [5120, 25600], [25600, 5120]]

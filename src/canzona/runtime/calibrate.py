@@ -293,6 +293,26 @@ def _cost(call_s: float, evict_s: float = 0.0) -> float:
     return call_s * (1 + n) + (n * evict_s if call_s < timing.SHORT_CALL_S else 0.0)
 
 
+def timing_order(
+    shapes: Sequence[Shape], flops: Sequence[float], device: torch.device
+) -> list[int]:
+    """The order in which :func:`calibrate` times ``shapes`` (indices).
+
+    The shapes that carry most of the model's owner work (``count`` times FLOPs) first: what
+    the budget cannot time is fitted. On the CPU the cheapest shape comes before them all:
+    its rate, the highest seconds per FLOP there, prices the others before they are timed
+    (a call predicted past the cap is fitted, not timed). On an accelerator the cheapest
+    shape is launch-bound, dearer per FLOP than a large matrix by two orders of magnitude
+    (the H200: a 128x5120 head block against 25600x5120), and priced at its rate every large
+    shape would look past the cap; there the first shape, with no rate to price it yet, is
+    the one with the most owner work, and its rate prices the rest.
+    """
+    cheap = sorted(range(len(shapes)), key=lambda i: flops[i])
+    if device.type != "cpu":
+        return sorted(cheap, key=lambda i: -shapes[i].count * flops[i])
+    return cheap[:1] + sorted(cheap[1:], key=lambda i: -shapes[i].count * flops[i])
+
+
 def calibrate(
     shapes: Sequence[Shape],
     table: StepTable,
@@ -307,8 +327,9 @@ def calibrate(
 ) -> GroupedCost:
     """Time the owner math of every shape (within a budget), agree on one table, fit the rest.
 
-    Every rank times the shapes it can within ``budget_s`` (the cheapest first, then by the
-    owner work the model has of each, ``count`` times FLOPs, most first; a shape whose
+    Every rank times the shapes it can within ``budget_s`` (in :func:`timing_order`: on the
+    CPU the cheapest first, then by the owner work the model has of each, ``count`` times
+    FLOPs, most first; elsewhere by owner work only; a shape whose
     predicted time exceeds ``shape_cap_s``, whose timing would end past the budget (its
     calls predicted from the shapes timed so far), or whose math raises, is not timed
     there), in CPU time with one intra-op thread; one all-gather gives every rank each
@@ -335,10 +356,7 @@ def calibrate(
     if device.type == "cpu":
         timing.settle_heap()
     flops = [bases[s.key].flops(MatrixSpec("s", (s.m, s.n))) for s in shapes]
-    cheap = sorted(range(len(shapes)), key=flops.__getitem__)
-    # the cheapest shape first (its rate prices the others before they are timed), then the
-    # shapes that carry most of the model's owner work: what the budget cannot time is fitted
-    order = cheap[:1] + sorted(cheap[1:], key=lambda i: -shapes[i].count * flops[i])
+    order = timing_order(shapes, flops, device)
     keys = [entry_key(s, table, device) for s in shapes] if cache is not None else []
     stored: dict[str, Entry] = cache.load() if cache is not None else {}
     hits = {i: stored[k] for i, k in enumerate(keys) if k in stored}
