@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -39,7 +38,7 @@ def _stack(count: int, world: int | None) -> int:
     """Matrices per timed call: 1, or the stack an owner over ``world`` ranks forms."""
     if world is None:
         return 1
-    return max(1, min(runtime_calibrate.MAX_BATCH, math.ceil(count / world)))
+    return runtime_calibrate.owner_stack(count, world)
 
 
 def calibrate_model(

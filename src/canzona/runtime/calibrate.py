@@ -60,6 +60,11 @@ class Shape:
     count: int = field(default=1, compare=False)
 
 
+def owner_stack(count: int, world: int) -> int:
+    """Matrices of one shape an owner is expected to stack: ``count / world``, in [1, MAX_BATCH]."""
+    return max(1, min(MAX_BATCH, math.ceil(count / world)))
+
+
 def shapes_of(items: Sequence[Item], table: StepTable, world: int) -> list[Shape]:
     """The distinct (group, shape) computations of the planned items.
 
@@ -75,8 +80,7 @@ def shapes_of(items: Sequence[Item], table: StepTable, world: int) -> list[Shape
         counts[key] = counts.get(key, 0) + 1
     out = []
     for (gid, m, n, dtype), count in sorted(counts.items(), key=lambda kv: repr(kv[0])):
-        k = max(1, min(MAX_BATCH, math.ceil(count / world)))
-        out.append(Shape(gid, m, n, k, dtype, count))
+        out.append(Shape(gid, m, n, owner_stack(count, world), dtype, count))
     return out
 
 
