@@ -17,6 +17,7 @@ Writes ``benchmarks/results/gpu_check.json`` (or ``--out``) and the ``gpu_check`
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -26,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import canzona
-from canzona.updates import newton_schulz, newton_schulz_flops
+from canzona.updates import batch_kernels_exact, cuda_graphs, newton_schulz, newton_schulz_flops
 
 from _report import markdown_table, update_section, write_json
 
@@ -73,6 +74,41 @@ def ns_throughput(peak: float, batch: int) -> list[dict[str, Any]]:
                 "fraction_of_peak": flops / seconds / peak,
             }
         )
+    return rows
+
+
+HEAD_SHAPES = {
+    "qwen3-32b q head (128x5120)": (128, 5120),
+    "qwen3-32b o head (5120x128)": (5120, 128),
+}
+
+
+def head_blocks(batch: int) -> list[dict[str, Any]]:
+    """Per-head stacks: canzona's Newton–Schulz as it runs, its loop graphed and eager, batched.
+
+    As it runs: the per-matrix loop from a CUDA graph where the batched kernels would change bits.
+    """
+    rows = []
+    for label, (m, n) in HEAD_SHAPES.items():
+        x = torch.randn(batch, m, n, device="cuda")
+        row: dict[str, Any] = {"shape": label, "batch": batch}
+        row["exact_batched"] = batch_kernels_exact(batch, m, n, dtype=torch.bfloat16, device="cuda")
+        row["canzona"] = _time(lambda x=x: newton_schulz(x, dtype=torch.bfloat16), 10)
+        os.environ[cuda_graphs.ENV_VAR] = "0"
+        try:
+            eager = newton_schulz(x, dtype=torch.bfloat16, batched=False)
+            row["eager_loop"] = _time(
+                lambda x=x: newton_schulz(x, dtype=torch.bfloat16, batched=False), 10
+            )
+        finally:
+            del os.environ[cuda_graphs.ENV_VAR]
+        graphed = newton_schulz(x, dtype=torch.bfloat16, batched=False)
+        row["graph_loop"] = _time(
+            lambda x=x: newton_schulz(x, dtype=torch.bfloat16, batched=False), 10
+        )
+        row["graph_equal_eager"] = bool(torch.equal(graphed, eager))
+        row["batched"] = _time(lambda x=x: newton_schulz(x, dtype=torch.bfloat16, batched=True), 10)
+        rows.append(row)
     return rows
 
 
@@ -135,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     name = torch.cuda.get_device_name(0)
     peak = matmul_peak()
     ns = ns_throughput(peak, args.batch)
+    heads = head_blocks(args.batch)
     step = step_latency(args.layers)
     host = host_cost()
     payload = {
@@ -142,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "bf16_peak_tflops": peak / 1e12,
         "ns": ns,
+        "heads": heads,
         "step": step,
         "host_cost": host,
     }
@@ -149,6 +187,16 @@ def main(argv: list[str] | None = None) -> int:
     rows = [
         [r["shape"], r["batch"], r["matrices_per_s"], r["tflops"], r["fraction_of_peak"]]
         for r in ns
+    ]
+    head_rows = [
+        [
+            h["shape"],
+            h["batch"],
+            *(h[k] * 1e3 for k in ("canzona", "graph_loop", "eager_loop", "batched")),
+            h["graph_equal_eager"],
+            h["exact_batched"],
+        ]
+        for h in heads
     ]
     host_rows = [
         [h["matrices"], *(h[k] * 1e3 for k in HOST_KEYS), h["canzona.Muon"] / h["AdamW(foreach)"]]
@@ -159,6 +207,14 @@ def main(argv: list[str] | None = None) -> int:
         f"`{payload['commit']}`, torch {torch.__version__}); bf16 matmul peak measured "
         f"{peak / 1e12:.0f} TFLOP/s.\n\n"
         + markdown_table(["shape", "batch", "matrices/s", "TFLOP/s", "of peak"], rows)
+        + "\n\nPer-head stacks, ms per call: canzona's Newton–Schulz as it runs (*as run*), its "
+        "per-matrix loop replayed from a CUDA graph and launched eagerly (*graph*, *eager*; "
+        "equal bit for bit: *same bits*), and the batched kernels (*batched*; used where "
+        "*batched exact*, else they would change bits):\n\n"
+        + markdown_table(
+            ["shape", "batch", "as run", "graph", "eager", "batched", "same bits", "batched exact"],
+            head_rows,
+        )
         + f"\n\nOne step on {step['matrices']} matrices of Qwen3-1.7B shapes: canzona.Muon "
         f"{step['canzona.Muon'] * 1e3:.1f} ms vs torch.optim.Muon "
         f"{step['torch.optim.Muon'] * 1e3:.1f} ms (ratio {step['ratio']:.2f}).\n\n"

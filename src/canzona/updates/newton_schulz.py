@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from canzona.defaults import MUON_DEFAULTS
+from canzona.updates.cuda_graphs import replay_exact
 from canzona.updates.ns_schedules import (
     DEFAULT_NS_COEFFICIENTS,
     DEFAULT_NS_STEPS,
@@ -244,7 +245,9 @@ def newton_schulz(
     unlike torch, the input is never modified. A stack ``(..., m, n)`` gives, bit for bit, what a
     Python loop over its matrices gives: batched kernels (``baddbmm``, one norm per matrix) are
     used only where :func:`batch_kernels_exact` has verified that they match the per-matrix
-    kernels for this schedule; elsewhere the matrices run one by one.
+    kernels for this schedule; elsewhere the matrices run one by one, on CUDA replayed from a
+    CUDA graph where that graph gives the same bits
+    (:func:`~canzona.updates.cuda_graphs.replay_exact`).
 
     Args:
         x: Matrices ``(..., m, n)``, any floating dtype.
@@ -286,8 +289,16 @@ def newton_schulz(
         batched = batch_kernels_exact(
             count, m, n, dtype=dtype, device=x.device, schedule=schedule, norm_scale=scale
         )
-    run = _ns_stack if batched else _ns_loop
-    out = run(stack, schedule, eps, dtype, scale)
+    if batched:
+        out = _ns_stack(stack, schedule, eps, dtype, scale)
+    else:
+        # the loop runs the same kernels on every matrix, each at an aligned start, whatever
+        # the stack's size: one bitwise check per matrix shape and settings
+        key = ("newton_schulz", dtype, schedule, eps, scale)
+        graphed = replay_exact(
+            lambda s: _ns_loop(s, schedule, eps, dtype, scale), stack, key, (m, n, key)
+        )
+        out = _ns_loop(stack, schedule, eps, dtype, scale) if graphed is None else graphed
     return out if x.ndim == 3 else out.reshape(x.shape)
 
 

@@ -1,0 +1,63 @@
+"""The CUDA-graph replay of the per-matrix Newton–Schulz loop: CPU-side behaviour and wiring."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+
+from canzona.updates import cuda_graphs, newton_schulz
+
+ns_module = importlib.import_module("canzona.updates.newton_schulz")
+SCHEDULE = ns_module.resolve_ns_coefficients(ns_module.DEFAULT_NS_COEFFICIENTS, 2)
+EPS = ns_module.DEFAULT_NS_EPS
+
+
+def test_cpu_tensors_run_eagerly() -> None:
+    calls: list[Tensor] = []
+
+    def fn(x: Tensor) -> Tensor:
+        calls.append(x)
+        return x
+
+    assert cuda_graphs.replay_exact(fn, torch.zeros(2, 3, 3), "k") is None
+    assert calls == [] and cuda_graphs._GRAPHS == {}
+
+
+def test_the_environment_variable_turns_graphs_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(cuda_graphs.ENV_VAR, raising=False)
+    assert cuda_graphs.graphs_enabled()
+    monkeypatch.setenv(cuda_graphs.ENV_VAR, "0")
+    assert not cuda_graphs.graphs_enabled()
+    monkeypatch.setenv(cuda_graphs.ENV_VAR, "1")
+    assert cuda_graphs.graphs_enabled()
+
+
+def test_the_per_matrix_loop_goes_through_the_replay(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stack that runs matrix by matrix asks for a replay of the eager loop, keyed by every
+    setting of the loop and checked per matrix shape, and returns the replay's result; the
+    batched kernels never ask."""
+    seen: list[tuple[tuple[int, ...], Any, Any]] = []
+    sentinel = torch.full((3, 5, 9), 7.0)
+
+    def fake(fn: Any, x: Tensor, key: Any, check_key: Any) -> Tensor | None:
+        seen.append((tuple(x.shape), key, check_key))
+        assert torch.equal(fn(x), ns_module._ns_loop(x, SCHEDULE, EPS, torch.float32, 1.0))
+        return sentinel
+
+    monkeypatch.setattr(ns_module, "replay_exact", fake)
+    assert newton_schulz(torch.randn(3, 5, 9), dtype=torch.float32, steps=2) is sentinel
+    key = ("newton_schulz", torch.float32, SCHEDULE, EPS, 1.0)
+    assert seen == [((3, 5, 9), key, (5, 9, key))]  # one check per matrix shape, any count
+    newton_schulz(torch.randn(4, 40, 48), dtype=torch.float32, steps=2, batched=True)
+    assert len(seen) == 1
+
+
+def test_a_declined_replay_runs_the_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ns_module, "replay_exact", lambda fn, x, key, check: None)
+    x = torch.randn(3, 5, 9)
+    got = newton_schulz(x, dtype=torch.float32, steps=2)
+    assert torch.equal(got, ns_module._ns_loop(x, SCHEDULE, EPS, torch.float32, 1.0))
