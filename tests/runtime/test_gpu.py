@@ -48,28 +48,32 @@ def test_small_stacks_on_cuda_match_torch() -> None:
 
 
 @pytest.mark.parametrize(
-    ("shape", "batched"), [((8, 16, 24), None), ((6, 24, 9), None), ((4, 128, 640), False)]
+    ("shape", "batched"),
+    [((8, 16, 24), None), ((6, 24, 9), None), ((4, 128, 640), False), ((7, 128, 5120), False)],
 )
 def test_per_matrix_stacks_replay_from_cuda_graphs_bit_for_bit(
     shape: tuple[int, int, int], batched: bool | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The per-matrix Newton–Schulz loop (sides below 32, or batched kernels refused) replays
-    from a CUDA graph: the same bits as the eager loop, and a result stays valid after the
-    next replay (the graph's output is copied out)."""
+    from CUDA graphs, one per piece (7 head blocks of 128x5120: pieces of 4, 2 and 1): the
+    same bits as the eager loop, and a result stays valid after the next replay (the graph's
+    output is copied out)."""
     gen = torch.Generator(device="cuda").manual_seed(3)
     xs = [torch.randn(shape, device="cuda", generator=gen) * 10.0**i for i in range(3)]
     kw = {"dtype": torch.bfloat16, "batched": batched}
     replayed = [newton_schulz(x, **kw) for x in xs]
-    key = (torch.device("cuda", torch.cuda.current_device()), torch.float32, shape)
-    graphs = [v for k, v in cuda_graphs._GRAPHS.items() if k[:3] == key]
-    assert len(graphs) == 1 and graphs[0] is not None  # captured, and it matched
+    device = torch.device("cuda", torch.cuda.current_device())
+    for size in cuda_graphs.piece_sizes(shape[0], shape[1] * shape[2]):
+        piece = (device, torch.float32, (size, *shape[1:]))
+        keys = [k for k in cuda_graphs._GRAPHS if k[:3] == piece]
+        assert len(keys) == 1 and cuda_graphs._GRAPHS[keys[0]] is not None  # captured, matched
     monkeypatch.setenv(cuda_graphs.ENV_VAR, "0")
     for x, got in zip(xs, replayed, strict=True):
         assert torch.equal(got, newton_schulz(x, **kw))
 
 
 def test_a_new_stack_size_of_a_checked_shape_replays_without_a_sync() -> None:
-    """The bitwise check is per matrix shape: a stack of a new size captures its own graph
+    """The bitwise check is per matrix shape: a piece of a new size captures its own graph
     without reading the device (a re-plan that changes an owner's stack sizes adds no sync)."""
     gen = torch.Generator(device="cuda").manual_seed(4)
     newton_schulz(torch.randn(3, 12, 20, device="cuda", generator=gen), dtype=torch.bfloat16)
@@ -80,7 +84,8 @@ def test_a_new_stack_size_of_a_checked_shape_replays_without_a_sync() -> None:
         got = newton_schulz(x, dtype=torch.bfloat16)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    key = (torch.device("cuda", torch.cuda.current_device()), torch.float32, (5, 12, 20))
+    key = (torch.device("cuda", torch.cuda.current_device()), torch.float32, (4, 12, 20))
+    assert cuda_graphs.piece_sizes(3, 240) == [2, 1] and cuda_graphs.piece_sizes(5, 240) == [4, 1]
     assert [v is not None for k, v in cuda_graphs._GRAPHS.items() if k[:3] == key] == [True]
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(cuda_graphs.ENV_VAR, "0")

@@ -24,7 +24,31 @@ def test_cpu_tensors_run_eagerly() -> None:
         return x
 
     assert cuda_graphs.replay_exact(fn, torch.zeros(2, 3, 3), "k") is None
+    assert cuda_graphs.replay_in_pieces(fn, torch.zeros(2, 3, 3), "k") is None
     assert calls == [] and cuda_graphs._GRAPHS == {}
+
+
+@pytest.mark.parametrize(
+    ("count", "elements", "sizes"),
+    [
+        (13, 1 << 19, [8, 4, 1]),  # pieces of at most 8 items of 2^19 elements
+        (20, 1 << 19, [8, 8, 4]),
+        (3, 655360, [2, 1]),  # 128x5120 head blocks: 6 fit, pieces of 4
+        (6, 655360, [4, 2]),
+        (1000, 64, [512, 256, 128, 64, 32, 8]),  # binary digits: few sizes, few graphs
+        (1, 1 << 22, [1]),
+        (5, (1 << 22) + 1, []),  # an item above the limit: eager
+        (0, 64, []),
+        (4, 0, []),
+    ],
+)
+def test_pieces_are_powers_of_two_within_the_limit(
+    count: int, elements: int, sizes: list[int]
+) -> None:
+    got = cuda_graphs.piece_sizes(count, elements)
+    assert got == sizes
+    assert sum(got) == (count if got else 0)
+    assert all(s * elements <= cuda_graphs.MAX_ELEMENTS for s in got)
 
 
 def test_the_environment_variable_turns_graphs_off(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -48,7 +72,7 @@ def test_the_per_matrix_loop_goes_through_the_replay(monkeypatch: pytest.MonkeyP
         assert torch.equal(fn(x), ns_module._ns_loop(x, SCHEDULE, EPS, torch.float32, 1.0))
         return sentinel
 
-    monkeypatch.setattr(ns_module, "replay_exact", fake)
+    monkeypatch.setattr(ns_module, "replay_in_pieces", fake)
     assert newton_schulz(torch.randn(3, 5, 9), dtype=torch.float32, steps=2) is sentinel
     key = ("newton_schulz", torch.float32, SCHEDULE, EPS, 1.0)
     assert seen == [((3, 5, 9), key, (5, 9, key))]  # one check per matrix shape, any count
@@ -57,7 +81,7 @@ def test_the_per_matrix_loop_goes_through_the_replay(monkeypatch: pytest.MonkeyP
 
 
 def test_a_declined_replay_runs_the_loop(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(ns_module, "replay_exact", lambda fn, x, key, check: None)
+    monkeypatch.setattr(ns_module, "replay_in_pieces", lambda fn, x, key, check: None)
     x = torch.randn(3, 5, 9)
     got = newton_schulz(x, dtype=torch.float32, steps=2)
     assert torch.equal(got, ns_module._ns_loop(x, SCHEDULE, EPS, torch.float32, 1.0))

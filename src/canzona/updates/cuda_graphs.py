@@ -10,15 +10,24 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["ENV_VAR", "MAX_ELEMENTS", "MAX_GRAPHS", "graphs_enabled", "replay_exact"]
+__all__ = [
+    "ENV_VAR",
+    "MAX_ELEMENTS",
+    "MAX_GRAPHS",
+    "graphs_enabled",
+    "piece_sizes",
+    "replay_exact",
+    "replay_in_pieces",
+]
 
 #: Set to ``0`` to run every sequence eagerly (read at each call).
 ENV_VAR = "CANZONA_CUDA_GRAPHS"
-#: Largest input (elements) replayed from a graph: above it the kernels, not their launches,
-#: take the time, and a graph's private memory pool would hold large intermediates.
-MAX_ELEMENTS = 1 << 24
+#: Largest input (elements) replayed from one graph: a graph's private memory pool keeps its
+#: intermediates, and above a few million elements the kernels, not their launches, take the
+#: time. Larger stacks replay in pieces (:func:`replay_in_pieces`).
+MAX_ELEMENTS = 1 << 22
 #: Most graphs kept per process; keys past it run eagerly.
-MAX_GRAPHS = 64
+MAX_GRAPHS = 128
 
 
 @dataclass
@@ -119,3 +128,45 @@ def replay_exact(
     entry.static_in.copy_(x)
     entry.graph.replay()
     return entry.static_out.clone()
+
+
+def piece_sizes(count: int, elements: int) -> list[int]:
+    """How :func:`replay_in_pieces` cuts ``count`` items of ``elements`` each: powers of two.
+
+    Full pieces of the largest power of two whose items fit in :data:`MAX_ELEMENTS`, then the
+    remainder's binary digits, largest first, so that one item shape needs at most
+    ``log2(piece) + 1`` graphs whatever the counts; empty when one item is too large (or
+    empty).
+    """
+    if count < 1 or not 0 < elements <= MAX_ELEMENTS:
+        return []
+    full = 1 << (MAX_ELEMENTS // elements).bit_length() - 1
+    rest = count % full
+    tail = [1 << b for b in reversed(range(full.bit_length())) if rest >> b & 1]
+    return [full] * (count // full) + tail
+
+
+def replay_in_pieces(
+    fn: Callable[[Tensor], Tensor], x: Tensor, key: Hashable, check_key: Hashable | None = None
+) -> Tensor | None:
+    """``fn`` over the leading dimension of ``x`` in pieces, each replayed from a graph.
+
+    For an ``fn`` that treats each item ``x[i]`` on its own (a per-matrix loop), so that
+    ``fn`` on a piece gives that piece's rows of ``fn(x)`` bit for bit: the pieces of
+    :func:`piece_sizes`, each through :func:`replay_exact` (one graph per piece size; a
+    piece it declines runs ``fn`` eagerly), concatenated. None (run eagerly) off CUDA, while
+    a stream is being captured, when :data:`ENV_VAR` is ``0`` or an item alone is larger
+    than :data:`MAX_ELEMENTS`.
+    """
+    if x.device.type != "cuda" or not graphs_enabled() or torch.cuda.is_current_stream_capturing():
+        return None
+    sizes = piece_sizes(x.size(0), x[0].numel() if x.size(0) else 0)
+    if not sizes:
+        return None
+    parts, start = [], 0
+    for size in sizes:
+        piece = x.narrow(0, start, size)
+        got = replay_exact(fn, piece, key, check_key)
+        parts.append(fn(piece) if got is None else got)
+        start += size
+    return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from canzona.defaults import MUON_DEFAULTS
-from canzona.updates.cuda_graphs import replay_exact
+from canzona.updates.cuda_graphs import replay_in_pieces
 from canzona.updates.ns_schedules import (
     DEFAULT_NS_COEFFICIENTS,
     DEFAULT_NS_STEPS,
@@ -247,7 +247,7 @@ def newton_schulz(
     used only where :func:`batch_kernels_exact` has verified that they match the per-matrix
     kernels for this schedule; elsewhere the matrices run one by one, on CUDA replayed from a
     CUDA graph where that graph gives the same bits
-    (:func:`~canzona.updates.cuda_graphs.replay_exact`).
+    (:func:`~canzona.updates.cuda_graphs.replay_in_pieces`).
 
     Args:
         x: Matrices ``(..., m, n)``, any floating dtype.
@@ -295,7 +295,7 @@ def newton_schulz(
         # the loop runs the same kernels on every matrix, each at an aligned start, whatever
         # the stack's size: one bitwise check per matrix shape and settings
         key = ("newton_schulz", dtype, schedule, eps, scale)
-        graphed = replay_exact(
+        graphed = replay_in_pieces(
             lambda s: _ns_loop(s, schedule, eps, dtype, scale), stack, key, (m, n, key)
         )
         out = _ns_loop(stack, schedule, eps, dtype, scale) if graphed is None else graphed
