@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 from pathlib import Path
 
@@ -70,6 +71,20 @@ def test_per_matrix_stacks_replay_from_cuda_graphs_bit_for_bit(
     monkeypatch.setenv(cuda_graphs.ENV_VAR, "0")
     for x, got in zip(xs, replayed, strict=True):
         assert torch.equal(got, newton_schulz(x, **kw))
+
+
+def test_the_loop_forked_onto_branch_streams_gives_the_same_bits() -> None:
+    """What a captured graph replays side by side: each matrix's products on its own branch
+    stream, forked from and joined back to the current stream, bit for bit the plain loop."""
+    loop = importlib.import_module("canzona.updates.newton_schulz")._ns_loop
+    schedule = ((3.4445, -4.775, 2.0315),) * 5
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    branches = [torch.cuda.Stream() for _ in range(3)]
+    for shape in ((7, 128, 640), (5, 640, 128), (9, 12, 20)):
+        x = torch.randn(shape, device="cuda", generator=gen)
+        plain = loop(x, schedule, 1e-7, torch.bfloat16, 1.0)
+        forked = loop(x, schedule, 1e-7, torch.bfloat16, 1.0, branches)
+        assert torch.equal(forked, plain)
 
 
 def test_a_new_stack_size_of_a_checked_shape_replays_without_a_sync() -> None:

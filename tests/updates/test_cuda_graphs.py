@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -19,7 +20,7 @@ EPS = ns_module.DEFAULT_NS_EPS
 def test_cpu_tensors_run_eagerly() -> None:
     calls: list[Tensor] = []
 
-    def fn(x: Tensor) -> Tensor:
+    def fn(x: Tensor, branches: Sequence[torch.cuda.Stream]) -> Tensor:
         calls.append(x)
         return x
 
@@ -69,7 +70,8 @@ def test_the_per_matrix_loop_goes_through_the_replay(monkeypatch: pytest.MonkeyP
 
     def fake(fn: Any, x: Tensor, key: Any, check_key: Any) -> Tensor | None:
         seen.append((tuple(x.shape), key, check_key))
-        assert torch.equal(fn(x), ns_module._ns_loop(x, SCHEDULE, EPS, torch.float32, 1.0))
+        eager = ns_module._ns_loop(x, SCHEDULE, EPS, torch.float32, 1.0)
+        assert torch.equal(fn(x, ()), eager)  # fn is the eager loop with these settings
         return sentinel
 
     monkeypatch.setattr(ns_module, "replay_in_pieces", fake)

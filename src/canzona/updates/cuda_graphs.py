@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +28,12 @@ ENV_VAR = "CANZONA_CUDA_GRAPHS"
 MAX_ELEMENTS = 1 << 22
 #: Most graphs kept per process; keys past it run eagerly.
 MAX_GRAPHS = 128
+#: Streams a captured function may fork its independent work onto (run side by side on replay).
+BRANCHES = 8
+
+#: ``fn(x, branches)``: the work on ``x``; ``branches`` is empty when it runs eagerly and holds
+#: :data:`BRANCHES` streams while it is captured, onto which it may fork independent kernels.
+Sequenceable = Callable[[Tensor, Sequence[torch.cuda.Stream]], Tensor]
 
 
 @dataclass
@@ -41,7 +47,8 @@ class _Graph:
 _GRAPHS: dict[Hashable, _Graph | None] = {}
 # check key -> whether its graph gave the eager bits
 _CHECKED: dict[Hashable, bool] = {}
-_STREAMS: dict[int, torch.cuda.Stream] = {}
+# device index -> the capture stream and the branch streams
+_STREAMS: dict[int, tuple[torch.cuda.Stream, list[torch.cuda.Stream]]] = {}
 
 
 def graphs_enabled() -> bool:
@@ -49,21 +56,26 @@ def graphs_enabled() -> bool:
     return os.environ.get(ENV_VAR, "1") != "0"
 
 
-def _capture(fn: Callable[[Tensor], Tensor], static_in: Tensor) -> _Graph | None:
+def _streams(device: torch.device) -> tuple[torch.cuda.Stream, list[torch.cuda.Stream]]:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _STREAMS:
+        new = [torch.cuda.Stream(device=device) for _ in range(1 + BRANCHES)]  # type: ignore[no-untyped-call]
+        _STREAMS[index] = (new[0], new[1:])
+    return _STREAMS[index]
+
+
+def _capture(fn: Sequenceable, static_in: Tensor) -> _Graph | None:
     """Warm ``fn`` up on a side stream, capture it there; None when the capture fails."""
     device = static_in.device
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    side = _STREAMS.get(index)
-    if side is None:
-        side = _STREAMS[index] = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+    side, branches = _streams(device)
     current = torch.cuda.current_stream(device)
     side.wait_stream(current)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(side):
-        fn(static_in)  # warm-up: per-stream library handles and workspaces exist before capture
+        fn(static_in, branches)  # warm-up: library handles and workspaces of every stream
         graph.capture_begin(capture_error_mode="thread_local")
         try:
-            static_out = fn(static_in)
+            static_out = fn(static_in, branches)
         except RuntimeError:
             with contextlib.suppress(RuntimeError):
                 graph.capture_end()
@@ -75,7 +87,7 @@ def _capture(fn: Callable[[Tensor], Tensor], static_in: Tensor) -> _Graph | None
 
 
 def replay_exact(
-    fn: Callable[[Tensor], Tensor], x: Tensor, key: Hashable, check_key: Hashable | None = None
+    fn: Sequenceable, x: Tensor, key: Hashable, check_key: Hashable | None = None
 ) -> Tensor | None:
     """``fn(x)`` replayed from a CUDA graph, or None where it should run eagerly.
 
@@ -91,7 +103,9 @@ def replay_exact(
     (a per-matrix loop at every stack size) passes one check key for them, so that a new key
     of a checked family costs no sync. Later calls copy ``x`` into the graph's input, replay
     it on the current stream and return a copy of its output, so a result stays valid after
-    the next replay. ``fn`` must be a pure function of its input's values.
+    the next replay. ``fn(x, branches)`` must be a pure function of ``x``'s values; while it
+    is captured, ``branches`` holds :data:`BRANCHES` streams onto which it may fork work on
+    independent parts of ``x`` (the graph then runs them side by side), eagerly it is empty.
 
     None (run eagerly) off CUDA, while a stream is being captured, for inputs above
     :data:`MAX_ELEMENTS`, past :data:`MAX_GRAPHS` keys, for keys whose capture failed or
@@ -118,7 +132,7 @@ def replay_exact(
             if captured is not None:
                 static_in.copy_(probe)
                 captured.graph.replay()
-                _CHECKED[check] = torch.equal(captured.static_out, fn(probe))
+                _CHECKED[check] = torch.equal(captured.static_out, fn(probe, ()))
                 if not _CHECKED[check]:
                     captured = None
             _GRAPHS[full_key] = captured
@@ -147,7 +161,7 @@ def piece_sizes(count: int, elements: int) -> list[int]:
 
 
 def replay_in_pieces(
-    fn: Callable[[Tensor], Tensor], x: Tensor, key: Hashable, check_key: Hashable | None = None
+    fn: Sequenceable, x: Tensor, key: Hashable, check_key: Hashable | None = None
 ) -> Tensor | None:
     """``fn`` over the leading dimension of ``x`` in pieces, each replayed from a graph.
 
@@ -167,6 +181,6 @@ def replay_in_pieces(
     for size in sizes:
         piece = x.narrow(0, start, size)
         got = replay_exact(fn, piece, key, check_key)
-        parts.append(fn(piece) if got is None else got)
+        parts.append(fn(piece, ()) if got is None else got)
         start += size
     return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -117,7 +118,12 @@ def _aligned_stack(
 
 
 def _ns_loop(
-    x: Tensor, schedule: Schedule, eps: float, dtype: torch.dtype, norm_scale: float
+    x: Tensor,
+    schedule: Schedule,
+    eps: float,
+    dtype: torch.dtype,
+    norm_scale: float,
+    branches: Sequence[torch.cuda.Stream] = (),
 ) -> Tensor:
     """A stack ``(B, m, n)`` matrix by matrix: :func:`_ns_matrix`'s ops on each, bit for bit.
 
@@ -131,7 +137,10 @@ def _ns_loop(
     below, at one and two threads). Larger matrices and other devices take one norm call per
     matrix (a batched reduction may sum in another order there). Every product is one call
     per matrix, on a matrix that starts where a fresh allocation would (see
-    :func:`_aligned_stack`).
+    :func:`_aligned_stack`). With CUDA ``branches`` (while a CUDA graph is captured, see
+    :func:`~canzona.updates.cuda_graphs.replay_exact`) matrix ``i``'s products are issued on
+    ``branches[i % len(branches)]``, forked from and joined back to the current stream: the
+    same kernels on the same operands, which the replayed graph runs side by side.
     """
     count, rows, cols = x.shape
     out = _aligned_stack(count, rows, cols, dtype, x.device)
@@ -149,6 +158,8 @@ def _ns_loop(
     if norm_scale != 1.0:
         norms = norms * norm_scale
     torch.div(src, norms.clamp(min=eps).view(-1, 1, 1), out=out)
+    if branches:
+        return _branched_products(out, schedule, tall, branches)
     mm, addmm = torch.mm, torch.addmm
     results = []
     for one in out.unbind(0):
@@ -157,6 +168,27 @@ def _ns_loop(
             update = addmm(gram, gram, gram, beta=b, alpha=c)
             one = addmm(one, update, one, beta=a)
         results.append(one.T if tall else one)
+    return torch.stack(results)
+
+
+def _branched_products(
+    out: Tensor, schedule: Schedule, tall: bool, branches: Sequence[torch.cuda.Stream]
+) -> Tensor:
+    """:func:`_ns_loop`'s products, matrix ``i`` on ``branches[i % len(branches)]``."""
+    mm, addmm = torch.mm, torch.addmm
+    main = torch.cuda.current_stream(out.device)
+    for branch in branches:
+        branch.wait_stream(main)
+    results = []
+    for i, one in enumerate(out.unbind(0)):
+        with torch.cuda.stream(branches[i % len(branches)]):
+            for a, b, c in schedule:
+                gram = mm(one, one.T)
+                update = addmm(gram, gram, gram, beta=b, alpha=c)
+                one = addmm(one, update, one, beta=a)
+        results.append(one.T if tall else one)
+    for branch in branches:
+        main.wait_stream(branch)
     return torch.stack(results)
 
 
@@ -296,7 +328,7 @@ def newton_schulz(
         # the stack's size: one bitwise check per matrix shape and settings
         key = ("newton_schulz", dtype, schedule, eps, scale)
         graphed = replay_in_pieces(
-            lambda s: _ns_loop(s, schedule, eps, dtype, scale), stack, key, (m, n, key)
+            lambda s, br: _ns_loop(s, schedule, eps, dtype, scale, br), stack, key, (m, n, key)
         )
         out = _ns_loop(stack, schedule, eps, dtype, scale) if graphed is None else graphed
     return out if x.ndim == 3 else out.reshape(x.shape)
