@@ -32,13 +32,13 @@ def test_cpu_tensors_run_eagerly() -> None:
 @pytest.mark.parametrize(
     ("count", "elements", "sizes"),
     [
-        (13, 1 << 19, [8, 4, 1]),  # pieces of at most 8 items of 2^19 elements
-        (20, 1 << 19, [8, 8, 4]),
-        (3, 655360, [2, 1]),  # 128x5120 head blocks: 6 fit, pieces of 4
-        (6, 655360, [4, 2]),
+        (13, 1 << 19, [8, 4, 1]),  # pieces of at most 16 items of 2^19 elements
+        (40, 1 << 19, [16, 16, 8]),
+        (3, 655360, [2, 1]),  # 128x5120 head blocks: 12 fit, pieces of 8
+        (20, 655360, [8, 8, 4]),
         (1000, 64, [512, 256, 128, 64, 32, 8]),  # binary digits: few sizes, few graphs
-        (1, 1 << 22, [1]),
-        (5, (1 << 22) + 1, []),  # an item above the limit: eager
+        (1, 1 << 23, [1]),
+        (5, (1 << 23) + 1, []),  # an item above the limit: eager
         (0, 64, []),
         (4, 0, []),
     ],

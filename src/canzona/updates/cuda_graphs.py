@@ -25,7 +25,7 @@ ENV_VAR = "CANZONA_CUDA_GRAPHS"
 #: Largest input (elements) replayed from one graph: a graph's private memory pool keeps its
 #: intermediates, and above a few million elements the kernels, not their launches, take the
 #: time. Larger stacks replay in pieces (:func:`replay_in_pieces`).
-MAX_ELEMENTS = 1 << 22
+MAX_ELEMENTS = 1 << 23
 #: Most graphs kept per process; keys past it run eagerly.
 MAX_GRAPHS = 128
 #: Streams a captured function may fork its independent work onto (run side by side on replay).
