@@ -87,3 +87,24 @@ def test_a_declined_replay_runs_the_loop(monkeypatch: pytest.MonkeyPatch) -> Non
     x = torch.randn(3, 5, 9)
     got = newton_schulz(x, dtype=torch.float32, steps=2)
     assert torch.equal(got, ns_module._ns_loop(x, SCHEDULE, EPS, torch.float32, 1.0))
+
+
+def test_graphs_are_admitted_within_the_count_and_memory_limits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A new graph is captured only while the kept graphs stay under both limits."""
+    held: dict[Any, Any] = {}
+    monkeypatch.setattr(cuda_graphs, "_GRAPHS", held)
+    limit = cuda_graphs.MAX_HELD_ELEMENTS
+    assert cuda_graphs._admits(limit) and not cuda_graphs._admits(limit + 1)
+
+    class Kept:
+        def __init__(self, numel: int) -> None:
+            self.static_in = torch.empty(1).expand(numel)
+
+    held["a"] = Kept(limit - 10)
+    held["failed"] = None  # a key that runs eagerly holds nothing
+    assert cuda_graphs._admits(10) and not cuda_graphs._admits(11)
+    held.clear()
+    held.update({i: None for i in range(cuda_graphs.MAX_GRAPHS)})
+    assert not cuda_graphs._admits(1)

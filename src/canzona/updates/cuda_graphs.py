@@ -14,6 +14,7 @@ __all__ = [
     "ENV_VAR",
     "MAX_ELEMENTS",
     "MAX_GRAPHS",
+    "MAX_HELD_ELEMENTS",
     "graphs_enabled",
     "piece_sizes",
     "replay_exact",
@@ -28,6 +29,11 @@ ENV_VAR = "CANZONA_CUDA_GRAPHS"
 MAX_ELEMENTS = 1 << 23
 #: Most graphs kept per process; keys past it run eagerly.
 MAX_GRAPHS = 128
+#: Most input elements over all kept graphs; keys past it run eagerly. A graph holds its
+#: input and, in its private pool, about three copies of it in the iteration's dtype (the
+#: Newton–Schulz loop's cast, results and stack): some 10 bytes per element from fp32 into
+#: bf16, so at most about 640 MiB of device memory per process.
+MAX_HELD_ELEMENTS = 1 << 26
 #: Streams a captured function may fork its independent work onto (run side by side on replay).
 BRANCHES = 8
 
@@ -62,6 +68,12 @@ def _streams(device: torch.device) -> tuple[torch.cuda.Stream, list[torch.cuda.S
         new = [torch.cuda.Stream(device=device) for _ in range(1 + BRANCHES)]  # type: ignore[no-untyped-call]
         _STREAMS[index] = (new[0], new[1:])
     return _STREAMS[index]
+
+
+def _admits(numel: int) -> bool:
+    """Whether one more graph of ``numel`` input elements stays within both limits."""
+    held = sum(g.static_in.numel() for g in _GRAPHS.values() if g is not None)
+    return len(_GRAPHS) < MAX_GRAPHS and held + numel <= MAX_HELD_ELEMENTS
 
 
 def _capture(fn: Sequenceable, static_in: Tensor) -> _Graph | None:
@@ -108,7 +120,8 @@ def replay_exact(
     independent parts of ``x`` (the graph then runs them side by side), eagerly it is empty.
 
     None (run eagerly) off CUDA, while a stream is being captured, for inputs above
-    :data:`MAX_ELEMENTS`, past :data:`MAX_GRAPHS` keys, for keys whose capture failed or
+    :data:`MAX_ELEMENTS`, past :data:`MAX_GRAPHS` keys or :data:`MAX_HELD_ELEMENTS`
+    elements held, for keys whose capture failed or
     whose check differed, and when :data:`ENV_VAR` is ``0``.
     """
     if x.device.type != "cuda" or x.numel() > MAX_ELEMENTS or not graphs_enabled():
@@ -118,7 +131,7 @@ def replay_exact(
     full_key = (x.device, x.dtype, tuple(x.shape), key)
     check = full_key if check_key is None else (x.device, x.dtype, check_key)
     if full_key not in _GRAPHS:
-        if _CHECKED.get(check) is False or len(_GRAPHS) >= MAX_GRAPHS:
+        if _CHECKED.get(check) is False or not _admits(x.numel()):
             return None
         static_in = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         if check in _CHECKED:
