@@ -120,9 +120,9 @@ def replay_exact(
     independent parts of ``x`` (the graph then runs them side by side), eagerly it is empty.
 
     None (run eagerly) off CUDA, while a stream is being captured, for inputs above
-    :data:`MAX_ELEMENTS`, past :data:`MAX_GRAPHS` keys or :data:`MAX_HELD_ELEMENTS`
-    elements held, for keys whose capture failed or
-    whose check differed, and when :data:`ENV_VAR` is ``0``.
+    :data:`MAX_ELEMENTS`, past :data:`MAX_GRAPHS` keys or :data:`MAX_HELD_ELEMENTS` elements
+    held, for keys whose capture failed or whose check differed, and when :data:`ENV_VAR` is
+    ``0``.
     """
     if x.device.type != "cuda" or x.numel() > MAX_ELEMENTS or not graphs_enabled():
         return None
