@@ -8,6 +8,14 @@ table (what the runtime plans with, ``PlanConfig(cost="measured")``) and on the 
 FLOPs (``cost="flops"``), and prices every plan's owner math in the table's seconds, batch
 by batch as the runtime stacks it (``predict_seconds``: per micro-group, rank and shape, one
 call of ``fixed + k * per_matrix``). Pure-Python planning on the CPU; no device needed.
+
+The tables time each shape at one matrix and at the owners' stack (at most 8); the GPU check
+(``benchmarks/results/gpu_check.json``, the same commit's run) also timed the head blocks in
+stacks of 64. Where that longer stack shows calls that run in pieces of the table's stack
+(``plan.measured.piece_size``: per-matrix CUDA-graph replays run 8 blocks side by side and
+the pieces in turn), the table gets those pieces (``MeasuredCost.pieces``), as a calibration
+that times twice the stack gives them now; every plan is priced with it, and ``canzona`` is
+planned on it and, as before pieces, on the table's lines alone (``canzona (one call)``).
 Writes ``benchmarks/results/device_plans.json`` and the ``device_plans`` section of
 ``docs/benchmarks.md``.
 
@@ -18,27 +26,82 @@ Writes ``benchmarks/results/device_plans.json`` and the ``device_plans`` section
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import re
 import time
 from pathlib import Path
 from typing import Any
 
 from canzona.plan import MatrixSpec, PlanConfig, build_plan
 from canzona.plan.assign import lower_bound, pinned_ranks
-from canzona.plan.measured import MeasuredCost, load_cost_table, predict_seconds
+from canzona.plan.measured import MeasuredCost, load_cost_table, piece_size, predict_seconds
 from canzona.plan.models import model_specs
 
 from _report import DOC, RESULTS, markdown_table, update_section, write_json
 
 TABLES = RESULTS / "device_costs"
-#: (row label, owner strategy, planned on the measured table?)
+#: The GPU check's results: its head blocks timed in stacks of 8 and 64.
+GPU_CHECK = RESULTS / "gpu_check.json"
+#: (row label, owner strategy, what it is planned on: the table with its pieces, the table's
+#: lines alone, or closed-form FLOPs)
 STRATEGIES = (
-    ("canzona (measured)", "canzona", True),
-    ("canzona (FLOPs)", "canzona", False),
-    ("numel", "numel", True),
-    ("count", "count", True),
-    ("round_robin", "round_robin", True),
+    ("canzona (measured)", "canzona", "table"),
+    ("canzona (one call)", "canzona", "lines"),
+    ("canzona (FLOPs)", "canzona", "flops"),
+    ("numel", "numel", "table"),
+    ("count", "count", "table"),
+    ("round_robin", "round_robin", "table"),
 )
+
+
+def long_stacks(path: Path) -> dict[tuple[int, int], dict[int, float]]:
+    """The GPU check's head blocks: ``{(m, n): {stack: seconds of one call}}`` (none: {})."""
+    if not path.is_file():
+        return {}
+    out: dict[tuple[int, int], dict[int, float]] = {}
+    for row in json.loads(path.read_text()).get("heads", []):
+        found = re.search(r"\((\d+)x(\d+)\)", row["shape"])
+        if found and isinstance(row.get("canzona"), float):
+            shape = (int(found[1]), int(found[2]))
+            out.setdefault(shape, {})[int(row["batch"])] = row["canzona"]
+    return out
+
+
+def with_pieces(
+    table: MeasuredCost, stacks: dict[tuple[int, int], int], timed: dict[Any, dict[int, float]]
+) -> tuple[MeasuredCost, list[dict[str, Any]]]:
+    """The table with the pieces that longer timed stacks show, and each shape's evidence.
+
+    ``stacks`` is each shape's stack in the table (``meta.stacks``); ``timed`` the longer
+    stacks' seconds (:func:`long_stacks`). A shape's longest timed stack decides, by
+    :func:`~canzona.plan.measured.piece_size`'s rule, between one call on its line and
+    pieces of its table stack.
+    """
+    lines = {shape: (fixed, per) for shape, fixed, per in table.batches}
+    pieces = list(table.pieces)
+    evidence = []
+    for shape, calls in sorted(timed.items()):
+        k, line = stacks.get(shape), lines.get(shape)
+        longest = max(calls)
+        if k is None or line is None or longest <= k:
+            continue
+        size = piece_size(k, line, calls[longest], stack=longest)
+        fixed, per = line
+        evidence.append(
+            {
+                "shape": list(shape),
+                "table_stack": k,
+                "stack": longest,
+                "measured_s": calls[longest],
+                "one_call_s": fixed + longest * per,
+                "pieces_s": -(-longest // k) * fixed + longest * per,
+                "piece_size": size,
+            }
+        )
+        if size is not None:
+            pieces.append((shape, size))
+    return dataclasses.replace(table, pieces=tuple(pieces)), evidence
 
 
 def table_case(path: Path) -> tuple[str, str, int]:
@@ -52,13 +115,20 @@ def table_case(path: Path) -> tuple[str, str, int]:
 
 
 def price(
-    specs: list[MatrixSpec], world: int, table: MeasuredCost, strategy: str, measured: bool
+    specs: list[MatrixSpec], world: int, table: MeasuredCost, strategy: str, planned_on: str
 ) -> dict[str, Any]:
-    """One plan's owner seconds per rank (the table's prices) and its FLOP balance."""
+    """One plan's owner seconds per rank (the table's prices) and its FLOP balance.
+
+    ``planned_on``: ``"table"`` (the table, pieces included), ``"lines"`` (the table
+    without its pieces) or ``"flops"`` (closed-form FLOPs).
+    """
     cost = table.for_world(world)
-    plan = build_plan(
-        specs, world, PlanConfig(strategy=strategy), optimizer=cost if measured else table.base
-    )
+    plan_cost = {
+        "table": cost,
+        "lines": dataclasses.replace(cost, pieces=()),
+        "flops": table.base,
+    }[planned_on]
+    plan = build_plan(specs, world, PlanConfig(strategy=strategy), optimizer=plan_cost)
     planned = list(plan.specs)
     ranks = {s.name: plan.assignment.computing_ranks(s.name) for s in planned}
     rounds = [g.names for g in plan.micro_groups]
@@ -91,18 +161,29 @@ def per_flop(table: MeasuredCost) -> list[dict[str, Any]]:
     return rows
 
 
-def run_case(model: str, split: str, paths: dict[int, Path]) -> dict[str, Any]:
+def run_case(
+    model: str, split: str, paths: dict[int, Path], timed: dict[Any, dict[int, float]]
+) -> dict[str, Any]:
     """Every strategy at each world size, priced with the table timed for that world."""
     specs = model_specs(model, split=split)
     worlds = []
     for world, path in sorted(paths.items()):
-        table = load_cost_table(path)
-        rows = {label: price(specs, world, table, s, m) for label, s, m in STRATEGIES}
+        meta = json.loads(path.read_text())["meta"]
+        stacks = {(m, n): k for m, n, k in meta.get("stacks", [])}
+        table, evidence = with_pieces(load_cost_table(path), stacks, timed)
+        rows = {label: price(specs, world, table, s, on) for label, s, on in STRATEGIES}
         best = rows["canzona (measured)"]["makespan_s"]
         for row in rows.values():
             row["vs_measured"] = row["makespan_s"] / best
-        meta = json.loads(path.read_text())["meta"]
-        worlds.append({"world": world, "meta": meta, "shapes": per_flop(table), "strategies": rows})
+        worlds.append(
+            {
+                "world": world,
+                "meta": meta,
+                "shapes": per_flop(table),
+                "pieces": evidence,
+                "strategies": rows,
+            }
+        )
     return {"model": model, "split": split, "matrices": len(specs), "worlds": worlds}
 
 
@@ -115,12 +196,20 @@ def render(payload: dict[str, Any]) -> str:
         "(`benchmarks/results/device_costs/`: per world size, each shape timed on the stack "
         "an owner forms). Every strategy plans the model for each world size; `canzona` "
         "twice, on the measured table (the runtime's default) and on "
-        "closed-form FLOPs. Each plan's owner math is priced in the table's seconds as the "
-        "runtime stacks it (per micro-group, rank and shape one call: `predict_seconds`). "
+        "closed-form FLOPs, and on the table's lines without the pieces below (*one call*, "
+        "as it planned before calibrations timed twice the stack). Each plan's owner math is "
+        "priced in the table's seconds as the runtime stacks it (per micro-group, rank and "
+        "shape one call, its fixed part once per piece: `predict_seconds`). "
         "*Busiest rank* is the largest per-rank sum; *makespan / LB (s)* divides it by the "
         "lower bound in the table's seconds (each matrix at its share of a stacked call, the "
         "calls' fixed parts left out); *(FLOPs)* is the same plan's makespan / lower bound in "
-        "closed-form FLOPs, what a FLOP planner sees.",
+        "closed-form FLOPs, what a FLOP planner sees. *Pieces:* the tables time a shape at "
+        "one matrix and the owners' stack (at most 8); the GPU check timed the head blocks "
+        "in stacks of 64 too (`benchmarks/results/gpu_check.json`, "
+        f"`{payload.get('gpu_check_commit', '?')}`). Where that stack's time is nearer "
+        "pieces of the table's stack, each paying the line's fixed part, than one call on "
+        "the line (`plan.measured.piece_size`, the rule a calibration applies to twice the "
+        "stack), the table prices calls in such pieces.",
     ]
     for case in payload["cases"]:
         meta = case["worlds"][0]["meta"]
@@ -143,6 +232,22 @@ def render(payload: dict[str, Any]) -> str:
                     f"{r['relative']:.2f}"
                     for r in shapes
                 )
+            )
+        evidence = {
+            (tuple(e["shape"]), e["stack"]): e for w in case["worlds"] for e in w.get("pieces", [])
+        }
+        if evidence:
+            lines += ["", "Stacks of the GPU check against the tables' lines:", ""]
+        for (shape, stack), e in sorted(evidence.items()):
+            verdict = (
+                f"pieces of {e['piece_size']}"
+                if e["piece_size"] is not None
+                else "one call (no pieces)"
+            )
+            lines.append(
+                f"- {shape[0]}×{shape[1]}, {stack} blocks: measured {e['measured_s'] * 1e3:.2f} "
+                f"ms; the line as one call {e['one_call_s'] * 1e3:.2f} ms, in pieces of "
+                f"{e['table_stack']} {e['pieces_s'] * 1e3:.2f} ms: {verdict}"
             )
         lines.append("")
         rows = []
@@ -180,6 +285,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-docs", action="store_true", help="skip docs/benchmarks.md")
     parser.add_argument("--out", type=Path, default=None, help="directory of the JSON file")
     parser.add_argument("--doc", type=Path, default=DOC, help="Markdown file to update")
+    parser.add_argument(
+        "--gpu-check", type=Path, default=GPU_CHECK, help="GPU check results (longer stacks)"
+    )
     args = parser.parse_args(argv)
     paths = sorted(args.tables.glob("*__*.json"))
     if not paths:
@@ -189,13 +297,18 @@ def main(argv: list[str] | None = None) -> int:
         model, split, world = table_case(path)
         grouped.setdefault((model, split), {})[world] = path
     start = time.perf_counter()
-    cases = [run_case(model, split, worlds) for (model, split), worlds in sorted(grouped.items())]
+    timed = long_stacks(args.gpu_check)
+    cases = [
+        run_case(model, split, worlds, timed) for (model, split), worlds in sorted(grouped.items())
+    ]
     for case in cases:
         for w in case["worlds"]:
             flops = w["strategies"]["canzona (FLOPs)"]["vs_measured"]
             print(f"{case['model']} {case['split']} world {w['world']}: FLOP plan {flops:.3f}")
+    check = json.loads(args.gpu_check.read_text()) if args.gpu_check.is_file() else {}
     payload: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d"),
+        "gpu_check_commit": check.get("commit"),
         "cases": cases,
         "bench_seconds": time.perf_counter() - start,
     }

@@ -68,3 +68,32 @@ def test_a_table_name_without_model_and_split_is_refused(tmp_path: Path) -> None
     assert device_plans.table_case(tmp_path / "a__qkv__w64.json") == ("a", "qkv", 64)
     with pytest.raises(SystemExit, match="no cost tables"):
         device_plans.main(["--tables", str(tmp_path), "--no-docs"])
+
+
+def test_longer_stacks_of_the_gpu_check_give_the_tables_pieces(tmp_path: Path) -> None:
+    """Catches: the GPU check's 64-block stacks ignored (tables priced as one call however
+    long the stack), or pieces given where one call predicts the longer stack better."""
+    check = tmp_path / "gpu_check.json"
+    heads = [
+        {"shape": "head (128x1024)", "batch": 8, "canzona": 0.4e-3},
+        {"shape": "head (128x1024)", "batch": 64, "canzona": 2.7e-3},
+        {"shape": "o head (1024x128)", "batch": 64, "canzona": 1.0e-3},
+    ]
+    check.write_text(json.dumps({"commit": "abc1234", "heads": heads}))
+    timed = device_plans.long_stacks(check)
+    assert timed == {(128, 1024): {8: 0.4e-3, 64: 2.7e-3}, (1024, 128): {64: 1.0e-3}}
+    assert device_plans.long_stacks(tmp_path / "missing.json") == {}
+    table = MeasuredCost(
+        base=MuonCost(),
+        table=(((128, 1024), 0.05e-3), ((1024, 128), 0.05e-3)),
+        batches=(((128, 1024), 0.35e-3, 0.01e-3), ((1024, 128), 0.35e-3, 0.01e-3)),
+    )
+    stacks = {(128, 1024): 8, (1024, 128): 8}
+    priced, evidence = device_plans.with_pieces(table, stacks, timed)
+    assert priced.piece_size(128, 1024) == 8  # 2.7 ms: nearer 8 pieces (3.4) than one call
+    assert priced.piece_size(1024, 128) is None  # 1.0 ms: one call (0.99 ms)
+    assert [e["piece_size"] for e in evidence] == [8, None]
+    assert evidence[0]["pieces_s"] == pytest.approx(8 * 0.35e-3 + 64 * 0.01e-3)
+    # no stack longer than the table's (or no table stack): nothing decided
+    same, none = device_plans.with_pieces(table, {(128, 1024): 64}, timed)
+    assert none == [] and same.pieces == ()

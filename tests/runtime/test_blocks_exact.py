@@ -327,3 +327,25 @@ def test_blocks_on_two_ranks_with_defaults_match_torch_muon(dist: Any, layout: s
     assert f"parameter 'qkv.weight': {sums}" in summed
     assert f"parameter 'qkv.weight': {sums}" in raw
     assert [r["collectives"] for r in out] == [0, 0]
+
+
+#: Equal row blocks (heads) and experts split into blocks: 3-D targets of 30 and 24 elements.
+BF16_SHAPES = {"heads": (12, 10), "experts": (3, 8, 6), "rows": (2, 8, 6)}
+BF16_SPLITS = {n: Split(dim=0, size=3 if n == "heads" else 4) for n in BF16_SHAPES}
+
+
+def test_bf16_blocks_on_one_device_equal_torch_muon_per_block() -> None:
+    """Catches: a half-precision stack of blocks updated whole (row blocks of a split matrix,
+    blocks of every expert): CPU element-wise kernels round a bf16 element by its place in
+    the tensor they are given, so the blocks differed from torch.optim.Muon on each alone."""
+    fulls = {n: t.bfloat16() for n, t in full_tensors(BF16_SHAPES).items()}
+    grads = [{n: t.bfloat16() for n, t in g.items()} for g in grad_steps(BF16_SHAPES, 5)]
+    want = reference_blocks(fulls, grads, lambda ps: torch.optim.Muon(ps, **KW), BF16_SPLITS)
+    params = [(n, nn.Parameter(t.clone())) for n, t in fulls.items()]
+    groups = [{"params": [(n, p)], "split": BF16_SPLITS[n]} for n, p in params]
+    opt = canzona.Muon(groups, **KW)
+    for g in grads:
+        set_grads(params, g)
+        opt.step()
+    same = {n: torch.equal(p.detach(), want[n]) for n, p in params}
+    assert same == dict.fromkeys(BF16_SHAPES, True)

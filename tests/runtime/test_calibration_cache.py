@@ -80,20 +80,37 @@ def test_the_process_cache_times_again_when_a_setting_changes() -> None:
 def test_disk_cache_round_trip_and_bad_files(tmp_path: Path) -> None:
     cache = DiskCache(tmp_path / "sub", "cpu:test")
     assert cache.load() == {}  # no file yet
-    cache.store({"k1": (0.5, -1.0), "k2": (0.25, 0.125)})
-    assert cache.load() == {"k1": (0.5, -1.0), "k2": (0.25, 0.125)}
-    cache.store({"k2": (0.75, 0.5)})  # merged, the newer entry wins
-    assert cache.load() == {"k1": (0.5, -1.0), "k2": (0.75, 0.5)}
+    cache.store({"k1": (0.5, -1.0, -1.0), "k2": (0.25, 0.125, 0.3)})
+    assert cache.load() == {"k1": (0.5, -1.0, -1.0), "k2": (0.25, 0.125, 0.3)}
+    cache.store({"k2": (0.75, 0.5, -1.0)})  # merged, the newer entry wins
+    assert cache.load() == {"k1": (0.5, -1.0, -1.0), "k2": (0.75, 0.5, -1.0)}
     assert [p.name for p in cache.path.parent.iterdir()] == [cache.path.name]  # no temp file
     data = json.loads(cache.path.read_text())
-    assert data["format"] == FORMAT and data["device"] == "cpu:test"
-    data["entries"].update({"nan": [float("nan"), 0.0], "neg": [-1.0, 0.0], "one": [1.0]})
+    assert data["format"] == FORMAT == 2 and data["device"] == "cpu:test"
+    data["entries"].update(
+        {
+            "nan": [float("nan"), 0.0, 0.0],
+            "inf": [1.0, 0.0, float("inf")],
+            "neg": [-1.0, 0.0, 0.0],
+            "two": [1.0, 0.5],  # a format-1 entry: no third timing
+            "one": [1.0],
+        }
+    )
     cache.path.write_text(json.dumps(data))
     assert set(cache.load()) == {"k1", "k2"}  # malformed entries are dropped
-    for text in ("{not json", json.dumps({"format": FORMAT + 1, "entries": {}}), "[1, 2]"):
+    old = {"format": 1, "entries": {"k": [1.0, 0.5]}}  # written before the third timing
+    for text in (
+        "{not json",
+        json.dumps({"format": FORMAT + 1, "entries": {}}),
+        "[1, 2]",
+        json.dumps(old),
+    ):
         cache.path.write_text(text)
         with pytest.warns(RuntimeWarning, match="is not a cache file"):
             assert cache.load() == {}
+    cache.path.write_bytes(b"\xff\xfe not utf-8")  # e.g. a file clobbered by another tool
+    with pytest.warns(RuntimeWarning, match="is not readable"):
+        assert cache.load() == {}
     assert DiskCache(tmp_path, "a").path != DiskCache(tmp_path, "b").path  # one per device
 
 
@@ -102,7 +119,7 @@ def test_disk_cache_write_failure_only_warns(tmp_path: Path) -> None:
     blocker.write_text("")
     cache = DiskCache(blocker / "dir", "cpu:test")  # a directory under a regular file
     with pytest.warns(RuntimeWarning, match="could not write the calibration cache"):
-        cache.store({"k": (1.0, -1.0)})
+        cache.store({"k": (1.0, -1.0, -1.0)})
 
 
 def _jobs_with_a_disk_cache(directory: str) -> dict[str, Any]:

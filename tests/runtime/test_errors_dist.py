@@ -511,3 +511,91 @@ def test_add_param_group_on_some_ranks_only_raises_everywhere(dist: Any) -> None
         ), o["msg"]
         assert "every rank must call step() with the same parameters, param groups" in o["msg"]
         assert o["unchanged"], o
+
+
+def _redistributed_grads(mode: str) -> list[tuple[str, bool, bool]]:
+    """``b``'s gradient in ``Shard(1)`` for a ``Shard(0)`` parameter (its read redistributes
+    it, a collective); in the fourth step rank 0 alone prepares nothing (``nan``: a NaN in
+    ``a`` with ``skip_nonfinite``; its riding header declines the step) or fails at the
+    gradient before ``b``'s (``plain``: ``a``'s a plain tensor). Per step: outcome, whether
+    the parameters changed, whether the header rode."""
+    rank = tdist.get_rank()
+    dm = mesh((2,))
+    shapes = {"a": (16, 8), "b": (8, 16)}
+    params = sharded_params(full_tensors(shapes), dm, {n: (Shard(0),) for n in shapes})
+    config = canzona.PipelineConfig(skip_nonfinite=mode == "nan", timeout_s=20.0)
+    opt = canzona.Muon(params, lr=0.02, ns_dtype=torch.float32, pipeline=config)
+    out = []
+    for step, grads in enumerate(grad_steps(shapes, 4)):
+        if step == 3 and mode == "nan" and rank == 0:
+            grads["a"][0, 0] = float("nan")
+        for (n, p), g in zip(params, grads.values(), strict=True):
+            p.grad = distribute_tensor(g, dm, [Shard(1) if n == "b" else Shard(0)])
+        if step == 3 and mode == "plain" and rank == 0:
+            params[0][1].grad = grads["a"]
+        before = [full_of(p) for _, p in params]
+        kind, _ = _outcome(opt.step)
+        after = [full_of(p) for _, p in params]
+        changed = any(not torch.equal(b, a) for b, a in zip(before, after, strict=True))
+        out.append((kind, changed, bool(opt.last_step_stats and opt.last_step_stats.header_rode)))
+        opt.zero_grad(set_to_none=True)
+    return out
+
+
+@pytest.mark.parametrize(("mode", "last"), [("nan", "ok"), ("plain", "UpdateFailedError")])
+def test_a_rank_that_prepares_nothing_still_redistributes_gradients(
+    dist: Any, mode: str, last: str
+) -> None:
+    """Catches: the gradients' redistribution (a collective) left to the prepare, which a
+    rank skipped when its riding header declined the step, or stopped at its first bad
+    gradient: the other rank waited in a redistribution no watchdog bounds. (A rank whose
+    own gradient for such a parameter is missing or plain cannot enter its redistribution
+    at all: docs/usage.md says so.)"""
+    for rank, out in enumerate(dist(2).run(_redistributed_grads, mode, timeout=TIMEOUT)):
+        assert [o[0] for o in out] == ["ok", "ok", "ok", last], f"rank {rank}: {out}"
+        assert out[2][2], f"rank {rank}: the third step's header did not ride"
+        assert out[3][1] is False, f"rank {rank}: the fourth step changed parameters"
+
+
+def _hparam_set_between_steps(what: str) -> dict[str, Any]:
+    """After a good step every rank sets a group value the step cannot use (as a scheduler
+    or the job may); ``b`` is (1, 16): rank 1 holds an empty shard of it."""
+    dm = mesh((2,))
+    shapes = {"a": (16, 8), "b": (1, 16), "bias": (8,)}
+    params = sharded_params(full_tensors(shapes), dm, {n: (Shard(0),) for n in shapes})
+    named = dict(params)
+    groups = [
+        {"params": [("a", named["a"])]},
+        {"params": [("b", named["b"])]},
+        {"params": [("bias", named["bias"])], "algorithm": "adamw"},
+    ]
+    opt = canzona.Muon(groups, lr=0.02, ns_dtype=torch.float32)
+    steps = grad_steps(shapes, 3)
+    set_grads(params, steps[0])
+    opt.step()
+    if what == "scale":
+        opt.param_groups[1]["scale"] = -1.0
+    elif what == "adjust_lr_fn":
+        opt.param_groups[1]["adjust_lr_fn"] = "spectrall"
+    else:
+        opt.param_groups[2]["lr"] = torch.tensor([1e-3, 1e-3])
+    set_grads(params, steps[1])
+    before = {n: full_of(p) for n, p in params}
+    state = {k: v.clone() for k, v in opt.state[named["a"]].items() if torch.is_tensor(v)}
+    kind, msg = _outcome(opt.step)
+    same = all(torch.equal(before[n], full_of(p)) for n, p in params)
+    kept = all(torch.equal(state[k], opt.state[named["a"]][k]) for k in state)
+    return {"kind": kind, "msg": msg, "unchanged": same and kept}
+
+
+@pytest.mark.parametrize(("what", "group"), [("scale", 1), ("adjust_lr_fn", 1), ("adamw_lr", 2)])
+def test_a_group_value_set_between_steps_is_checked_before_the_step(
+    dist: Any, what: str, group: int
+) -> None:
+    """Catches: group values checked only when the group was added, so a bad one raised
+    in the apply, after the vote: a plain ValueError, part of the step applied (``a``
+    updated, its momentum rolled back), and a rank with nothing of ``b`` going on alone."""
+    for rank, out in enumerate(dist(2).run(_hparam_set_between_steps, what, timeout=TIMEOUT)):
+        assert out["kind"] == "UpdateFailedError", f"rank {rank}: {out}"
+        assert f"param group {group}:" in out["msg"], f"rank {rank}: {out['msg']}"
+        assert out["unchanged"], f"rank {rank}: the failed step changed something"

@@ -144,3 +144,31 @@ def test_single_device_reference_is_torch_muon_per_expert() -> None:
         set_grads(params, g)
         opt.step()
     assert torch.equal(params[0][1].detach(), want["experts"])
+
+
+def _bf16_experts(world: int) -> dict[str, bool]:
+    """bf16 expert stacks, whole experts per rank, against torch.optim.Muon per expert."""
+    shapes = {"experts": (4, 4, 6), "wide": (2, 6, 10)}  # 24 and 60 elements per expert
+    fulls = {n: t.bfloat16() for n, t in full_tensors(shapes).items()}
+    grads = [{n: t.bfloat16() for n, t in g.items()} for g in grad_steps(shapes, 3)]
+    want = reference_muon(fulls, grads, **REF_KW)
+    if world == 1:
+        params = [(n, torch.nn.Parameter(t.clone())) for n, t in fulls.items()]
+    else:
+        params = sharded_params(fulls, mesh((world,)), {n: (Shard(0),) for n in shapes})
+    opt = canzona.Muon(params, **{**KW, "ns_dtype": torch.bfloat16})
+    for g in grads:
+        set_grads(params, g)
+        opt.step()
+    got = {n: p.full_tensor() if world > 1 else p.detach() for n, p in params}
+    return {n: eq for n, (eq, _) in compare(got, want).items()}
+
+
+def test_bf16_expert_stacks_equal_torch_muon_per_expert(dist: Any) -> None:
+    """Catches: a half-precision stack updated whole. CPU element-wise kernels round a bf16
+    element by its place in the tensor they are given (vector body or scalar tail), so the
+    stack's apply differed from torch.optim.Muon's on each expert alone, on one device and
+    under expert parallelism (momentum and Newton–Schulz equal, only the parameters apart)."""
+    assert _bf16_experts(1) == {"experts": True, "wide": True}
+    for out in dist(2).run(_bf16_experts, 2):
+        assert out == {"experts": True, "wide": True}

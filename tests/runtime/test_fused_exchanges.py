@@ -236,14 +236,21 @@ def _mismatch_case(field: str, mine: object, theirs: object) -> str:
 
 @pytest.mark.parametrize(
     ("field", "mine", "theirs"),
-    [("fuse_bytes", 0, 1 << 20), ("depth", 1, 2), ("overlap", True, False)],
+    [
+        ("fuse_bytes", 0, 1 << 20),
+        ("depth", 1, 2),
+        ("overlap", True, False),
+        ("atomic", True, False),
+    ],
 )
 def test_ranks_that_exchange_differently_fail_before_any_collective(
     dist: Any, field: str, mine: object, theirs: object
 ) -> None:
     """Catches: a setting that decides the step's collectives (``fuse_bytes``, ``depth``,
-    ``overlap``: ``PipelineConfig.collective_settings``) left out of the configuration the
-    ranks compare (a hang)."""
+    ``overlap``, ``atomic``: ``PipelineConfig.collective_settings``) left out of the
+    configuration the ranks compare (a hang; with ``atomic``, from the third step on one
+    rank's header rode its first gather while the other's travelled alone, and gloo
+    aborted the process on the size mismatch)."""
     assert dist(2).run(_mismatch_case, field, mine, theirs) == ["PlanMismatchError"] * 2
 
 

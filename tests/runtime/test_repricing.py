@@ -68,10 +68,15 @@ def _owners(opt: Any) -> dict[str, int]:
 
 
 def _run(
-    cls: Any, kw: dict[str, Any], reprice_steps: int, fail_at: int | None = None
+    cls: Any,
+    kw: dict[str, Any],
+    reprice_steps: int,
+    fail_at: int | None = None,
+    state_dict_at: int | None = None,
 ) -> dict[str, Any]:
     """Run :data:`STEPS` steps with the fake clock; with ``fail_at`` (1-based), rank 1's
-    owner math raises in that step (every rank must raise, and the step change nothing)."""
+    owner math raises in that step (every rank must raise, and the step change nothing);
+    with ``state_dict_at``, ``state_dict()`` is taken (and dropped) before that step."""
     fulls = full_tensors(SHAPES)
     grads = grad_steps(SHAPES, STEPS)
     params = sharded_params(fulls, mesh((2,)), {n: (Shard(0),) for n in SHAPES})
@@ -96,6 +101,8 @@ def _run(
         opt._directions = directions
         for i, g in enumerate(grads, start=1):
             step[0] = i
+            if i == state_dict_at:
+                opt.state_dict()  # a periodic checkpoint: it must change nothing
             set_grads(params, g)
             try:
                 opt.step()
@@ -174,6 +181,32 @@ def test_owner_state_moves_with_the_repriced_plan(dist: Any, name: str) -> None:
     ones start from scratch and the parameters differ from one device's)."""
     for rank, out in enumerate(dist(2).run(_owner_state, name)):
         assert out["repricings"][-1] == 1
+        bad = {n: rel for n, (eq, rel) in out["exact"].items() if not eq}
+        assert not bad, f"rank {rank}: {name} not bitwise equal to one device: {bad}"
+
+
+def _checkpoint_before_the_replan(name: str) -> dict[str, Any]:
+    cls = getattr(canzona, name)
+    out = _run(cls, OWNER_KW[name], RECORDED_STEPS, state_dict_at=DUE)
+    want = local_optimizer(cls, out["fulls"], out["grads"], **OWNER_KW[name])
+    return {
+        "repricings": out["repricings"],
+        "moved": out["owners"][DUE - 2] != out["owners"][DUE - 1],
+        "rode": out["rode"],
+        "exact": compare(out["got"], want),
+    }
+
+
+@pytest.mark.parametrize("name", ["Shampoo", "SOAP"])
+def test_a_state_dict_that_reprices_leaves_no_stale_step_behind(dist: Any, name: str) -> None:
+    """``state_dict()`` agrees on the plan first, so one taken when the re-pricing is due
+    re-plans there. Catches: the next step riding the pipeline of the plan before it (the
+    header that rides the first gather compared the table, not the plan): the matrices
+    whose owner moved found no state on their old owner and started afresh, silently."""
+    for rank, out in enumerate(dist(2).run(_checkpoint_before_the_replan, name)):
+        assert out["repricings"] == [0] * (DUE - 1) + [1] * (STEPS - DUE + 1), f"rank {rank}"
+        assert out["moved"], f"rank {rank}: the re-plan did not move owners"
+        assert out["rode"][DUE - 1] is False, f"rank {rank}: the step after the re-plan rode"
         bad = {n: rel for n, (eq, rel) in out["exact"].items() if not eq}
         assert not bad, f"rank {rank}: {name} not bitwise equal to one device: {bad}"
 

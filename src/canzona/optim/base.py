@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import operator
 from collections.abc import Callable, Iterable
@@ -123,6 +124,7 @@ class MatrixOptimizer(CopyMixin, CheckpointMixin, Optimizer):
         self._state_generation = 0
         self._steps_without_grads = 0
         self._algorithms: dict[int, str] = {}  # per param group, the algorithm of its state
+        self._checked_hparams = ""  # the hyper-parameters' fingerprint last found valid
         self.last_step_stats: StepStats | None = None
 
     def _new_runtime(self) -> MatrixRuntime:
@@ -376,7 +378,7 @@ class MatrixOptimizer(CopyMixin, CheckpointMixin, Optimizer):
         table = self._step_table(params, gids)
         raw = [p.grad for p in params]  # each gradient read once a step
         has_grad = [g is not None for g in raw]
-        failure: Failure | None = None
+        failure = self._check_hparams(table.fingerprint)
         nonfinite = False
         if self.pipeline_config.skip_nonfinite:
             try:
@@ -427,12 +429,16 @@ class MatrixOptimizer(CopyMixin, CheckpointMixin, Optimizer):
         )
         txn.on_rollback(self._owner.rollback)
         work: StepWork | None = None
+        read = False
         if failure is None and not start.declined:
             try:
                 work = self._step_work(start, table, params, gids, txn)
+                read = True  # the prepare reads every gradient, whatever fails
                 self._prepare(work, raw, names, txn)
             except Exception as exc:
                 failure = Failure("preparing the step", exc)
+        if not read:
+            _read_gradients(names, params, raw)
         try:
             stats: StepStats = self._runtime.run(
                 table,
@@ -504,10 +510,21 @@ class MatrixOptimizer(CopyMixin, CheckpointMixin, Optimizer):
         """Counters, AdamW moments and matrix payloads (before the vote).
 
         ``raw`` holds every parameter's ``.grad`` as the step read it (optimizer order).
+        Every gradient is read before anything else, and all of them even when one fails:
+        a gradient in other placements than its parameter's is redistributed as it is read
+        (a collective of its mesh), and every rank must enter the same ones.
         """
-        txn.bump(work.steps)
+        read: list[list[Tensor]] = []
+        error: Exception | None = None
         for w in work.groups:
-            grads = local_grads(names, w.idxs, w.params, raw)
+            try:
+                read.append(local_grads(names, w.idxs, w.params, raw))
+            except Exception as exc:
+                error = error or exc
+        if error is not None:
+            raise error
+        txn.bump(work.steps)
+        for w, grads in zip(work.groups, read, strict=True):
             group = self.param_groups[w.gid]
             if w.adamw:
                 self._adamw_moments(w, grads, txn)
@@ -515,6 +532,29 @@ class MatrixOptimizer(CopyMixin, CheckpointMixin, Optimizer):
                 if len(w.prepared) != len(grads):
                     grads = [grads[k] for k in w.prepared]
                 self._prepare_group(group, w, grads, txn)
+
+    def _check_hparams(self, fingerprint: str) -> Failure | None:
+        """The groups' hyper-parameters checked again when they changed since the last step.
+
+        A scheduler or the job may set any group entry between steps; a value the step
+        could not use would otherwise raise in the apply, after the vote, leaving part of
+        the step applied (and on a rank without local data, nothing raised at all). As a
+        failure of this rank it fails the step on every rank before anything changes.
+        """
+        if fingerprint == self._checked_hparams:
+            return None
+        for gid, group in enumerate(self.param_groups):
+            try:
+                self._check_common(
+                    group["lr"], group["weight_decay"], group["adamw_betas"], group["adamw_eps"]
+                )
+                if group["algorithm"] != ADAMW:
+                    self._validate_group(group)
+            except (ValueError, TypeError, KeyError) as exc:
+                error = ValueError(f"param group {gid}: {exc}")
+                return Failure("checking the param groups' hyper-parameters", error)
+        self._checked_hparams = fingerprint
+        return None
 
     def _check_algorithms(self, params: list[Tensor], names: list[str], gids: list[int]) -> None:
         """Refuse a step whose param group changed algorithm after its state was created.
@@ -591,3 +631,17 @@ class MatrixOptimizer(CopyMixin, CheckpointMixin, Optimizer):
 
     # ------------------------------------------------------------------ helpers
     _check_common = staticmethod(check_common)
+
+
+def _read_gradients(names: list[str], params: list[Tensor], raw: list[Tensor | None]) -> None:
+    """Read every gradient as the prepare would, for a rank that does not prepare.
+
+    A rank that failed before its prepare, or whose step the riding header declined, still
+    redistributes the gradients held in other placements than their parameters' (each a
+    collective of its mesh) that the other ranks' prepares redistribute, in the same order:
+    a rank left out would leave the others waiting in it. Errors are the prepare's to
+    report; here they are dropped.
+    """
+    idxs = [i for i, g in enumerate(raw) if g is not None]
+    with contextlib.suppress(Exception):
+        local_grads(names, idxs, [params[i] for i in idxs], raw)

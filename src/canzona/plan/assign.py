@@ -244,18 +244,34 @@ def call_parts(model: CostModel, spec: MatrixSpec) -> tuple[float, float]:
     return 0.0, model.flops(spec)
 
 
+def call_piece(model: CostModel, spec: MatrixSpec) -> int | None:
+    """Most matrices of the spec's class that one piece of a call runs (None: any number).
+
+    Measured models know it per shape (:meth:`MeasuredCost.piece_size`); others never limit.
+    """
+    if isinstance(model, GroupedCost):
+        model = model.model_of(spec)
+    if isinstance(model, MeasuredCost):
+        return model.piece_size(spec.m, spec.n)
+    return None
+
+
 def call_class(spec: MatrixSpec) -> tuple[str | None, int, int, int]:
     """What the runtime stacks into one call: param group (cost key), shape, payload size."""
     return spec.cost_key, spec.m, spec.n, spec.itemsize
 
 
 def _stack_sizes(
-    specs: Sequence[MatrixSpec], memory: Sequence[int], capacity: int | None
+    specs: Sequence[MatrixSpec],
+    memory: Sequence[int],
+    capacity: int | None,
+    pieces: Sequence[int | None] = (),
 ) -> list[int]:
-    """Per matrix, how many of its class one micro-group holds per rank.
+    """Per matrix, how many of its class share one fixed part of a call on a rank.
 
-    The capacity over the class's largest bytes in flight (at least 1); every matrix of the
-    instance when the capacity is unlimited (None).
+    The capacity over the class's largest bytes in flight (at least 1: what one micro-group
+    holds per rank), every matrix of the instance when the capacity is unlimited (None);
+    at most the class's piece size where its calls run in pieces (``pieces``).
     """
     largest: dict[tuple[str | None, int, int, int], int] = {}
     for spec, nbytes in zip(specs, memory, strict=True):
@@ -263,9 +279,11 @@ def _stack_sizes(
         largest[key] = max(largest.get(key, 0), nbytes)
     everything = max(1, len(specs))
     out = []
-    for spec in specs:
+    for i, spec in enumerate(specs):
         size = largest[call_class(spec)]
-        out.append(everything if capacity is None or size <= 0 else max(1, capacity // size))
+        stack = everything if capacity is None or size <= 0 else max(1, capacity // size)
+        piece = pieces[i] if pieces else None
+        out.append(stack if piece is None else min(stack, piece))
     return out
 
 
@@ -280,6 +298,7 @@ def _greedy(
     parts: Sequence[tuple[float, float]] = (),
     memory: Sequence[int] = (),
     capacity: int | None = None,
+    pieces: Sequence[int | None] = (),
 ) -> list[int]:
     """Owners by LPT on element counts (``numel``) or the blended cost (``canzona``).
 
@@ -317,7 +336,12 @@ def _greedy(
                 costs=[w_bytes * moved[i] + w_flops * parts[i][1] for i in order],
                 fixed=[w_flops * parts[i][0] for i in order],
                 classes=[call_class(specs[i]) for i in order],
-                stack=_stack_sizes([specs[i] for i in order], [memory[i] for i in order], capacity),
+                stack=_stack_sizes(
+                    [specs[i] for i in order],
+                    [memory[i] for i in order],
+                    capacity,
+                    [pieces[i] for i in order] if pieces else (),
+                ),
             )
             movable = [() if specs[i].holders is not None else specs[i].ranks for i in order]
             chosen = consolidate_owners(calls, movable, chosen, num_ranks)
@@ -398,12 +422,23 @@ def assign_owners(
     elif strategy == "count":
         owners = _count(specs, num_ranks)
     else:
-        parts, memory = [], []
+        parts, memory, pieces = [], [], []
         if strategy == "canzona":
             parts = [call_parts(model, s) for s in specs]
             memory = [model.memory_bytes(s) for s in specs]
+            pieces = [call_piece(model, s) for s in specs]
         owners = _greedy(
-            specs, num_ranks, strategy, flops, nbytes, alpha, refine, parts, memory, capacity_bytes
+            specs,
+            num_ranks,
+            strategy,
+            flops,
+            nbytes,
+            alpha,
+            refine,
+            parts,
+            memory,
+            capacity_bytes,
+            pieces,
         )
 
     per_rank: list[list[float]] = [[] for _ in range(num_ranks)]

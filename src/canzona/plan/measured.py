@@ -20,6 +20,7 @@ __all__ = [
     "fit_loglog",
     "load_cost_table",
     "owner_transfer_share",
+    "piece_size",
     "predict_seconds",
     "reprice",
     "save_cost_table",
@@ -93,6 +94,28 @@ def batch_line(a: tuple[int, float], b: tuple[int, float]) -> tuple[float, float
     return (fixed, per)
 
 
+def piece_size(
+    k: int, line: tuple[float, float], seconds: float, stack: int | None = None
+) -> int | None:
+    """The piece size that a timing of a longer stack shows, or None: ``k`` or no limit.
+
+    ``line`` is ``(fixed, per_matrix)`` through the timings at ``k`` and a smaller batch;
+    ``seconds`` is one call on ``stack`` matrices (default ``2 k``). In one piece that call
+    would take ``fixed + stack per_matrix``; in pieces of ``k``, each paying the fixed part,
+    ``ceil(stack / k) fixed + stack per_matrix``. The model whose prediction is nearer wins
+    (a tie keeps one piece). On a CPU the batched kernels keep their economy of scale; on a
+    GPU the per-matrix graph replays run a piece's matrices side by side and the pieces in
+    turn.
+    """
+    fixed, per = line
+    stack = 2 * k if stack is None else stack
+    if k < 1 or stack <= k or not (fixed > 0 and seconds > 0):
+        return None
+    own = stack * per
+    pieces = -(-stack // k) * fixed + own
+    return k if abs(seconds - pieces) < abs(seconds - fixed - own) else None
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MeasuredCost:
     """Seconds on the owner per matrix, measured on the device the job runs on.
@@ -122,6 +145,12 @@ class MeasuredCost:
             one call on ``k`` stacked matrices takes ``fixed + k * per_matrix`` seconds
             (:meth:`batch_seconds`). ``table`` prices a matrix at the batch an owner is
             expected to stack; this prices the batches a plan actually forms.
+        pieces: ``((m, n), size)`` for every shape whose calls run in pieces of at most
+            ``size`` matrices, one after another, each paying the fixed part: ``k`` stacked
+            matrices take ``fixed * ceil(k / size) + k * per_matrix`` seconds (a shape with a
+            batch line only). Calibration finds it by timing a third batch size (see
+            :func:`piece_size`): per-matrix CUDA-graph replays run ``size`` matrices side by
+            side and the pieces in turn, so a longer stack saves no fixed part.
     """
 
     base: CostModel
@@ -132,11 +161,13 @@ class MeasuredCost:
     name: str = field(default="")
     batches: tuple[tuple[tuple[int, int], float, float], ...] = ()
     transfer_share: float = 1.0
+    pieces: tuple[tuple[tuple[int, int], int], ...] = ()
     _index: dict[tuple[int, int], float] = field(init=False, repr=False, compare=False)
     _lines: dict[tuple[int, int], tuple[float, float]] = field(
         init=False, repr=False, compare=False
     )
     _fits: dict[tuple[str, int], tuple[float, float]] = field(init=False, repr=False, compare=False)
+    _pieces: dict[tuple[int, int], int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.base, CostModel):
@@ -165,9 +196,17 @@ class MeasuredCost:
             if not all(isinstance(v, int | float) and math.isfinite(v) for v in (a, b)):
                 raise ValueError(f"a class fit's coefficients must be finite, got {(a, b)!r}")
             fits[(kind, value)] = (float(a), float(b))
+        pieces: dict[tuple[int, int], int] = {}
+        for (m, n), size in self.pieces:
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise ValueError(f"a piece size must be an integer >= 1, got {size!r}")
+            if (int(m), int(n)) not in lines:
+                raise ValueError(f"pieces of {m}x{n} need its batch line, got none")
+            pieces[(int(m), int(n))] = size
         object.__setattr__(self, "_index", index)
         object.__setattr__(self, "_lines", lines)
         object.__setattr__(self, "_fits", fits)
+        object.__setattr__(self, "_pieces", pieces)
         if not self.name:
             object.__setattr__(self, "name", self.base.name)
 
@@ -183,21 +222,31 @@ class MeasuredCost:
     def batch_seconds(self, m: int, n: int, k: int) -> float:
         """The owner's time for one call on ``k`` stacked ``m x n`` matrices.
 
-        ``fixed + k * per_matrix`` where the shape was timed at two batch sizes, else ``k``
-        times :meth:`seconds`.
+        ``fixed + k * per_matrix`` where the shape was timed at two batch sizes (the fixed
+        part once per piece where its calls run in pieces), else ``k`` times :meth:`seconds`.
         """
         line = self._lines.get((m, n))
         if line is None:
             return k * self.seconds(m, n)
         fixed, per = line
-        return fixed + k * per if k > 0 else 0.0
+        return fixed * self.calls(m, n, k) + k * per if k > 0 else 0.0
+
+    def piece_size(self, m: int, n: int) -> int | None:
+        """Most ``m x n`` matrices that one piece of a call runs (None: any number)."""
+        return self._pieces.get((m, n))
+
+    def calls(self, m: int, n: int, k: int) -> int:
+        """Fixed parts that one call on ``k`` stacked ``m x n`` matrices pays (its pieces)."""
+        size = self._pieces.get((m, n))
+        return 1 if size is None else -(-k // size)
 
     def call_parts(self, spec: MatrixSpec) -> tuple[float, float]:
         """``(fixed, own)`` seconds: a call's fixed part and the spec's own part of it.
 
-        The fixed part is the batch line's for the spec's shape; the own part prices its
-        matrices at the line's price per matrix, plus the payload's transfer time. Without a
-        batch line: ``(0, flops(spec))``.
+        The fixed part is the batch line's for the spec's shape (paid once per piece where
+        its calls run in pieces: :meth:`piece_size`); the own part prices its matrices at
+        the line's price per matrix, plus the payload's transfer time. Without a batch line:
+        ``(0, flops(spec))``.
         """
         line = self._lines.get((spec.m, spec.n))
         if line is None:
@@ -233,8 +282,12 @@ class MeasuredCost:
         return self.base.memory_bytes(spec)
 
     def params(self) -> dict[str, Any]:
-        """Everything that prices a matrix (what the plan digest covers)."""
-        return {
+        """Everything that prices a matrix (what the plan digest covers).
+
+        ``pieces`` appears only where some shape has them, so a table without pieces keeps
+        the parameters (and plan digests) it had before they existed.
+        """
+        out = {
             "base": {"name": self.base.name, "params": cost_model_params(self.base)},
             "table": [[m, n, s] for (m, n), s in sorted(self._index.items())],
             "fit": list(self.fit),
@@ -243,6 +296,9 @@ class MeasuredCost:
             "transfer_share": self.transfer_share,
             "batches": [[m, n, f, g] for (m, n), (f, g) in sorted(self._lines.items())],
         }
+        if self._pieces:
+            out["pieces"] = [[m, n, size] for (m, n), size in sorted(self._pieces.items())]
+        return out
 
 
 def owner_transfer_share(num_ranks: int) -> float:
@@ -259,18 +315,35 @@ def owner_transfer_share(num_ranks: int) -> float:
     return max(0.0, (num_ranks - 2) / num_ranks)
 
 
-def _fitted_line(points: Sequence[tuple[int, float]]) -> tuple[float, float] | None:
-    """``(fixed, per_matrix)`` of the least-squares line through ``(k, seconds)`` points.
+def _fitted_line(
+    points: Sequence[tuple[int, float]], size: int | None = None
+) -> tuple[float, float] | None:
+    """``(fixed, per_matrix)`` of the least squares ``seconds = fixed * calls + per_matrix * k``.
 
-    None with fewer than two batch sizes, or when a part comes out negative.
+    ``calls`` is 1, or ``ceil(k / size)`` for calls that run in pieces of ``size``. None
+    when the points do not determine both parts (fewer than two batch sizes, or pieces
+    proportional to ``k``), or when a part comes out negative.
     """
     if len({k for k, _ in points}) < 2:
         return None
-    mk = math.fsum(k for k, _ in points) / len(points)
-    mt = math.fsum(t for _, t in points) / len(points)
-    var = math.fsum((k - mk) ** 2 for k, _ in points)
-    per = math.fsum((k - mk) * (t - mt) for k, t in points) / var
-    fixed = mt - per * mk
+    if size is None:
+        mk = math.fsum(k for k, _ in points) / len(points)
+        mt = math.fsum(t for _, t in points) / len(points)
+        var = math.fsum((k - mk) ** 2 for k, _ in points)
+        per = math.fsum((k - mk) * (t - mt) for k, t in points) / var
+        fixed = mt - per * mk
+        return (fixed, per) if per >= 0 and fixed >= 0 else None
+    xs = [(-(-k // size), k, t) for k, t in points]
+    spp = math.fsum(p * p for p, _, _ in xs)
+    spk = math.fsum(p * k for p, k, _ in xs)
+    skk = math.fsum(k * k for _, k, _ in xs)
+    spt = math.fsum(p * t for p, _, t in xs)
+    skt = math.fsum(k * t for _, k, t in xs)
+    det = spp * skk - spk * spk
+    if not det > 1e-9 * spp * skk:
+        return None
+    fixed = (spt * skk - skt * spk) / det
+    per = (skt * spp - spt * spk) / det
     return (fixed, per) if per >= 0 and fixed >= 0 else None
 
 
@@ -292,7 +365,7 @@ def reprice(
         points = sorted((int(k), float(t)) for k, t in calls.items() if k > 0 and t > 0)
         if not points:
             continue
-        line = _fitted_line(points)
+        line = _fitted_line(points, model.piece_size(m, n))
         if line is None:
             k, t = points[-1]
             predicted = model.batch_seconds(m, n, k)
@@ -306,7 +379,7 @@ def reprice(
             continue
         lines[(m, n)] = line
         k = points[-1][0]
-        table[(m, n)] = (line[0] + k * line[1]) / k
+        table[(m, n)] = (line[0] * model.calls(m, n, k) + k * line[1]) / k
     return replace(
         model,
         table=tuple(sorted(table.items())),
@@ -378,6 +451,7 @@ def measured_from_params(base: CostModel, entry: Mapping[str, Any]) -> MeasuredC
         batches=tuple(
             ((int(m), int(n)), float(f), float(g)) for m, n, f, g in entry.get("batches", ())
         ),
+        pieces=tuple(((int(m), int(n)), int(size)) for m, n, size in entry.get("pieces", ())),
     )
 
 

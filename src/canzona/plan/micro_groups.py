@@ -7,7 +7,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from canzona.plan.assign import Assignment, call_class, call_parts
+from canzona.plan.assign import Assignment, call_class, call_parts, call_piece
 from canzona.plan.cost import CostModel, GroupedCost, resolve_cost_model
 from canzona.plan.measured import MeasuredCost
 from canzona.plan.spec import MatrixSpec
@@ -197,21 +197,25 @@ def _finish_time(
     owners: Sequence[int],
     classes: Sequence[tuple[str, int, int, int]] | None,
     parts: Sequence[tuple[float, float]],
+    pieces: Sequence[int | None] = (),
 ) -> float:
     """Sum over groups of the busiest owner's cost, each call class's fixed part once.
 
-    ``classes`` None: no fixed parts (only the matrices' own costs add up).
+    Once per piece where a class's calls run in pieces (``pieces``: per matrix, its class's
+    piece size or None). ``classes`` None: no fixed parts (only the matrices' own costs).
     """
     total = 0.0
     for chosen in groups:
         loads: dict[int, float] = {}
-        calls: set[tuple[int, tuple[str, int, int, int]]] = set()
+        calls: dict[tuple[int, tuple[str, int, int, int]], int] = {}
         for i in chosen:
             fixed, own = parts[i]
             if classes is not None:
                 call = (owners[i], classes[i])
-                if call not in calls:
-                    calls.add(call)
+                seen = calls.get(call, 0)
+                calls[call] = seen + 1
+                size = pieces[i] if pieces else None
+                if seen == 0 or (size is not None and seen % size == 0):
                     own += fixed
             loads[owners[i]] = loads.get(owners[i], 0.0) + own
         total += max(loads.values(), default=0.0)
@@ -251,20 +255,21 @@ def _best_grouping(
     earlier). A grouping's finish time is :func:`_finish_time`.
     """
     parts = _call_parts(model, specs, flops)
+    pieces = [call_piece(model, s) for s in specs]
     owners = [assignment.owner[s.name] for s in specs]
     priced = any(fixed > 0 for fixed, _ in parts)
     classes = [_sort_class(s) for s in specs] if priced else None
-    best = _finish_time(chosen, owners, classes, parts)
+    best = _finish_time(chosen, owners, classes, parts, pieces)
     count = len(chosen)
     if classes is not None:
         kept = _owned_groups(specs, assignment, capacity, flops, memory, classes)
         if kept != chosen and len(kept) <= count:
-            finish = _finish_time(kept, owners, classes, parts)
+            finish = _finish_time(kept, owners, classes, parts, pieces)
             if finish <= best:
                 chosen, best = kept, finish
     fitted = _owned_groups(specs, assignment, capacity, flops, memory, first_fit=True)
     if fitted != chosen and len(fitted) <= count:
-        finish = _finish_time(fitted, owners, classes, parts)
+        finish = _finish_time(fitted, owners, classes, parts, pieces)
         if finish < best:
             chosen = fitted
     return chosen

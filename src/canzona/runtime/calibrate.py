@@ -21,6 +21,7 @@ from canzona.plan.measured import (
     class_fits,
     fit_loglog,
     owner_transfer_share,
+    piece_size,
 )
 from canzona.runtime import timing
 from canzona.runtime.calibration_cache import DiskCache, Entry
@@ -34,6 +35,8 @@ BUDGET_S = 1.5
 SHAPE_CAP_S = timing.SHAPE_CAP_S
 #: Most matrices stacked in one timed call (the pipeline's batches per owner and shape).
 MAX_BATCH = 8
+#: Most elements of the stack a calibration times at twice the owners' batch (pieces).
+PIECE_MAX_ELEMENTS = 1 << 26
 #: Bytes per rank of the all-to-all that measures the transfer rate.
 PROBE_BYTES = 1 << 22
 #: Two middle timings further apart than this ratio: the higher one is taken for a stall.
@@ -288,6 +291,16 @@ def _companion(shape: Shape) -> Shape:
     return replace(shape, k=1 if shape.k > 1 else 2)
 
 
+def _doubled(shape: Shape) -> Shape | None:
+    """The shape at twice its batch, where owners stack a full batch and it stays small.
+
+    Its timing shows whether a longer stack still saves fixed parts (:func:`piece_size`).
+    """
+    if shape.k != MAX_BATCH or 2 * shape.k * shape.m * shape.n > PIECE_MAX_ELEMENTS:
+        return None
+    return replace(shape, k=2 * shape.k)
+
+
 def _cost(call_s: float, evict_s: float = 0.0) -> float:
     """Seconds that timing a call of ``call_s`` takes.
 
@@ -328,6 +341,7 @@ def calibrate(
     budget_s: float = BUDGET_S,
     shape_cap_s: float = SHAPE_CAP_S,
     cache: DiskCache | None = None,
+    pieces: bool | None = None,
 ) -> GroupedCost:
     """Time the owner math of every shape (within a budget), agree on one table, fit the rest.
 
@@ -345,7 +359,12 @@ def calibrate(
     at a second batch size (1, or 2 for a shape timed alone), which splits a call into a
     fixed cost and a cost per matrix (``MeasuredCost.batches``): the batches a plan forms
     are then priced as they run, a single matrix included (it runs the per-matrix kernels,
-    not the batched ones). A small all-to-all measures the transfer rate.
+    not the batched ones). With ``pieces`` (default: on accelerators), a shape timed at a
+    full batch (:data:`MAX_BATCH`) is also timed at twice it, with the budget then left: a
+    call on it that takes about two calls on the batch runs in pieces
+    (:func:`~canzona.plan.measured.piece_size`; per-matrix CUDA-graph replays do), and the
+    table prices longer stacks as pieces (``MeasuredCost.pieces``). A small all-to-all
+    measures the transfer rate.
 
     With a ``cache``, a shape whose entry (:func:`entry_key`) the rank finds there is not
     timed: the stored agreed timings stand in for the rank's own (and cost no budget); the
@@ -359,6 +378,8 @@ def calibrate(
     """
     if device.type == "cpu":
         timing.settle_heap()
+    if pieces is None:
+        pieces = device.type != "cpu"
     flops = [bases[s.key].flops(MatrixSpec("s", (s.m, s.n))) for s in shapes]
     order = timing_order(shapes, flops, device)
     keys = [entry_key(s, table, device) for s in shapes] if cache is not None else []
@@ -366,6 +387,7 @@ def calibrate(
     hits = {i: stored[k] for i, k in enumerate(keys) if k in stored}
     timed = [hits[i][0] if i in hits else -1.0 for i in range(len(shapes))]
     second = [hits[i][1] if i in hits else -1.0 for i in range(len(shapes))]
+    third = [hits[i][2] if i in hits else -1.0 for i in range(len(shapes))]
     evict_s = _eviction_seconds(device) if len(hits) < len(shapes) else 0.0
     spent = 0.0  # seconds of the warm-ups so far and of the timed calls they will need
     rate = 0.0  # seconds per FLOP of one call, the largest seen so far
@@ -407,38 +429,59 @@ def calibrate(
         if spent + _cost(timed[i] * other.k, evict_s) + extra > budget_s:
             continue
         start(other, second, i)
+    # then, with what is still left, twice the full batches: do longer stacks save more?
+    for i in companions if pieces else ():
+        doubled = _doubled(shapes[i])
+        if i in hits or doubled is None or not timed[i] > 0:
+            continue
+        if spent + _cost(timed[i] * doubled.k, evict_s) + extra > budget_s:
+            continue
+        start(doubled, third, i)
     # the timed calls, round by round over every started shape (as a step interleaves them)
     timing.time_rounds([c for _, _, one in started for _, _, c in one.calls])
     for into, i, one in started:
         into[i] = one.seconds()
-    agreed = timed + second
+    agreed = timed + second + third
     if watchdog.process_group is not None:
         agreed = median_over_ranks(agreed, watchdog, device)
-    if cache is not None and watchdog.rank == 0 and len(hits) < len(shapes):
-        n = len(shapes)
-        cache.store({keys[i]: (agreed[i], agreed[n + i]) for i in range(n) if agreed[i] >= 0})
+    n = len(shapes)
+    if cache is not None and watchdog.rank == 0 and len(hits) < n:
+        cache.store(
+            {
+                keys[i]: (agreed[i], agreed[n + i], agreed[2 * n + i])
+                for i in range(n)
+                if agreed[i] >= 0
+            }
+        )
     bytes_per_s = measure_transfer(watchdog, device) if watchdog.process_group is not None else 0.0
     models: dict[str, CostModel] = {}
     for key, base in bases.items():
         mine = [
-            (s, t, u)
-            for s, t, u in zip(shapes, agreed[: len(shapes)], agreed[len(shapes) :], strict=True)
+            (s, t, u, v)
+            for s, t, u, v in zip(
+                shapes, agreed[:n], agreed[n : 2 * n], agreed[2 * n :], strict=True
+            )
             if s.key == key and t >= 0
         ]
-        points = [((s.m, s.n), base.flops(MatrixSpec("s", (s.m, s.n))), t) for s, t, _ in mine]
+        points = [((s.m, s.n), base.flops(MatrixSpec("s", (s.m, s.n))), t) for s, t, _, _ in mine]
         lines = []
-        for s, t, u in mine:
+        sizes = []
+        for s, t, u, v in mine:
             k2 = _companion(s).k
             line = batch_line((s.k, t * s.k), (k2, u * k2)) if u > 0 else None
             if line is not None:
                 lines.append(((s.m, s.n), *line))
+                size = piece_size(s.k, line, v * 2 * s.k) if v > 0 else None
+                if size is not None:
+                    sizes.append(((s.m, s.n), size))
         models[str(key)] = MeasuredCost(
             base=base,
-            table=tuple(((s.m, s.n), t) for s, t, _ in mine),
+            table=tuple(((s.m, s.n), t) for s, t, _, _ in mine),
             fit=fit_loglog([(work, t) for _, work, t in points]),
             class_fits=class_fits(points),
             bytes_per_s=bytes_per_s,
             transfer_share=owner_transfer_share(watchdog.world),
             batches=tuple(lines),
+            pieces=tuple(sizes),
         )
     return GroupedCost(models, name=next(iter(bases.values())).name)

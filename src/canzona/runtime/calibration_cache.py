@@ -17,23 +17,24 @@ from typing import Any
 import torch
 
 #: Layout version of the cache file (a file of another version is ignored, then replaced).
-FORMAT = 1
+#: 2: entries hold a third timing (twice the batch: pieces).
+FORMAT = 2
 
-#: One shape's agreed timings: seconds per matrix at the expected batch, and at the second
-#: batch size (-1 when that was not timed).
-Entry = tuple[float, float]
+#: One shape's agreed timings: seconds per matrix at the expected batch, at the second
+#: batch size and at twice the batch (-1 where that was not timed).
+Entry = tuple[float, float, float]
 
 
 def _entry(value: Any) -> Entry | None:
-    """A stored entry, or None when it is not two finite numbers with a non-negative first."""
-    if not isinstance(value, list | tuple) or len(value) != 2:
+    """A stored entry, or None when it is not three finite numbers with a non-negative first."""
+    if not isinstance(value, list | tuple) or len(value) != 3:
         return None
     if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in value):
         return None
-    seconds, second = float(value[0]), float(value[1])
-    if not (math.isfinite(seconds) and math.isfinite(second) and seconds >= 0):
+    seconds, second, third = (float(v) for v in value)
+    if not all(math.isfinite(v) for v in (seconds, second, third)) or seconds < 0:
         return None
-    return seconds, (second if second >= 0 else -1.0)
+    return seconds, (second if second >= 0 else -1.0), (third if third >= 0 else -1.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +68,7 @@ class DiskCache:
             text = self.path.read_text(encoding="utf-8")
         except (FileNotFoundError, NotADirectoryError):
             return {}
-        except OSError as exc:
+        except (OSError, UnicodeDecodeError) as exc:
             warnings.warn(
                 f"canzona: calibration cache {str(self.path)!r} is not readable ({exc}); "
                 "timing instead",

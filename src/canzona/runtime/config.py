@@ -151,13 +151,14 @@ class PipelineConfig:
             raise ValueError(f"calibration_cache must be a directory path or None, got {cache!r}")
 
     @property
-    def collective_settings(self) -> tuple[bool, int, int, int]:
+    def collective_settings(self) -> tuple[bool, int, int, int, bool]:
         """The settings that decide which collectives a step makes, so ranks must agree.
 
-        ``(overlap, depth, fuse_bytes, reprice_steps)``: they enter the structure digest
-        that every rank compares before the first collective.
+        ``(overlap, depth, fuse_bytes, reprice_steps, atomic)``: they enter the structure
+        digest that every rank compares before the first collective (``atomic`` decides
+        whether a steady step's header rides its first gather or travels on its own).
         """
-        return (self.overlap, self.depth, self.fuse_bytes, self.reprice_steps)
+        return (self.overlap, self.depth, self.fuse_bytes, self.reprice_steps, self.atomic)
 
     def keeps_buffers(self, device_type: str) -> bool:
         """Whether step buffers on a ``device_type`` device stay allocated between steps."""

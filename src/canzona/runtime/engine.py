@@ -512,7 +512,13 @@ class MatrixRuntime:
         self._build(cost, structure)
 
     def _build(self, cost: str | CostModel, structure: str) -> None:
-        """Plan the items' specs on ``cost``, route them, and agree on the plan's digest."""
+        """Plan the items' specs on ``cost``, route them, and agree on the plan's digest.
+
+        A new plan's first step checks on its own: the header that rides a gather belongs
+        to a pipeline of the plan before it (a re-pricing through :meth:`sync_plan`, as
+        ``state_dict()`` makes when one is due, must not leave the next step riding it).
+        """
+        self._forget_ride()
         specs = self._specs
         assert self.topology is not None
         self.plan = (

@@ -511,8 +511,8 @@ def _apply(
     """Group the delivered runs by (param group, shape) and hand each batch to ``apply``.
 
     A 3-D stack whose matrices arrive in several runs is applied whole, from one assembled
-    direction: element-wise kernels round half-precision values by their position in the
-    tensor, so the update must not depend on which owners sent which matrices.
+    direction, so that the update does not depend on which owners sent which matrices
+    (a half-precision one matrix by matrix: :func:`_add_stack`).
     """
     batches: dict[tuple[int, int, int], ApplyBatch] = {}
     stacks: dict[int, tuple[ApplyBatch, list[tuple[Target, torch.Tensor, int]]]] = {}
@@ -555,11 +555,28 @@ def _apply(
         whole = torch.empty(local.shape, dtype=parts[0][1].dtype, device=local.device)
         for t, data, i in parts:
             whole.narrow(0, t.pos or 0, t.count).copy_(data.narrow(0, i, t.count))
-        batch.targets.append(local)
-        batch.directions.append(whole)
-        batch.params.append(p)
+        _add_stack(batch, local, whole, p)
     for batch in batches.values():
         apply(batch)
+
+
+def _add_stack(batch: ApplyBatch, target: torch.Tensor, directions: torch.Tensor, p: int) -> None:
+    """Append a 3-D target of consecutive matrices and its directions.
+
+    CPU element-wise kernels round a half-precision element by where it falls in the tensor
+    they are given (the vectorised body or the scalar tail: ``add_(alpha=...)`` differs
+    between them), so a half-precision stack goes in as its matrices (views): each then
+    rounds as the same matrix alone, which is what experts and head blocks must equal.
+    Wider dtypes round alike in both paths and stay one target.
+    """
+    if target.element_size() > 2:
+        batch.targets.append(target)
+        batch.directions.append(directions)
+        batch.params.append(p)
+        return
+    batch.targets += target.unbind(0)
+    batch.directions += directions.unbind(0)
+    batch.params += [p] * target.shape[0]
 
 
 def _local(tensors: Sequence[torch.Tensor], t: Target) -> torch.Tensor:
@@ -572,17 +589,14 @@ def _add_target(
     batch: ApplyBatch, t: Target, local: torch.Tensor, data: torch.Tensor, i: int
 ) -> None:
     """Append one target (and its directions) of a delivered run ``data`` from matrix ``i``."""
-    if t.pos is not None and t.rows is None and t.rects is None:
-        batch.targets.append(local.narrow(0, t.pos, t.count))  # consecutive stack matrices
-        batch.directions.append(data.narrow(0, i, t.count))
-        batch.params.append(t.param)
+    if t.pos is not None and t.rows is None and t.rects is None:  # consecutive stack matrices
+        _add_stack(batch, local.narrow(0, t.pos, t.count), data.narrow(0, i, t.count), t.param)
         return
     mat = local if t.pos is None else local[t.pos]
     if t.rows is not None:  # consecutive row blocks at full width
         r0, r1 = t.rows
-        batch.targets.append(mat[r0:r1].view(t.count, (r1 - r0) // t.count, mat.shape[-1]))
-        batch.directions.append(data.narrow(0, i, t.count))
-        batch.params.append(t.param)
+        rows = mat[r0:r1].view(t.count, (r1 - r0) // t.count, mat.shape[-1])
+        _add_stack(batch, rows, data.narrow(0, i, t.count), t.param)
         return
     if t.rects is None:
         batch.targets.append(mat)

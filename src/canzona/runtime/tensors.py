@@ -101,10 +101,13 @@ def local_grads(
     a step). The common case (every gradient a dense tensor of its parameter's kind,
     DTensors in their parameter's placements) costs one attribute read per parameter;
     anything else goes through :func:`local_grad`, which raises its errors or
-    redistributes.
+    redistributes. A gradient that raises does not stop the pass: the ones after it are
+    still read (and redistributed: every rank must enter the same collectives), then the
+    first error is raised.
     """
     out: list[torch.Tensor] = []
     append = out.append
+    error: Exception | None = None
     for i, p in zip(idxs, params, strict=True):
         grad = raw[i]
         if isinstance(grad, DTensor):
@@ -113,12 +116,16 @@ def local_grads(
                 grad._spec is p._spec or grad._spec.placements == p._spec.placements
             ):
                 append(grad._local_tensor)
-            else:
-                append(local_grad(names[i], p))  # raises or redistributes
-        elif grad is None or grad.is_sparse or isinstance(p, DTensor):
-            append(local_grad(names[i], p))  # raises
-        else:
+                continue
+        elif not (grad is None or grad.is_sparse or isinstance(p, DTensor)):
             append(grad)
+            continue
+        try:
+            append(local_grad(names[i], p))  # raises or redistributes
+        except (RuntimeError, TypeError) as exc:
+            error = error or exc
+    if error is not None:
+        raise error
     return out
 
 
