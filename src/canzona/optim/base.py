@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import operator
 from collections.abc import Callable, Iterable
@@ -17,7 +16,13 @@ from canzona.optim.copies import CopyMixin
 from canzona.optim.owner_state import OwnerState
 from canzona.optim.prepare import GroupWork, StepWork, build_work
 from canzona.optim.transaction import Backup, StepTransaction
-from canzona.optim.validation import check_common, check_group, watch_gradients
+from canzona.optim.validation import (
+    check_algorithms,
+    check_common,
+    check_group,
+    check_hparams,
+    watch_gradients,
+)
 from canzona.plan import GroupedCost, PlanConfig, Split, cost_model
 from canzona.runtime import (
     ApplyBatch,
@@ -35,6 +40,7 @@ from canzona.runtime import (
     fingerprint,
     local_grads,
     local_tensor,
+    read_gradients,
 )
 from canzona.updates.batched import adamw_moments_, adamw_params_
 
@@ -374,7 +380,7 @@ class MatrixOptimizer(CopyMixin, CheckpointMixin, Optimizer):
     def _attempt(self) -> None:
         params, names, gids = self._flat()
         if self._algorithms:
-            self._check_algorithms(params, names, gids)
+            check_algorithms(self.param_groups, self._algorithms, self.state, params, names, gids)
         table = self._step_table(params, gids)
         raw = [p.grad for p in params]  # each gradient read once a step
         has_grad = [g is not None for g in raw]
@@ -438,7 +444,7 @@ class MatrixOptimizer(CopyMixin, CheckpointMixin, Optimizer):
             except Exception as exc:
                 failure = Failure("preparing the step", exc)
         if not read:
-            _read_gradients(names, params, raw)
+            read_gradients(names, params, raw)
         try:
             stats: StepStats = self._runtime.run(
                 table,
@@ -543,43 +549,11 @@ class MatrixOptimizer(CopyMixin, CheckpointMixin, Optimizer):
         """
         if fingerprint == self._checked_hparams:
             return None
-        for gid, group in enumerate(self.param_groups):
-            try:
-                self._check_common(
-                    group["lr"], group["weight_decay"], group["adamw_betas"], group["adamw_eps"]
-                )
-                if group["algorithm"] != ADAMW:
-                    self._validate_group(group)
-            except (ValueError, TypeError, KeyError) as exc:
-                error = ValueError(f"param group {gid}: {exc}")
-                return Failure("checking the param groups' hyper-parameters", error)
+        error = check_hparams(self.param_groups, self._check_common, self._validate_group)
+        if error is not None:
+            return Failure("checking the param groups' hyper-parameters", error)
         self._checked_hparams = fingerprint
         return None
-
-    def _check_algorithms(self, params: list[Tensor], names: list[str], gids: list[int]) -> None:
-        """Refuse a step whose param group changed algorithm after its state was created.
-
-        Raises:
-            ValueError: naming the group, a parameter with state and both algorithms (every
-                rank raises it, before any collective).
-        """
-        for gid, seen in list(self._algorithms.items()):
-            now = self.param_groups[gid]["algorithm"]
-            if now == seen:
-                continue
-            held = [
-                n
-                for p, n, g in zip(params, names, gids, strict=True)
-                if g == gid and "step" in self.state.get(p, {})
-            ]
-            if not held:  # its states were rolled back: nothing to keep consistent
-                self._algorithms[gid] = now
-                continue
-            raise ValueError(
-                f"param group {gid} has {seen!r} state (parameter {held[0]!r}), but its "
-                f"algorithm is now {now!r}: a param group keeps its algorithm once it has "
-                "state (build a new optimizer to switch)"
-            )
 
     def _init_state(
         self, p: Tensor, state: dict[str, Any], group: dict[str, Any], is_matrix: bool
@@ -631,17 +605,3 @@ class MatrixOptimizer(CopyMixin, CheckpointMixin, Optimizer):
 
     # ------------------------------------------------------------------ helpers
     _check_common = staticmethod(check_common)
-
-
-def _read_gradients(names: list[str], params: list[Tensor], raw: list[Tensor | None]) -> None:
-    """Read every gradient as the prepare would, for a rank that does not prepare.
-
-    A rank that failed before its prepare, or whose step the riding header declined, still
-    redistributes the gradients held in other placements than their parameters' (each a
-    collective of its mesh) that the other ranks' prepares redistribute, in the same order:
-    a rank left out would leave the others waiting in it. Errors are the prepare's to
-    report; here they are dropped.
-    """
-    idxs = [i for i, g in enumerate(raw) if g is not None]
-    with contextlib.suppress(Exception):
-        local_grads(names, idxs, [params[i] for i in idxs], raw)

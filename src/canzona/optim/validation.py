@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Sequence, Set
+from collections.abc import Callable, Mapping, Sequence, Set
 from typing import Any
 
 import torch
@@ -116,3 +116,59 @@ def watch_gradients(owner: str, steps_without: int, active: Set[int], matrix: Se
             stacklevel=4,
         )
     return steps_without
+
+
+def check_algorithms(
+    groups: Sequence[dict[str, Any]],
+    algorithms: dict[int, str],
+    state: Mapping[Any, dict[str, Any]],
+    params: Sequence[torch.Tensor],
+    names: Sequence[str],
+    gids: Sequence[int],
+) -> None:
+    """Refuse a step whose param group changed algorithm after its state was created.
+
+    ``algorithms`` holds each group's algorithm when its state was created; a group whose
+    states were all rolled back takes its new algorithm there.
+
+    Raises:
+        ValueError: naming the group, a parameter with state and both algorithms (every
+            rank raises it, before any collective).
+    """
+    for gid, seen in list(algorithms.items()):
+        now = groups[gid]["algorithm"]
+        if now == seen:
+            continue
+        held = [
+            n
+            for p, n, g in zip(params, names, gids, strict=True)
+            if g == gid and "step" in state.get(p, {})
+        ]
+        if not held:  # its states were rolled back: nothing to keep consistent
+            algorithms[gid] = now
+            continue
+        raise ValueError(
+            f"param group {gid} has {seen!r} state (parameter {held[0]!r}), but its "
+            f"algorithm is now {now!r}: a param group keeps its algorithm once it has "
+            "state (build a new optimizer to switch)"
+        )
+
+
+def check_hparams(
+    groups: Sequence[dict[str, Any]],
+    common: Callable[..., None],
+    validate: Callable[[dict[str, Any]], None],
+) -> ValueError | None:
+    """The first param group whose values the optimizer cannot use, as an error naming it.
+
+    ``common`` checks the values every group has (``lr``, ``weight_decay``, the AdamW
+    route's), ``validate`` a matrix group's own.
+    """
+    for gid, group in enumerate(groups):
+        try:
+            common(group["lr"], group["weight_decay"], group["adamw_betas"], group["adamw_eps"])
+            if group["algorithm"] != ADAMW:
+                validate(group)
+        except (ValueError, TypeError, KeyError) as exc:
+            return ValueError(f"param group {gid}: {exc}")
+    return None

@@ -24,6 +24,7 @@ from canzona.runtime.tensors import (
     local_tensor,
     param_mesh,
     process_group_of,
+    read_gradients,
     validate_param,
 )
 
@@ -60,6 +61,7 @@ __all__ = [
     "local_tensor",
     "param_mesh",
     "process_group_of",
+    "read_gradients",
     "snapshot",
     "validate_param",
 ]

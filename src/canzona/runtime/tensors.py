@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from collections.abc import Sequence
 
@@ -127,6 +128,22 @@ def local_grads(
     if error is not None:
         raise error
     return out
+
+
+def read_gradients(
+    names: Sequence[str], params: Sequence[torch.Tensor], raw: Sequence[torch.Tensor | None]
+) -> None:
+    """Read every gradient as a step's prepare would, for a rank that does not prepare.
+
+    A rank that failed before its prepare, or whose step the riding header declined, still
+    redistributes the gradients held in other placements than their parameters' (each a
+    collective of its mesh) that the other ranks' prepares redistribute, in the same order:
+    a rank left out would leave the others waiting in it. Errors are the prepare's to
+    report; here they are dropped.
+    """
+    idxs = [i for i, g in enumerate(raw) if g is not None]
+    with contextlib.suppress(RuntimeError, TypeError):
+        local_grads(names, idxs, [params[i] for i in idxs], raw)
 
 
 def as_storage_layout(value: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
