@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
 import canzona
+import canzona.optim.adamw_route as adamw_route_module
 import canzona.optim.base as base_module
 import canzona.optim.muon as muon_module
 from canzona.optim.base import MatrixOptimizer
@@ -389,7 +390,7 @@ def _local_failures(name: str) -> list[dict[str, Any]]:
     failures = [
         _local_failure("plain tensor on ranks 1 and 3", (1, 3), "plain"),
         _local_failure("Replicate without dedup on rank 2", (2,), "rep"),
-        _module_failure("AdamW moments on rank 0", base_module, "adamw_moments_", (0,)),
+        _module_failure("AdamW moments on rank 0", adamw_route_module, "adamw_moments_", (0,)),
     ]
     failures[-1].expect.append(f"rank 0: preparing the step raised RuntimeError: {INJECTED}")
     if name == "Muon":  # the momentum is updated in place before the payload travels

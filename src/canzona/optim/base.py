@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from canzona.optim.adamw_route import AdamWRouteMixin, scalar
 from canzona.optim.checkpoint import CheckpointMixin
 from canzona.optim.copies import CopyMixin
 from canzona.optim.owner_state import OwnerState
@@ -39,25 +40,14 @@ from canzona.runtime import (
     all_finite,
     fingerprint,
     local_grads,
-    local_tensor,
     read_gradients,
 )
-from canzona.updates.batched import adamw_moments_, adamw_params_
 
 ADAMW = "adamw"
 _DTYPE = operator.attrgetter("dtype")
 _NOT_HYPER = ("params", "param_names")
 #: Types whose values :func:`_plain` passes through unchanged (checked first: it runs per step).
 _SCALARS = frozenset({float, int, bool, str, type(None), torch.dtype})
-
-
-def scalar(value: float | Tensor) -> float:
-    """A learning rate given as a float or a 1-element tensor, as a float."""
-    if isinstance(value, Tensor):
-        if value.numel() != 1:
-            raise ValueError(f"a tensor learning rate must have one element, got {value.shape}")
-        return float(value.item())
-    return float(value)
 
 
 def _plain(value: Any) -> Any:
@@ -82,7 +72,7 @@ def _plain(value: Any) -> Any:
     return type(value).__qualname__
 
 
-class MatrixOptimizer(CopyMixin, CheckpointMixin, Optimizer):
+class MatrixOptimizer(AdamWRouteMixin, CopyMixin, CheckpointMixin, Optimizer):
     """Base of :class:`Muon`, :class:`Shampoo` and :class:`SOAP`.
 
     A step runs in three phases per matrix: *prepare* (element-wise, on each rank's
@@ -570,38 +560,6 @@ class MatrixOptimizer(CopyMixin, CheckpointMixin, Optimizer):
         """A :class:`Backup` of ``tensors``, kept between steps as the pipeline config says."""
         keep = bool(tensors) and self.pipeline_config.keeps_buffers(tensors[0].device.type)
         return Backup(tensors, keep=keep)
-
-    def _adamw_moments(self, w: GroupWork, grads: list[Tensor], txn: StepTransaction) -> None:
-        """AdamW's moment updates of one group (before the vote; saved for a rollback)."""
-        if "exp_avgs" not in w.cache:
-            states = [self.state[p] for p in w.params]
-            w.cache["exp_avgs"] = [local_tensor(s["exp_avg"]) for s in states]
-            w.cache["exp_avg_sqs"] = [local_tensor(s["exp_avg_sq"]) for s in states]
-            w.cache["locals"] = [local_tensor(p) for p in w.params]
-            w.cache["backup"] = self._backup(w.cache["exp_avgs"] + w.cache["exp_avg_sqs"])
-        txn.save(w.cache["backup"])
-        betas = tuple(self.param_groups[w.gid]["adamw_betas"])
-        adamw_moments_(grads, w.cache["exp_avgs"], w.cache["exp_avg_sqs"], betas=betas)
-
-    def _adamw_params(self, w: GroupWork) -> None:
-        """AdamW's parameter update of one group (after the vote), by step count."""
-        group = self.param_groups[w.gid]
-        by_step: dict[int, list[int]] = {}
-        for k, p in enumerate(w.params):
-            by_step.setdefault(int(self.state[p]["step"]), []).append(k)
-        every = [w.cache["locals"], w.cache["exp_avgs"], w.cache["exp_avg_sqs"]]
-        for step, ks in by_step.items():
-            lists = every if len(ks) == len(w.params) else [[xs[k] for k in ks] for xs in every]
-            adamw_params_(
-                lists[0],
-                lists[1],
-                lists[2],
-                step,
-                lr=scalar(group["lr"]),
-                betas=tuple(group["adamw_betas"]),
-                eps=group["adamw_eps"],
-                weight_decay=group["weight_decay"],
-            )
 
     # ------------------------------------------------------------------ helpers
     _check_common = staticmethod(check_common)

@@ -12,7 +12,8 @@ import torch
 from torch import Tensor
 
 from canzona.defaults import ADAMW_DEFAULTS, MUON_DEFAULTS
-from canzona.optim.base import MatrixOptimizer, scalar
+from canzona.optim.adamw_route import scalar
+from canzona.optim.base import MatrixOptimizer
 from canzona.optim.payload_runs import payload_runs
 from canzona.optim.prepare import GroupWork
 from canzona.optim.transaction import StepTransaction

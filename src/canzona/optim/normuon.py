@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from canzona.defaults import ADAMW_DEFAULTS, NORMUON_DEFAULTS
-from canzona.optim.base import scalar
+from canzona.optim.adamw_route import scalar
 from canzona.optim.muon import Muon, as_tuples, check_positive_finite
 from canzona.plan import PlanConfig
 from canzona.plan.cost import NORMUON_ELEMENTWISE

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from canzona.defaults import ADAMW_DEFAULTS, SHAMPOO_DEFAULTS
-from canzona.optim.base import scalar
+from canzona.optim.adamw_route import scalar
 from canzona.optim.owned import OwnerStateOptimizer
 from canzona.plan import PlanConfig
 from canzona.runtime import ApplyBatch, PipelineConfig

@@ -8,7 +8,7 @@ from typing import Any
 from torch import Tensor
 
 from canzona.defaults import ADAMW_DEFAULTS, SOAP_DEFAULTS
-from canzona.optim.base import scalar
+from canzona.optim.adamw_route import scalar
 from canzona.optim.owned import OwnerStateOptimizer
 from canzona.plan import PlanConfig
 from canzona.runtime import ApplyBatch, PipelineConfig

@@ -1,0 +1,63 @@
+"""The AdamW route of a matrix optimizer: moments before the vote, parameters after it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor
+
+from canzona.optim.prepare import GroupWork
+from canzona.optim.transaction import Backup, StepTransaction
+from canzona.runtime import local_tensor
+from canzona.updates.batched import adamw_moments_, adamw_params_
+
+
+def scalar(value: float | Tensor) -> float:
+    """A learning rate given as a float or a 1-element tensor, as a float."""
+    if isinstance(value, Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"a tensor learning rate must have one element, got {value.shape}")
+        return float(value.item())
+    return float(value)
+
+
+class AdamWRouteMixin:
+    """AdamW for the param groups with ``algorithm="adamw"`` (embeddings, norms, biases)."""
+
+    state: Any
+    param_groups: list[dict[str, Any]]
+
+    def _backup(self, tensors: list[Tensor]) -> Backup:
+        raise NotImplementedError
+
+    def _adamw_moments(self, w: GroupWork, grads: list[Tensor], txn: StepTransaction) -> None:
+        """AdamW's moment updates of one group (before the vote; saved for a rollback)."""
+        if "exp_avgs" not in w.cache:
+            states = [self.state[p] for p in w.params]
+            w.cache["exp_avgs"] = [local_tensor(s["exp_avg"]) for s in states]
+            w.cache["exp_avg_sqs"] = [local_tensor(s["exp_avg_sq"]) for s in states]
+            w.cache["locals"] = [local_tensor(p) for p in w.params]
+            w.cache["backup"] = self._backup(w.cache["exp_avgs"] + w.cache["exp_avg_sqs"])
+        txn.save(w.cache["backup"])
+        betas = tuple(self.param_groups[w.gid]["adamw_betas"])
+        adamw_moments_(grads, w.cache["exp_avgs"], w.cache["exp_avg_sqs"], betas=betas)
+
+    def _adamw_params(self, w: GroupWork) -> None:
+        """AdamW's parameter update of one group (after the vote), by step count."""
+        group = self.param_groups[w.gid]
+        by_step: dict[int, list[int]] = {}
+        for k, p in enumerate(w.params):
+            by_step.setdefault(int(self.state[p]["step"]), []).append(k)
+        every = [w.cache["locals"], w.cache["exp_avgs"], w.cache["exp_avg_sqs"]]
+        for step, ks in by_step.items():
+            lists = every if len(ks) == len(w.params) else [[xs[k] for k in ks] for xs in every]
+            adamw_params_(
+                lists[0],
+                lists[1],
+                lists[2],
+                step,
+                lr=scalar(group["lr"]),
+                betas=tuple(group["adamw_betas"]),
+                eps=group["adamw_eps"],
+                weight_decay=group["weight_decay"],
+            )
