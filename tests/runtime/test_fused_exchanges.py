@@ -241,16 +241,20 @@ def _mismatch_case(field: str, mine: object, theirs: object) -> str:
         ("depth", 1, 2),
         ("overlap", True, False),
         ("atomic", True, False),
+        ("check_every_step", True, False),
+        ("skip_nonfinite", True, False),
     ],
 )
 def test_ranks_that_exchange_differently_fail_before_any_collective(
     dist: Any, field: str, mine: object, theirs: object
 ) -> None:
     """Catches: a setting that decides the step's collectives (``fuse_bytes``, ``depth``,
-    ``overlap``, ``atomic``: ``PipelineConfig.collective_settings``) left out of the
-    configuration the ranks compare (a hang; with ``atomic``, from the third step on one
-    rank's header rode its first gather while the other's travelled alone, and gloo
-    aborted the process on the size mismatch)."""
+    ``overlap``, ``atomic``, ``check_every_step``, ``skip_nonfinite``:
+    ``PipelineConfig.collective_settings``) left out of the configuration the ranks compare
+    (a hang; with ``atomic``, from the third step on one rank's header rode its first gather
+    while the other's travelled alone, and gloo aborted the process on the size mismatch;
+    with ``check_every_step``, one rank's header gather met the other's layout agreement),
+    or a first step that skips the check where a setting turns it off."""
     assert dist(2).run(_mismatch_case, field, mine, theirs) == ["PlanMismatchError"] * 2
 
 

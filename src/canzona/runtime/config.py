@@ -50,7 +50,9 @@ class PipelineConfig:
             and costs no collective; otherwise it is one small collective of its own.
             Disabling it saves that collective in the steps that are not steady but
             turns mismatches into hangs or wrong results (with ``skip_nonfinite`` the
-            header gather still runs, since it carries the non-finite flag).
+            header gather still runs, since it carries the non-finite flag). The first
+            step after a (re-)plan runs the check either way, so ranks built with
+            different settings raise instead of pairing different collectives.
         process_group: Process group the optimizer's collectives run on (default: the
             default group). Every rank of it must hold the same parameter list.
         progress_markers: Record, before each collective, which one this rank is about
@@ -151,14 +153,24 @@ class PipelineConfig:
             raise ValueError(f"calibration_cache must be a directory path or None, got {cache!r}")
 
     @property
-    def collective_settings(self) -> tuple[bool, int, int, int, bool]:
+    def collective_settings(self) -> tuple[bool, int, int, int, bool, bool, bool]:
         """The settings that decide which collectives a step makes, so ranks must agree.
 
-        ``(overlap, depth, fuse_bytes, reprice_steps, atomic)``: they enter the structure
-        digest that every rank compares before the first collective (``atomic`` decides
-        whether a steady step's header rides its first gather or travels on its own).
+        ``(overlap, depth, fuse_bytes, reprice_steps, atomic, check_every_step,
+        skip_nonfinite)``: they enter the structure digest that every rank compares before
+        the first collective (``atomic``, ``check_every_step`` and ``skip_nonfinite``
+        decide whether a step's header rides its first gather, travels on its own or
+        stays home).
         """
-        return (self.overlap, self.depth, self.fuse_bytes, self.reprice_steps, self.atomic)
+        return (
+            self.overlap,
+            self.depth,
+            self.fuse_bytes,
+            self.reprice_steps,
+            self.atomic,
+            self.check_every_step,
+            self.skip_nonfinite,
+        )
 
     def keeps_buffers(self, device_type: str) -> bool:
         """Whether step buffers on a ``device_type`` device stay allocated between steps."""

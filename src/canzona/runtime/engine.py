@@ -405,7 +405,9 @@ class MatrixRuntime:
         self.watchdog.tag = f"{self._instance}-{structure[:16]}"
         flagged = nonfinite
         if self.process_group is not None and (
-            self.config.check_every_step or self.config.skip_nonfinite
+            # the first step of a plan checks either way: the settings that skip the
+            # check are among those compared (ranks that differ raise, never hang)
+            self.config.check_every_step or self.config.skip_nonfinite or not self._planned
         ):
             needs_setup, flagged, failed = check_header(
                 num_params=len(tensors),
