@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -333,6 +334,20 @@ def test_split_refuses_what_is_not_a_plain_integer(kwargs: dict[str, Any], match
         canzona.Split(**kwargs)
 
 
+def test_split_takes_numpy_integers_as_plain_ints() -> None:
+    """Catches: ``Split(size=np.int64(16))`` (a head dimension read from a config array)
+    refused, or kept as a numpy scalar whose repr would enter the description ranks compare."""
+    split = canzona.Split(dim=np.int64(1), size=np.int64(16))
+    assert split == canzona.Split(dim=1, size=16)
+    assert split.describe() == ("Split", 1, None, 16)
+    assert [type(v) for v in (split.dim, split.size)] == [int, int]
+    sizes = canzona.Split(dim=0, sizes=np.array([8, 4, 4]))
+    assert sizes.sizes == (8, 4, 4) and {type(v) for v in sizes.sizes} == {int}
+    assert repr(sizes.describe()) == "('Split', 0, (8, 4, 4), None)"
+    with pytest.raises(ValueError, match=r"Split\.size must be a positive integer"):
+        canzona.Split(dim=0, size=np.float64(4.0))
+
+
 def test_split_descriptions_tell_every_declaration_apart() -> None:
     """Catches: a description (what ranks compare) that leaves out the block size: ranks
     declaring heads of 8 and of 4 would plan different blocks unnoticed."""
@@ -359,6 +374,47 @@ def test_flatten_leaves_a_convolution_forced_to_adamw_there() -> None:
     groups = canzona.param_groups(_Moe(), flatten=True, to_adamw=["conv.*"])
     assert not [g for g in groups if g.get("flatten")]
     assert "conv.weight" in [n for n, _ in groups[-1]["params"]]
+
+
+def test_a_split_of_a_flattened_convolution_is_muon_per_block() -> None:
+    """Catches: ``flatten=True`` with a split naming a convolution refused (it is not among
+    the 2-D/3-D matrices), or its blocks cut from the 4-D weight instead of its
+    ``(shape[0], rest)`` matricisation: each block must step as torch.optim.Muon on it."""
+    model = _Moe()
+    split = canzona.Split(dim=0, size=2)
+    groups = canzona.param_groups(model, flatten=True, split={"conv.weight": split}, lr=0.02)
+    [flat] = [g for g in groups if g.get("flatten")]
+    assert flat["split"] == split and [n for n, _ in flat["params"]] == ["conv.weight"]
+    conv = model.conv.weight
+    start = conv.detach().reshape(4, -1).clone()
+    refs = [nn.Parameter(start[a:b].clone()) for a, b in split.spans(4)]
+    ref = torch.optim.Muon(refs, lr=0.02)
+    opt = canzona.Muon([flat])
+    torch.manual_seed(1)
+    for _ in range(2):
+        grad = torch.randn_like(conv)
+        conv.grad = grad
+        for r, (a, b) in zip(refs, split.spans(4), strict=True):
+            r.grad = grad.reshape(4, -1)[a:b].clone()
+        opt.step()
+        ref.step()
+    got = conv.detach().reshape(4, -1)
+    assert torch.equal(got, torch.cat([r.detach() for r in refs]))
+    assert not torch.equal(got[:2], start[:2])
+    bad = {"conv.weight": canzona.Split(dim=1, size=5)}  # 27 columns
+    with pytest.raises(ValueError, match=r"'conv\.weight'.*not a multiple of Split size 5"):
+        canzona.param_groups(model, flatten=True, split=bad)
+
+
+def test_a_split_naming_a_tied_weight_says_which_name_it_has() -> None:
+    """Catches: a pattern that names the second name of a tied weight (``lm_head.weight``
+    tied to ``embed.weight``) reported as naming nothing at all."""
+    model = _model(tied=True)
+    tied = r"matches only 'lm_head\.weight' \(tied to 'embed\.weight'"
+    with pytest.raises(ValueError, match=tied):
+        canzona.param_groups(model, split={"lm_head.*": canzona.Split(dim=0, size=4)})
+    with pytest.raises(ValueError, match=r"'nothing' matches no parameter of the model$"):
+        canzona.param_groups(model, split={"nothing": canzona.Split(dim=0, size=4)})
 
 
 # ------------------------------------------------- split declared in a raw param group

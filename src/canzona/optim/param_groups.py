@@ -91,7 +91,8 @@ def param_groups(
     ``split`` declares parameters that are several matrices (fused QKV or gate/up, one
     matrix per head): each matching matrix parameter gets the pattern's
     :class:`~canzona.Split` (the first matching pattern wins), in one matrix group per
-    distinct split with the other matrix group's entries.
+    distinct split with the other matrix group's entries. With ``flatten``, a split of a
+    convolution splits its ``(shape[0], rest)`` matricisation.
 
     The AdamW group has ``weight_decay=0.0`` unless ``adamw`` sets it: norms, biases,
     embeddings and the head are not decayed by default. Its learning rate and the
@@ -120,47 +121,70 @@ def param_groups(
             dimension (naming the pattern or the parameter).
     """
     matrix_params, adamw_params = split_params(model, to_adamw=to_adamw, to_matrix=to_matrix)
+    nd: NamedParams = []
     if flatten:
         nd = [(n, p) for n, p in adamw_params if p.ndim > 3 and not _matches(n, to_adamw)]
         adamw_params = [(n, p) for n, p in adamw_params if p.ndim <= 3 or _matches(n, to_adamw)]
     groups: list[dict[str, Any]] = []
-    plain, blocks = _split_groups(model, matrix_params, split or {})
+    (plain, blocks), (flat, flat_blocks) = _split_groups(model, (matrix_params, nd), split or {})
     if plain:
         groups.append({"params": plain, **matrix})
     groups += [{"params": ps, "split": sp, **matrix} for sp, ps in blocks]
-    if flatten and nd:
-        groups.append({"params": nd, "flatten": True, **matrix})
+    if flat:
+        groups.append({"params": flat, "flatten": True, **matrix})
+    groups += [{"params": ps, "split": sp, "flatten": True, **matrix} for sp, ps in flat_blocks]
     if adamw_params:
         entries = {"weight_decay": 0.0, **(adamw or {}), "algorithm": "adamw"}
         groups.append({"params": adamw_params, **entries})
     return groups
 
 
-def _split_groups(
-    model: nn.Module, matrix_params: NamedParams, split: Mapping[str, Split]
-) -> tuple[NamedParams, list[tuple[Split, NamedParams]]]:
-    """The matrix parameters without a split, and per distinct split its parameters."""
+Blocks = tuple[NamedParams, list[tuple[Split, NamedParams]]]
+
+
+def _check_patterns(model: nn.Module, split: Mapping[str, Split], matrices: set[str]) -> None:
+    """Every split pattern is a Split that names matrix parameters, and at least one."""
+    named = list(model.named_parameters())
     for pattern, value in split.items():
         if not isinstance(value, Split):
             raise ValueError(f"split[{pattern!r}] must be a canzona.Split, got {value!r}")
-        hit = [n for n, _ in model.named_parameters() if fnmatch.fnmatchcase(n, pattern)]
-        if not hit:
-            raise ValueError(f"split pattern {pattern!r} matches no parameter of the model")
-    matrices = {n for n, _ in matrix_params}
-    for name, p in model.named_parameters():
+        if any(fnmatch.fnmatchcase(n, pattern) for n, _ in named):
+            continue
+        # a tied weight is listed once, under its first name: say which one
+        first = {id(p): n for n, p in named}
+        aliases = [
+            f"{n!r} (tied to {first[id(p)]!r}, the name the model's parameters use)"
+            for n, p in model.named_parameters(remove_duplicate=False)
+            if fnmatch.fnmatchcase(n, pattern) and id(p) in first
+        ]
+        found = f": it matches only {', '.join(aliases)}" if aliases else ""
+        raise ValueError(f"split pattern {pattern!r} matches no parameter of the model{found}")
+    for name, p in named:
         for pattern in split:
             if fnmatch.fnmatchcase(name, pattern) and name not in matrices:
                 raise ValueError(
                     f"split pattern {pattern!r} matches parameter {name!r} ({tuple(p.shape)}), "
                     "which is not a matrix the matrix algorithm updates"
                 )
-    plain: NamedParams = []
-    blocks: dict[Split, NamedParams] = {}
-    for name, p in matrix_params:
-        chosen = next((sp for pat, sp in split.items() if fnmatch.fnmatchcase(name, pat)), None)
-        if chosen is None:
-            plain.append((name, p))
-            continue
-        chosen.shapes(p.shape[-2], p.shape[-1], name=f"parameter {name!r}")
-        blocks.setdefault(chosen, []).append((name, p))
-    return plain, list(blocks.items())
+
+
+def _split_groups(
+    model: nn.Module, kinds: tuple[NamedParams, NamedParams], split: Mapping[str, Split]
+) -> tuple[Blocks, Blocks]:
+    """Per kind (matrices and stacks, flattened weights): unsplit parameters, split ones."""
+    _check_patterns(model, split, {n for kind in kinds for n, _ in kind})
+    out: list[Blocks] = []
+    for kind in kinds:
+        plain: NamedParams = []
+        blocks: dict[Split, NamedParams] = {}
+        for name, p in kind:
+            chosen = next((sp for pat, sp in split.items() if fnmatch.fnmatchcase(name, pat)), None)
+            if chosen is None:
+                plain.append((name, p))
+                continue
+            # a flattened weight is its (shape[0], rest) matrix
+            m, n = (p.shape[0], p[0].numel()) if p.ndim > 3 else p.shape[-2:]
+            chosen.shapes(m, n, name=f"parameter {name!r}")
+            blocks.setdefault(chosen, []).append((name, p))
+        out.append((plain, list(blocks.items())))
+    return out[0], out[1]

@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 import itertools
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 __all__ = ["Split"]
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def _as_int(value: object) -> int | None:
+    """``value`` as a plain ``int`` when it is an integer (``numpy.int64`` too), else None."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,8 +45,10 @@ class Split:
     size: int | None = None
 
     def __post_init__(self) -> None:
-        if not _is_int(self.dim) or self.dim not in (0, 1):
+        dim = _as_int(self.dim)
+        if dim not in (0, 1):
             raise ValueError(f"Split.dim must be 0 (rows) or 1 (columns), got {self.dim!r}")
+        object.__setattr__(self, "dim", dim)
         if (self.sizes is None) == (self.size is None):
             raise ValueError(
                 f"Split takes exactly one of sizes= and size=, got sizes={self.sizes!r}, "
@@ -47,13 +56,20 @@ class Split:
             )
         if self.sizes is not None:
             sizes = self.sizes
+            if not isinstance(sizes, Sequence) and callable(getattr(sizes, "tolist", None)):
+                sizes = sizes.tolist()  # a 1-D numpy array or tensor of sizes
             if isinstance(sizes, str | bytes) or not isinstance(sizes, Sequence) or not sizes:
-                raise ValueError(f"Split.sizes must be a non-empty tuple, got {sizes!r}")
-            if not all(_is_int(s) and s > 0 for s in sizes):
-                raise ValueError(f"Split.sizes must be positive integers, got {sizes!r}")
-            object.__setattr__(self, "sizes", tuple(sizes))
-        elif not _is_int(self.size) or self.size is None or self.size <= 0:
-            raise ValueError(f"Split.size must be a positive integer, got {self.size!r}")
+                raise ValueError(f"Split.sizes must be a non-empty tuple, got {self.sizes!r}")
+            ints = [_as_int(s) for s in sizes]
+            if not all(i is not None and i > 0 for i in ints):
+                raise ValueError(f"Split.sizes must be positive integers, got {self.sizes!r}")
+            # plain ints: the blocks' description is compared across ranks by its repr
+            object.__setattr__(self, "sizes", tuple(ints))
+        else:
+            size = _as_int(self.size)
+            if size is None or size <= 0:
+                raise ValueError(f"Split.size must be a positive integer, got {self.size!r}")
+            object.__setattr__(self, "size", size)
 
     def spans(self, extent: int, *, name: str = "the parameter") -> tuple[tuple[int, int], ...]:
         """The blocks' ``(start, stop)`` along a dimension of ``extent`` elements.
