@@ -196,6 +196,37 @@ def test_duplicate_parameter_names_are_refused() -> None:
     assert len(opt.param_groups) == 1
 
 
+#: a stack ``w`` beside parameters named like its matrices, and like the names that
+#: disambiguate them
+LOOKALIKES = {"w": (2, 8, 8), "w[0]": (8, 8), "w[1]": (16, 8), "w[0]~0": (8, 16)}
+
+
+def _lookalike_names(world: int) -> dict[str, tuple[bool, float]]:
+    fulls = full_tensors(LOOKALIKES)
+    grads = grad_steps(LOOKALIKES, 2)
+    kw = {"lr": 0.02, "weight_decay": 0.1, "momentum": 0.9}
+    if world == 1:
+        params = [(n, nn.Parameter(t.clone())) for n, t in fulls.items()]
+    else:
+        rows = {n: (Shard(1) if len(s) == 3 else Shard(0),) for n, s in LOOKALIKES.items()}
+        params = sharded_params(fulls, mesh((world,)), rows)
+    opt = canzona.Muon(params, **kw)
+    for g in grads:
+        set_grads(params, g)
+        opt.step()
+    return compare({n: full_of(p) for n, p in params}, reference_muon(fulls, grads, **kw))
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_parameter_names_like_a_stacks_matrices_are_updated_exactly(dist: Any, world: int) -> None:
+    """Catches: matrices named by their parameter's name plus ``[lead]`` (a stack ``w``'s
+    ``w[0]``) colliding with a parameter named ``w[0]``: routes keyed by name overwrote each
+    other (every step failed on one device; the plan refused it on two ranks)."""
+    out = [_lookalike_names(1)] if world == 1 else dist(world).run(_lookalike_names, world)
+    for per_rank in out:
+        assert per_rank == {n: (True, 0.0) for n in LOOKALIKES}, per_rank
+
+
 # --------------------------------------------------------------------------- watchdog
 
 

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from torch.distributed.tensor.placement_types import Shard, _StridedShard
 
@@ -127,7 +128,24 @@ def build_items(
                     items.append(
                         Item(name, index, lead, bm, bn, copy, unit, block, span, dim, flat)
                     )
-    return items
+    return _unique_names(items)
+
+
+def _unique_names(items: list[Item]) -> list[Item]:
+    """``items`` with names that key the plan uniquely.
+
+    A matrix's name is its parameter's name with suffixes (``[lead]``, ``#block``, ``@unit``);
+    a parameter whose own name looks like one (``w[0]`` beside a stack ``w``) would share
+    it. Colliding names take ``~`` and their parameter's index, until none collide (the
+    names of one parameter never collide with each other): the same names on every rank.
+    """
+    while True:
+        counts = Counter(it.name for it in items)
+        if len(counts) == len(items):
+            return items
+        items = [
+            replace(it, name=f"{it.name}~{it.param}") if counts[it.name] > 1 else it for it in items
+        ]
 
 
 def plan_specs(
