@@ -369,6 +369,31 @@ def test_flatten_sends_convolutions_to_the_matrix_algorithm() -> None:
     canzona.Muon(groups)
 
 
+def test_a_conv1d_weight_is_one_matrix_never_a_stack() -> None:
+    """Catches: a Conv1d weight ``(out, in, k)`` taken for a stack of ``out`` experts of
+    ``(in, k)`` by its number of dimensions: AdamW by default like a Conv2d's, and with
+    flatten=True the ``(out, in·k)`` matrix, stepping as torch.optim.Muon on it."""
+    model = nn.Sequential(nn.Conv1d(4, 8, 3), nn.Conv2d(8, 6, 3), nn.Linear(5, 7, bias=False))
+    assert _routing(canzona.param_groups(model)) == {
+        "matrix": ["2.weight"],
+        "adamw": ["0.weight", "0.bias", "1.weight", "1.bias"],
+    }
+    groups = canzona.param_groups(model, flatten=True, lr=0.02)
+    [flat] = [g for g in groups if g.get("flatten")]
+    assert [n for n, _ in flat["params"]] == ["0.weight", "1.weight"]
+    assert canzona.param_groups(model, to_matrix=["0.weight"])[0]["params"][0][0] == "0.weight"
+    conv = model[0].weight
+    ref = nn.Parameter(conv.detach().reshape(8, 12).clone())
+    expected = torch.optim.Muon([ref], lr=0.02)
+    opt = canzona.Muon([{**flat, "params": flat["params"][:1]}])
+    for _ in range(2):
+        conv.grad = torch.randn_like(conv)
+        ref.grad = conv.grad.reshape(8, 12).clone()
+        opt.step()
+        expected.step()
+    assert torch.equal(conv.detach().reshape(8, 12), ref.detach())
+
+
 def test_flatten_leaves_a_convolution_forced_to_adamw_there() -> None:
     """Catches: flatten=True taking a >3-D weight that a to_adamw pattern names."""
     groups = canzona.param_groups(_Moe(), flatten=True, to_adamw=["conv.*"])

@@ -6,7 +6,9 @@ import fnmatch
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import torch
 from torch import nn
+from torch.nn.modules.conv import _ConvNd
 
 from canzona.plan import Split
 
@@ -36,6 +38,15 @@ def _embedding_head_and_router_ids(model: nn.Module) -> set[int]:
     return ids
 
 
+def _convolution_weight_ids(model: nn.Module) -> set[int]:
+    """Weights of convolutions (``nn.Conv1d`` to ``nn.Conv3d`` and their transposes)."""
+    return {
+        id(module.weight)
+        for module in model.modules()
+        if isinstance(module, _ConvNd) and isinstance(module.weight, torch.Tensor)
+    }
+
+
 def split_params(
     model: nn.Module, *, to_adamw: Iterable[str] = (), to_matrix: Iterable[str] = ()
 ) -> tuple[NamedParams, NamedParams]:
@@ -50,7 +61,8 @@ def split_params(
             matrix algorithm.
     """
     to_adamw, to_matrix = tuple(to_adamw), tuple(to_matrix)
-    special = _embedding_head_and_router_ids(model)
+    # a Conv1d weight (out, in, k) is 3-D but one matrix's worth, not a stack of (in, k)
+    special = _embedding_head_and_router_ids(model) | _convolution_weight_ids(model)
     matrix_params: NamedParams = []
     adamw_params: NamedParams = []
     for name, p in model.named_parameters():
@@ -84,7 +96,8 @@ def param_groups(
     Matrix algorithm: 2-D weights and 3-D stacks of matrices (e.g. grouped experts).
     AdamW: embeddings, the output head (modules named ``lm_head`` or ``output``, and
     any weight tied to an embedding), MoE routers (modules named ``router``, or exactly
-    ``gate``), biases, norms and every other non-matrix parameter. Name patterns
+    ``gate``), convolution weights (``nn.Conv1d``'s 3-D one too: it is not a stack),
+    biases, norms and every other non-matrix parameter. Name patterns
     (``fnmatch``, on ``model.named_parameters()`` names) override the routing. The groups
     hold named parameters, so error messages and plans use the model's names.
 
@@ -105,9 +118,10 @@ def param_groups(
         adamw: Extra entries of the AdamW group (e.g. ``{"lr": 3e-4}``;
             ``{"weight_decay": 0.1}`` decays the whole group).
         split: Name pattern -> how the matching matrices split into blocks.
-        flatten: Send weights of more than three dimensions (convolutions) to the matrix
-            algorithm as their ``(shape[0], rest)`` matricisation (their own group, with
-            ``flatten=True``); without it they go to AdamW.
+        flatten: Send convolution weights (``nn.Conv1d`` to ``nn.Conv3d``) and other
+            weights of more than three dimensions to the matrix algorithm as their
+            ``(shape[0], rest)`` matricisation (their own group, with ``flatten=True``);
+            without it they go to AdamW.
         **matrix: Extra entries of the matrix groups (e.g. ``lr=0.02``).
 
     Returns:
@@ -123,8 +137,14 @@ def param_groups(
     matrix_params, adamw_params = split_params(model, to_adamw=to_adamw, to_matrix=to_matrix)
     nd: NamedParams = []
     if flatten:
-        nd = [(n, p) for n, p in adamw_params if p.ndim > 3 and not _matches(n, to_adamw)]
-        adamw_params = [(n, p) for n, p in adamw_params if p.ndim <= 3 or _matches(n, to_adamw)]
+        convs = _convolution_weight_ids(model)
+        nd = [
+            (n, p)
+            for n, p in adamw_params
+            if (p.ndim > 3 or id(p) in convs) and not _matches(n, to_adamw)
+        ]
+        taken = {id(p) for _, p in nd}
+        adamw_params = [(n, p) for n, p in adamw_params if id(p) not in taken]
     groups: list[dict[str, Any]] = []
     (plain, blocks), (flat, flat_blocks) = _split_groups(model, (matrix_params, nd), split or {})
     if plain:
