@@ -457,3 +457,22 @@ def test_step_buffers_are_kept_on_the_cpu_and_freed_on_accelerators_by_default()
     freed = canzona.PipelineConfig(keep_buffers=False)
     assert (kept.keeps_buffers("cpu"), kept.keeps_buffers("cuda")) == (True, True)
     assert (freed.keeps_buffers("cpu"), freed.keeps_buffers("cuda")) == (False, False)
+
+
+@pytest.mark.parametrize("name", ["muon", "shampoo", "soap", "normuon"])
+@pytest.mark.parametrize("key", ["betas", "eps"])
+def test_an_adamw_group_refuses_torch_adamw_names(name: str, key: str) -> None:
+    """Catches: ``{"algorithm": "adamw", "betas": ...}`` (torch.optim.AdamW's names)
+    silently ignored: the AdamW route reads ``adamw_betas`` and ``adamw_eps``."""
+    cls, kwargs = OPTIMIZERS[name]
+    value = (0.5, 0.6) if key == "betas" else 1e-2
+    group = {"params": [nn.Parameter(torch.randn(4))], "algorithm": "adamw", key: value}
+    with pytest.raises(ValueError, match=re.escape(f"'adamw_{key}'")) as info:
+        cls([group], **kwargs)
+    assert f"got {key}={value!r}" in str(info.value)
+    opt = cls([nn.Parameter(torch.randn(4, 4))], **kwargs)
+    with pytest.raises(ValueError, match=re.escape(f"got {key}={value!r}")):
+        opt.add_param_group(group)
+    assert len(opt.param_groups) == 1
+    group[f"adamw_{key}"] = group.pop(key)
+    cls([group], **kwargs)  # the names it reads

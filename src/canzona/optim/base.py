@@ -133,6 +133,15 @@ class MatrixOptimizer(AdamWRouteMixin, CopyMixin, CheckpointMixin, Optimizer):
     # ------------------------------------------------------------------ groups
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group; matrix groups accept only 2-D parameters and 3-D stacks."""
+        torch_names = sorted({"betas", "eps"} & param_group.keys())
+        if param_group.get("algorithm") == ADAMW and torch_names:
+            # defaults would fill these keys for the matrix algorithm: the AdamW route never
+            # reads them, so torch.optim.AdamW's names would be silently ignored
+            raise ValueError(
+                f"an algorithm={ADAMW!r} group takes its betas as 'adamw_betas' and its "
+                f"epsilon as 'adamw_eps', got {', '.join(torch_names)}="
+                f"{', '.join(repr(param_group[k]) for k in torch_names)}"
+            )
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         algorithm = group.get("algorithm")
