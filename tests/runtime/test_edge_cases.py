@@ -596,6 +596,64 @@ def _deepcopy_on_a_mesh(name: str) -> dict[str, Any]:
     }
 
 
+FIRST = {f"a{i}": s for i, s in enumerate([(16, 16), (24, 8), (8, 24), (7, 13)])}
+LATER = {f"b{i}": s for i, s in enumerate([(12, 12), (20, 6), (6, 20)])}
+
+
+def _deepcopy_after_add_param_group(name: str, strategy: str) -> dict[str, Any]:
+    """Copy after ``add_param_group`` and before the next step: the owner-held state still
+    lives where the old plan put it, and the copy's first plan (for every parameter) moves
+    some matrices to other owners (``numel``), or none while rank 1 holds no state at all
+    (``count``)."""
+    import copy
+
+    shapes = {**FIRST, **LATER}
+    grads = grad_steps(shapes, 4)
+    params = sharded_params(full_tensors(shapes), mesh((2,)), {n: (Shard(0),) for n in shapes})
+    opt = getattr(canzona, name)(
+        params[: len(FIRST)], **OWNER_KW[name], plan=canzona.PlanConfig(strategy=strategy)
+    )
+
+    def owners(o: Any) -> dict[str, tuple[int, ...]]:
+        rt = o._runtime
+        return {it.name: rt.routes[it.name].computing for it in rt.items if it.name in FIRST}
+
+    for g in grads[:2]:
+        set_grads(params[: len(FIRST)], g)
+        opt.step()
+    before = owners(opt)
+    opt.add_param_group({"params": params[len(FIRST) :]})
+    params2, opt2 = copy.deepcopy((params, opt))
+    for g in grads[2:]:
+        for ps in (params, params2):
+            set_grads(ps, g)
+        opt.step()
+        opt2.step()
+    return {
+        "moved": sorted(n for n, o in owners(opt2).items() if o != before[n]),
+        "params": all(
+            torch.equal(full_of(p), full_of(q))
+            for (_, p), (_, q) in zip(params, params2, strict=True)
+        ),
+        "state": _same(_state_fulls(opt2), _state_fulls(opt)),
+    }
+
+
+@pytest.mark.parametrize(("strategy", "moved"), [("numel", ["a3"]), ("count", [])])
+@pytest.mark.parametrize("name", ["Shampoo", "SOAP", "NorMuon"])
+def test_a_deepcopy_moves_owner_state_its_own_plan_puts_elsewhere(
+    dist: Any, name: str, strategy: str, moved: list[str]
+) -> None:
+    """Catches: a copy that plans afresh and looks for the copied owner-held state (Shampoo's
+    factors, SOAP's and NorMuon's) on its new plan's owners, while it lives on the owners
+    of the plan it was recorded under (here: before ``add_param_group``; likewise after a
+    re-pricing): those matrices silently restarted from fresh state. And a copy that
+    records where the state lives only on ranks holding some: the others skipped the
+    (collective) move and gloo aborted."""
+    for out in dist(2).run(_deepcopy_after_add_param_group, name, strategy, timeout=TIMEOUT):
+        assert out == {"moved": moved, "params": True, "state": True}, out
+
+
 @pytest.mark.parametrize("name", ["Muon", "Shampoo", "SOAP"])
 def test_a_deepcopy_on_a_mesh_steps_like_the_original(dist: Any, name: str) -> None:
     """On a 2-rank mesh, ``copy.deepcopy`` of the parameters and the optimizer together gives

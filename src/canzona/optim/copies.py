@@ -6,7 +6,8 @@ from typing import TYPE_CHECKING, Any
 
 from canzona.optim.owner_state import OwnerState
 from canzona.plan import PlanConfig
-from canzona.runtime import PipelineConfig
+from canzona.runtime import MatrixRuntime, PipelineConfig
+from canzona.runtime.statecomm import record
 
 
 class CopyMixin:
@@ -26,6 +27,7 @@ class CopyMixin:
     defaults: dict[str, Any]
     _owner: OwnerState
     _algorithms: dict[int, str]
+    _runtime: MatrixRuntime
 
     if TYPE_CHECKING:  # MatrixOptimizer's
 
@@ -53,14 +55,18 @@ class CopyMixin:
         state["pipeline_config"] = self.pipeline_config
         state["skipped_steps"] = self.skipped_steps
         state["owner_states"] = self._owner.states
+        # where they live (on every rank, those that hold none too: the move is collective);
+        # the copy's own plan may put them elsewhere
+        state["owner_plan"] = record(self._runtime)
         state["algorithms"] = dict(self._algorithms)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Rebuild a copied or unpickled optimizer around the kept state.
 
-        The copy gets a fresh runtime (it plans at its next step), its own
-        :class:`OwnerState` holding the kept owner-held states, and empty step caches.
+        The copy gets a fresh runtime (it plans at its next step and moves the kept
+        owner-held states from the owners they were recorded with to its plan's), its own
+        :class:`OwnerState` holding those states, and empty step caches.
         ``torch.optim.Optimizer.load_state_dict`` calls this too, with ``state`` and
         ``param_groups`` only: that update keeps the runtime and the owner-held states.
         """
@@ -69,6 +75,7 @@ class CopyMixin:
             return
         state = dict(state)
         owner_states = state.pop("owner_states", {})
+        owner_plan = state.pop("owner_plan", None)
         algorithms = state.pop("algorithms", {})
         torch_default = "differentiable" not in state["defaults"]
         super().__setstate__(state)  # type: ignore[misc]
@@ -80,4 +87,5 @@ class CopyMixin:
         owner = OwnerState(self._fresh_item_state, self._owner_specs)
         owner.states = owner_states
         self._reset(owner)
+        self._runtime.inherited = owner_plan
         self._algorithms = algorithms

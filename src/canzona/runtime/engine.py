@@ -33,7 +33,7 @@ from canzona.runtime.routing import (
     plan_specs,
     route_all,
 )
-from canzona.runtime.statecomm import Snapshot, snapshot
+from canzona.runtime.statecomm import PlanRecord, Snapshot, snapshot
 from canzona.runtime.table import ApplyFn, ComputeFn, StepTable
 from canzona.runtime.tensors import process_group_of, tensor_device
 from canzona.runtime.topology import ParamLayout, Topology, agree, describe, structure_digest
@@ -128,6 +128,8 @@ class MatrixRuntime:
         self.repricings = 0  # plans re-priced by observed calls so far
         self._specs: list[MatrixSpec] = []
         self._observation: Observation | None = None
+        # a copied optimizer's owner-held state: where it lived (moves at the first plan)
+        self.inherited: PlanRecord | None = None
         # ranks build their optimizers in the same order: the n-th one shares a namespace
         MatrixRuntime._instances += 1
         self._instance = MatrixRuntime._instances
@@ -428,7 +430,12 @@ class MatrixRuntime:
         if needs_setup:
             if self.topology is not None:
                 previous = snapshot(self)
+            elif self.inherited is not None:  # a copy's first plan: the copied state moves
+                previous = self.inherited.snapshot(
+                    self.process_group, self.rank, self.world, self.watchdog
+                )
             self._setup(layouts, structure, config, table, compute)
+            self.inherited = None
         elif self._observation is not None and self._observation.due:
             previous = snapshot(self)
             self._reprice()

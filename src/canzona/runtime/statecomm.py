@@ -332,6 +332,50 @@ def import_state(
         put(by_name[name], key, full)
 
 
+@dataclass(frozen=True, slots=True)
+class PlanRecord:
+    """Where owner-held state lived, without the process group (kept by optimizer copies).
+
+    A copy plans again at its first step; its plan can differ from the one its copied
+    states live under (a re-pricing, parameters added since), so the state moves from
+    the recorded owners as after any re-plan.
+    """
+
+    items: tuple[Item, ...]
+    routes: dict[str, Route]
+    topology: Topology
+    rank: int
+    world: int
+    replica_dedup: bool
+
+    def snapshot(
+        self, process_group: dist.ProcessGroup | None, rank: int, world: int, watchdog: Watchdog
+    ) -> Snapshot | None:
+        """The record as a snapshot in this job; None when it belongs to another rank set."""
+        if (rank, world) != (self.rank, self.world):
+            return None
+        return Snapshot(
+            self.items,
+            self.routes,
+            self.topology,
+            process_group,
+            rank,
+            world,
+            self.replica_dedup,
+            watchdog,
+        )
+
+
+def record(runtime: MatrixRuntime) -> PlanRecord | None:
+    """Where ``runtime``'s owner-held state lives (None before its first plan)."""
+    if runtime.topology is None:
+        return None
+    snap = snapshot(runtime)
+    return PlanRecord(
+        snap.items, snap.routes, snap.topology, snap.rank, snap.world, snap.replica_dedup
+    )
+
+
 def snapshot(runtime: MatrixRuntime) -> Snapshot:
     """What state movement needs from ``runtime`` (valid until its next re-plan)."""
     if runtime.topology is None:
