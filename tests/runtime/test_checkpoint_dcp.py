@@ -133,6 +133,55 @@ def test_same_mesh_resume_is_bit_exact(dist: Any, tmp_path: Path, name: str, fla
             assert torch.equal(resumed[key][n], want), f"{name}: {key} {n} differs"
 
 
+def _consolidated_round_trip(name: str) -> dict[str, Any]:
+    """A consolidated, CPU-offloaded state dict (``full_state_dict``, ``cpu_offload``) of an
+    optimizer with a split group, loaded into a fresh one; both train on, against a run
+    without the round trip."""
+    cls, kw = OPTIMIZERS[name]
+    split = {"up.weight": canzona.Split(dim=0, size=5)}
+
+    def build() -> tuple[nn.Module, torch.optim.Optimizer]:
+        model = _model("fsdp_tp")
+        return model, getattr(canzona, cls)(canzona.param_groups(model, split=split), **kw)
+
+    model, opt = build()
+    _train(model, opt, range(3))
+    offload = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    offloaded = get_state_dict(model, opt, options=offload)[1]
+    groups = offloaded.get("param_groups", [])  # rank 0 only
+    kinds = sorted({type(v).__name__ for g in groups for k, v in g.items() if k != "params"})
+    full = StateDictOptions(full_state_dict=True)  # every rank holds it
+    # a copy: loaded in the process that saved it, the state dict's tensors (step counters)
+    # would be shared with the original optimizer's, as in torch.optim
+    model_sd, optim_sd = copy.deepcopy(get_state_dict(model, opt, options=full))
+    resumed, resumed_opt = build()
+    set_state_dict(
+        resumed, resumed_opt, model_state_dict=model_sd, optim_state_dict=optim_sd, options=full
+    )
+    for m, o in ((model, opt), (resumed, resumed_opt)):
+        _train(m, o, range(3, 5))
+    return {
+        "kinds": kinds,
+        "split": resumed_opt.param_groups[1]["split"] == split["up.weight"],
+        "params": _fulls(resumed).keys() == _fulls(model).keys()
+        and all(torch.equal(v, _fulls(model)[n]) for n, v in _fulls(resumed).items()),
+        "state": _state_fulls(resumed_opt).keys() == _state_fulls(opt).keys()
+        and all(torch.equal(v, _state_fulls(opt)[k]) for k, v in _state_fulls(resumed_opt).items()),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_a_consolidated_offloaded_state_dict_round_trips(dist: Any, name: str) -> None:
+    """Catches: param-group values DCP's consolidation and offload refuse (``ns_dtype`` and
+    ``root_dtype`` as torch.dtype objects, ``split`` as a Split raised "Unexpected value
+    type") and values not read back as what they were (the split group losing its blocks)."""
+    outs = dist(4).run(_consolidated_round_trip, name, timeout=TIMEOUT)
+    assert set(outs[0]["kinds"]) <= {"bool", "float", "int", "str", "tuple", "list", "NoneType"}
+    assert "str" in outs[0]["kinds"]  # the learning-rate adjustment's name, and dtypes
+    for out in outs:
+        assert out == {**out, "split": True, "params": True, "state": True}, out
+
+
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_resume_on_other_meshes(dist: Any, tmp_path: Path, name: str) -> None:
     """Save on (2, 2) FSDPxTP at world 4; resume on (2,) FSDP and on one process; and back.

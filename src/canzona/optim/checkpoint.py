@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import Tensor
 
+from canzona.optim.group_values import loaded_groups, saved_groups
 from canzona.optim.owner_state import OwnerState, is_stack
 from canzona.runtime import (
     Snapshot,
@@ -88,6 +89,7 @@ class CheckpointMixin:
     def state_dict(self) -> dict[str, Any]:
         """The optimizer state (collective on a distributed mesh); see the class doc."""
         sd: dict[str, Any] = super().state_dict()  # type: ignore[misc]
+        sd["param_groups"] = saved_groups(sd["param_groups"])
         params, _, gids = self._flat()
         entries = self._stepped_entries(params, gids)
         if not entries:
@@ -162,6 +164,13 @@ class CheckpointMixin:
                     f"param group {g}: state dict has {len(saved['params'])} parameters, the "
                     f"optimizer has {len(mine['params'])} (a state dict of another model?)"
                 )
+            for key in ("split", "flatten"):  # the matrices the state belongs to
+                if (saved.get(key) or None) != (mine.get(key) or None):
+                    raise ValueError(
+                        f"param group {g}: state dict {key} {saved.get(key)!r} does not match "
+                        f"the optimizer's {mine.get(key)!r} (its state is per block or per "
+                        "matrix: build the optimizer with the same param groups)"
+                    )
             names = mine.get("param_names")
             saved_names = saved.get("param_names")
             if names and saved_names and list(names) != list(saved_names):
@@ -208,6 +217,8 @@ class CheckpointMixin:
         params, names, _ = self._flat()
         error: ValueError | None = None
         try:
+            # dtypes and splits as state_dict() writes them (DCP holds no such objects)
+            state_dict = {**state_dict, "param_groups": loaded_groups(state_dict["param_groups"])}
             self._validate(state_dict)
         except ValueError as exc:
             error = exc

@@ -1,0 +1,53 @@
+"""Param-group values in a state dict: plain values DCP can gather, offload and flatten."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from canzona.plan import Split
+
+#: The first element of a saved :class:`~canzona.Split` (a tuple: DCP holds no objects).
+SPLIT_TAG = "canzona.Split"
+
+
+def saved_value(value: Any) -> Any:
+    """A param-group value as ``state_dict()`` writes it.
+
+    ``torch.distributed.checkpoint.state_dict.get_state_dict`` with ``full_state_dict`` or
+    ``cpu_offload`` accepts tensors, numbers, strings, None and containers of them only: a
+    dtype becomes its name (``"torch.bfloat16"``), a Split a tagged tuple.
+    """
+    if isinstance(value, torch.dtype):
+        return str(value)
+    if isinstance(value, Split):
+        return (SPLIT_TAG, value.dim, value.sizes, value.size)
+    return value
+
+
+def loaded_value(value: Any) -> Any:
+    """The inverse of :func:`saved_value` (values saved as objects pass unchanged).
+
+    Raises:
+        ValueError: for a saved Split whose fields do not make a Split.
+    """
+    if isinstance(value, str) and value.startswith("torch."):
+        dtype = getattr(torch, value.removeprefix("torch."), None)
+        return dtype if isinstance(dtype, torch.dtype) else value
+    if isinstance(value, Sequence) and not isinstance(value, str) and len(value) == 4:
+        tag, dim, sizes, size = value
+        if tag == SPLIT_TAG:
+            return Split(dim=dim, sizes=None if sizes is None else tuple(sizes), size=size)
+    return value
+
+
+def saved_groups(groups: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``state_dict()``'s param groups with every value as :func:`saved_value` writes it."""
+    return [{k: v if k == "params" else saved_value(v) for k, v in g.items()} for g in groups]
+
+
+def loaded_groups(groups: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A state dict's param groups with every value as :func:`loaded_value` reads it."""
+    return [{k: v if k == "params" else loaded_value(v) for k, v in g.items()} for g in groups]

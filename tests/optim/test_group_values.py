@@ -1,0 +1,89 @@
+"""Param-group values in state dicts: DCP-safe forms, and groups that must match at load."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import canzona
+from canzona.optim.group_values import loaded_value, saved_value
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        torch.bfloat16,
+        torch.float64,
+        canzona.Split(dim=0, sizes=(4, 4, 8)),
+        canzona.Split(dim=1, size=16),
+        "original",
+        (3.4445, -4.775, 2.0315),
+        None,
+        0.02,
+    ],
+)
+def test_group_values_round_trip(value: Any) -> None:
+    """Catches: a value ``state_dict()`` writes that does not read back as itself."""
+    saved = saved_value(value)
+    assert not isinstance(saved, torch.dtype | canzona.Split)
+    assert loaded_value(saved) == value
+    assert loaded_value(value) == value  # checkpoints written with the objects still load
+
+
+def test_saved_splits_read_back_from_lists() -> None:
+    """DCP may hand sequences back as lists."""
+    saved = saved_value(canzona.Split(dim=0, sizes=(4, 12)))
+    as_lists = [saved[0], saved[1], list(saved[2]), None]
+    assert loaded_value(as_lists) == canzona.Split(dim=0, sizes=(4, 12))
+    assert loaded_value("torch.not_a_dtype") == "torch.not_a_dtype"
+    assert loaded_value(["a", 1, 2, 3]) == ["a", 1, 2, 3]
+
+
+def _trained(split: canzona.Split | None, flatten: bool = False) -> dict[str, Any]:
+    torch.manual_seed(0)
+    qkv = nn.Parameter(torch.randn(12, 8) if not flatten else torch.randn(12, 2, 4))
+    group: dict[str, Any] = {"params": [("qkv", qkv)], "flatten": flatten}
+    if split is not None:
+        group["split"] = split
+    opt = canzona.Shampoo([group], lr=0.01, precondition_frequency=1)
+    qkv.grad = torch.randn_like(qkv)
+    opt.step()
+    return opt.state_dict()
+
+
+@pytest.mark.parametrize(
+    ("saved", "mine", "detail"),
+    [
+        (canzona.Split(dim=0, size=4), None, "split Split(dim=0, sizes=None, size=4)"),
+        (None, canzona.Split(dim=0, size=4), "split None does not match"),
+        (canzona.Split(dim=0, size=4), canzona.Split(dim=0, size=6), "size=6"),
+    ],
+)
+def test_a_state_dict_of_other_blocks_is_refused(
+    saved: canzona.Split | None, mine: canzona.Split | None, detail: str
+) -> None:
+    """Catches: a checkpoint saved with another ``split`` accepted (its per-block state
+    matched the template's keys) and its owner-held state silently dropped."""
+    sd = _trained(saved)
+    torch.manual_seed(1)
+    p = nn.Parameter(torch.randn(12, 8))
+    group: dict[str, Any] = {"params": [("qkv", p)]}
+    if mine is not None:
+        group["split"] = mine
+    opt = canzona.Shampoo([group], lr=0.01, precondition_frequency=1)
+    with pytest.raises(ValueError, match="param group 0: state dict split") as info:
+        opt.load_state_dict(sd)
+    assert detail in str(info.value)
+    assert opt.state_dict()["state"] == {}
+
+
+def test_a_state_dict_of_a_flattened_weight_needs_flatten() -> None:
+    """Catches: a (12, 2, 4) weight's state as one (12, 8) matrix loaded for a stack of 12."""
+    sd = _trained(None, flatten=True)
+    p = nn.Parameter(torch.randn(12, 2, 4))
+    opt = canzona.Shampoo([{"params": [("qkv", p)]}], lr=0.01)
+    with pytest.raises(ValueError, match="state dict flatten True does not match"):
+        opt.load_state_dict(sd)
