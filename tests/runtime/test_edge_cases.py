@@ -639,6 +639,57 @@ def _deepcopy_after_add_param_group(name: str, strategy: str) -> dict[str, Any]:
     }
 
 
+def _replan_then_fail(name: str, fail: bool) -> dict[str, Any]:
+    """``add_param_group``, then a step that raises on every rank after its re-plan (here:
+    building the new plan's pipeline); the step is taken again and training goes on."""
+    import canzona.runtime.engine as engine
+
+    shapes = {**FIRST, **LATER}
+    grads = grad_steps(shapes, 4)
+    params = sharded_params(full_tensors(shapes), mesh((2,)), {n: (Shard(0),) for n in shapes})
+    opt = getattr(canzona, name)(
+        params[: len(FIRST)], **OWNER_KW[name], plan=canzona.PlanConfig(strategy="numel")
+    )
+    for g in grads[:2]:
+        set_grads(params[: len(FIRST)], g)
+        opt.step()
+    opt.add_param_group({"params": params[len(FIRST) :]})
+    outcome = "no error"
+    if fail:
+        original = engine.build_pipeline
+
+        def refuse(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("out of memory (simulated)")
+
+        engine.build_pipeline = refuse  # type: ignore[assignment]
+        set_grads(params, grads[2])
+        try:
+            outcome = _outcome(opt.step)[1]
+        finally:
+            engine.build_pipeline = original  # type: ignore[assignment]
+    for g in grads[2:]:
+        set_grads(params, g)
+        opt.step()
+    return {"outcome": outcome, "params": {n: full_of(p) for n, p in params}, **_state_fulls(opt)}
+
+
+@pytest.mark.parametrize("name", ["Shampoo", "NorMuon"])
+def test_a_step_that_raises_after_its_replan_loses_no_owner_state(dist: Any, name: str) -> None:
+    """Catches: a step that re-planned (owners moved after ``add_param_group``) and raised
+    before the owner-held state moved: the plan was kept, the move forgotten, and the moved
+    matrices went on from fresh state. Taken again, the step must continue exactly."""
+    failed = dist(2).run(_replan_then_fail, name, True, timeout=TIMEOUT)
+    straight = dist(2).run(_replan_then_fail, name, False, timeout=TIMEOUT)
+    for got, want in zip(failed, straight, strict=True):
+        assert got["outcome"] == "out of memory (simulated)"
+        assert got.keys() == want.keys()
+        for key in got:
+            if key == "params":
+                assert all(torch.equal(got[key][n], v) for n, v in want[key].items()), name
+            elif key != "outcome":
+                assert _same({key: got[key]}, {key: want[key]}), key
+
+
 @pytest.mark.parametrize(("strategy", "moved"), [("numel", ["a3"]), ("count", [])])
 @pytest.mark.parametrize("name", ["Shampoo", "SOAP", "NorMuon"])
 def test_a_deepcopy_moves_owner_state_its_own_plan_puts_elsewhere(

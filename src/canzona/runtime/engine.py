@@ -130,6 +130,9 @@ class MatrixRuntime:
         self._observation: Observation | None = None
         # a copied optimizer's owner-held state: where it lived (moves at the first plan)
         self.inherited: PlanRecord | None = None
+        # where the owner-held state lives after a re-plan, until a step hands it over to
+        # be moved (a step that raises after its re-plan leaves it for the next one)
+        self._unmoved: Snapshot | None = None
         # ranks build their optimizers in the same order: the n-th one shares a namespace
         MatrixRuntime._instances += 1
         self._instance = MatrixRuntime._instances
@@ -240,11 +243,11 @@ class MatrixRuntime:
             active = frozenset(compress(range(len(has_grad)), has_grad))
             if flagged:
                 self._forget_ride()
-                return StepStart(active, True, {}, previous)
+                return StepStart(active, True, {}, self._hand_over(previous))
             pipeline = self._pipeline(table, active, tensors)
             self._hold(pipeline)
             self._begun = (self.digest, tuple(has_grad))
-            return StepStart(active, False, pipeline.schedule.payload, previous)
+            return StepStart(active, False, pipeline.schedule.payload, self._hand_over(previous))
         except BaseException:
             self._forget_ride()
             raise
@@ -387,6 +390,11 @@ class MatrixRuntime:
             The old plan's snapshot after a re-plan (owner-held state moves from it).
         """
         previous, _, _ = self._sync(names, tensors, table, compute=compute)
+        return self._hand_over(previous)
+
+    def _hand_over(self, previous: Snapshot | None) -> Snapshot | None:
+        """``previous`` for the caller to move the state from: no longer kept here."""
+        self._unmoved = None
         return previous
 
     def _sync(
@@ -426,20 +434,37 @@ class MatrixRuntime:
             )
             if failed:
                 return None, flagged, True
-        previous = None
         if needs_setup:
-            if self.topology is not None:
-                previous = snapshot(self)
-            elif self.inherited is not None:  # a copy's first plan: the copied state moves
-                previous = self.inherited.snapshot(
-                    self.process_group, self.rank, self.world, self.watchdog
-                )
-            self._setup(layouts, structure, config, table, compute)
+            self._keep_home()
+            try:
+                self._setup(layouts, structure, config, table, compute)
+            except BaseException:
+                self._planned = False  # the next step plans again, from the kept home
+                raise
             self.inherited = None
         elif self._observation is not None and self._observation.due:
-            previous = snapshot(self)
-            self._reprice()
-        return previous, flagged, failed
+            self._keep_home()
+            try:
+                self._reprice()
+            except BaseException:
+                self._planned = False
+                raise
+        return self._unmoved, flagged, failed
+
+    def _keep_home(self) -> None:
+        """Before a re-plan: remember where the owner-held state lives, unless known.
+
+        Known already when an earlier re-plan's step raised before handing it over: the
+        state never left it, whatever plans were made since.
+        """
+        if self._unmoved is not None:
+            return
+        if self.topology is not None:
+            self._unmoved = snapshot(self)
+        elif self.inherited is not None:  # a copy's first plan: the copied state moves
+            self._unmoved = self.inherited.snapshot(
+                self.process_group, self.rank, self.world, self.watchdog
+            )
 
     def _reprice(self) -> None:
         """Re-price the plan's table by the calls its steps made and re-plan (collective)."""
