@@ -476,3 +476,44 @@ def test_an_adamw_group_refuses_torch_adamw_names(name: str, key: str) -> None:
     assert len(opt.param_groups) == 1
     group[f"adamw_{key}"] = group.pop(key)
     cls([group], **kwargs)  # the names it reads
+
+
+@pytest.mark.parametrize(
+    ("name", "change", "named"),
+    [
+        ("shampoo", {"max_precond_dim": 8}, "changed max_precond_dim from 8192 to 8 after"),
+        ("shampoo", {"grafting": "none"}, "grafting from 'adam' to 'none'"),
+        ("shampoo", {"betas": (0.0, 0.999)}, "betas[0] > 0 from True to False"),
+        ("soap", {"max_precond_dim": 8}, "changed max_precond_dim from 10000 to 8 after"),
+    ],
+)
+def test_a_value_that_shapes_existing_state_cannot_change(
+    name: str, change: dict[str, Any], named: str
+) -> None:
+    """Catches: a group value that decides which owner-held state exists and its shapes
+    (Shampoo's factors per side, first moment and grafting moment; SOAP's factors) changed
+    after the state was created: the step mixed the old state with the new value and
+    ``state_dict()`` wrote keys no optimizer with that value loads."""
+    cls, kwargs = OPTIMIZERS[name]
+    torch.manual_seed(0)
+    p = nn.Parameter(torch.randn(16, 8))
+    opt = cls([{"params": [("w", p)]}], **kwargs)
+    p.grad = torch.randn(16, 8)
+    opt.step()
+    before = (p.detach().clone(), copy.deepcopy(opt.state_dict()))
+    saved = {k: opt.param_groups[0][k] for k in change}
+    opt.param_groups[0].update(change)
+    with pytest.raises(canzona.UpdateFailedError, match=re.escape(named)):
+        opt.step()
+    assert torch.equal(p.detach(), before[0])
+    opt.param_groups[0].update(saved)
+    assert repr(opt.state_dict()) == repr(before[1])
+    opt.step()  # back to the values the state has
+    assert not torch.equal(p.detach(), before[0])
+    if name == "shampoo":
+        opt.param_groups[0]["betas"] = (0.9, 0.99)  # beta2 shapes nothing
+        opt.step()
+    fresh = cls([{"params": [("w", nn.Parameter(torch.randn(16, 8)))], **change}], **kwargs)
+    fresh.param_groups[0].update(saved)  # before the first step: no state to keep
+    fresh.param_groups[0]["params"][0].grad = torch.randn(16, 8)
+    fresh.step()

@@ -121,6 +121,8 @@ class MatrixOptimizer(AdamWRouteMixin, CopyMixin, CheckpointMixin, Optimizer):
         self._steps_without_grads = 0
         self._algorithms: dict[int, str] = {}  # per param group, the algorithm of its state
         self._checked_hparams = ""  # the hyper-parameters' fingerprint last found valid
+        # per param group: the values that shaped its owner-held state (``_state_shape``)
+        self._state_shapes: dict[int, tuple[tuple[str, Any], ...]] = {}
         self.last_step_stats: StepStats | None = None
 
     def _new_runtime(self) -> MatrixRuntime:
@@ -549,9 +551,37 @@ class MatrixOptimizer(AdamWRouteMixin, CopyMixin, CheckpointMixin, Optimizer):
         if fingerprint == self._checked_hparams:
             return None
         error = check_hparams(self.param_groups, self._check_common, self._validate_group)
+        if error is None:
+            error = self._check_state_shapes()
         if error is not None:
             return Failure("checking the param groups' hyper-parameters", error)
         self._checked_hparams = fingerprint
+        return None
+
+    def _state_shape(self, group: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
+        """The group values that decide which owner-held state a matrix has, and its shapes."""
+        return ()
+
+    def _check_state_shapes(self) -> ValueError | None:
+        """A value that shapes the state, changed in a group whose state exists, is refused.
+
+        The state keeps the shapes of the values it was created with: a step would mix
+        them (a factor the new value drops, or one it adds missing its history).
+        """
+        for g, group in enumerate(self.param_groups):
+            now = self._state_shape(group)
+            before = self._state_shapes.setdefault(g, now)
+            if now == before:
+                continue
+            if any("step" in self.state.get(p, {}) for p in group["params"]):
+                changed = [(k, b, n) for (k, b), (_, n) in zip(before, now, strict=True) if b != n]
+                what = ", ".join(f"{k} from {b!r} to {n!r}" for k, b, n in changed)
+                return ValueError(
+                    f"param group {g}: changed {what} after its {type(self).__name__} state was "
+                    "created (the owner-held state has the shapes the old values give); set "
+                    "it before the first step, or build a new optimizer"
+                )
+            self._state_shapes[g] = now
         return None
 
     def _init_state(

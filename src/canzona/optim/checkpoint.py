@@ -53,6 +53,7 @@ class CheckpointMixin:
     _owner: OwnerState
     _runtime: Any
     _state_generation: int
+    _state_shapes: dict[int, tuple[tuple[str, Any], ...]]
     _algorithms: dict[int, str]
 
     if TYPE_CHECKING:  # MatrixOptimizer's
@@ -62,6 +63,8 @@ class CheckpointMixin:
         def _step_table(self, params: list[Tensor], gids: list[int]) -> Any: ...
 
         def _directions(self, batch: Any, full: Tensor) -> Tensor: ...
+
+        def _state_shape(self, group: dict[str, Any]) -> tuple[tuple[str, Any], ...]: ...
 
     def _stepped_entries(self, params: list[Tensor], gids: list[int]) -> list[StateEntry]:
         """The owner-held state tensors of the parameters that have stepped."""
@@ -262,6 +265,8 @@ class CheckpointMixin:
             self._sync_plan()  # collective: every rank has validated by now
         super().load_state_dict({**state_dict, "state": storage})  # type: ignore[misc]
         self._state_generation += 1  # every state tensor was replaced
+        # the loaded groups' values shaped the loaded state
+        self._state_shapes = {g: self._state_shape(grp) for g, grp in enumerate(self.param_groups)}
         for pos in sorted(stepped & set(owner_keys)):
             p = params[pos]
             if p.numel():

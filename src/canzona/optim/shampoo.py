@@ -81,6 +81,15 @@ class Shampoo(OwnerStateOptimizer):
     init_fn = staticmethod(shampoo_init)
     direction_fn = staticmethod(shampoo_direction)
 
+    def _state_shape(self, group: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
+        # a first moment only with betas[0] > 0, a grafting moment only with "adam", a
+        # factor only for sides up to max_precond_dim
+        return (
+            ("betas[0] > 0", group["betas"][0] > 0),
+            ("grafting", group["grafting"]),
+            ("max_precond_dim", group["max_precond_dim"]),
+        )
+
     def __init__(
         self,
         params: Iterable[Any],

@@ -65,6 +65,9 @@ class SOAP(OwnerStateOptimizer):
     init_fn = staticmethod(soap_init)
     direction_fn = staticmethod(soap_direction)
 
+    def _state_shape(self, group: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
+        return (("max_precond_dim", group["max_precond_dim"]),)  # a side's factors, or none
+
     def __init__(
         self,
         params: Iterable[Any],
