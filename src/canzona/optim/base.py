@@ -22,6 +22,7 @@ from canzona.optim.validation import (
     check_common,
     check_group,
     check_hparams,
+    check_state_shapes,
     watch_gradients,
 )
 from canzona.plan import GroupedCost, PlanConfig, Split, cost_model
@@ -552,7 +553,9 @@ class MatrixOptimizer(AdamWRouteMixin, CopyMixin, CheckpointMixin, Optimizer):
             return None
         error = check_hparams(self.param_groups, self._check_common, self._validate_group)
         if error is None:
-            error = self._check_state_shapes()
+            error = check_state_shapes(
+                self.param_groups, self.state, self._state_shape, self._state_shapes, type(self)
+            )
         if error is not None:
             return Failure("checking the param groups' hyper-parameters", error)
         self._checked_hparams = fingerprint
@@ -561,28 +564,6 @@ class MatrixOptimizer(AdamWRouteMixin, CopyMixin, CheckpointMixin, Optimizer):
     def _state_shape(self, group: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
         """The group values that decide which owner-held state a matrix has, and its shapes."""
         return ()
-
-    def _check_state_shapes(self) -> ValueError | None:
-        """A value that shapes the state, changed in a group whose state exists, is refused.
-
-        The state keeps the shapes of the values it was created with: a step would mix
-        them (a factor the new value drops, or one it adds missing its history).
-        """
-        for g, group in enumerate(self.param_groups):
-            now = self._state_shape(group)
-            before = self._state_shapes.setdefault(g, now)
-            if now == before:
-                continue
-            if any("step" in self.state.get(p, {}) for p in group["params"]):
-                changed = [(k, b, n) for (k, b), (_, n) in zip(before, now, strict=True) if b != n]
-                what = ", ".join(f"{k} from {b!r} to {n!r}" for k, b, n in changed)
-                return ValueError(
-                    f"param group {g}: changed {what} after its {type(self).__name__} state was "
-                    "created (the owner-held state has the shapes the old values give); set "
-                    "it before the first step, or build a new optimizer"
-                )
-            self._state_shapes[g] = now
-        return None
 
     def _init_state(
         self, p: Tensor, state: dict[str, Any], group: dict[str, Any], is_matrix: bool

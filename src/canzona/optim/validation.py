@@ -172,3 +172,37 @@ def check_hparams(
         except (ValueError, TypeError, KeyError) as exc:
             return ValueError(f"param group {gid}: {exc}")
     return None
+
+
+Shape = tuple[tuple[str, Any], ...]
+
+
+def check_state_shapes(
+    groups: Sequence[dict[str, Any]],
+    state: Mapping[Any, dict[str, Any]],
+    shape_of: Callable[[dict[str, Any]], Shape],
+    recorded: dict[int, Shape],
+    owner: type,
+) -> ValueError | None:
+    """A value that shapes the state, changed in a group whose state exists, is refused.
+
+    ``shape_of(group)`` gives the group values that decide which owner-held state a matrix
+    has and its shapes; ``recorded`` keeps them per group (updated here while a group has
+    no state). The state keeps the shapes of the values it was created with: a step would
+    mix them (a factor the new value drops, or one it adds missing its history).
+    """
+    for g, group in enumerate(groups):
+        now = shape_of(group)
+        before = recorded.setdefault(g, now)
+        if now == before:
+            continue
+        if any("step" in state.get(p, {}) for p in group["params"]):
+            changed = [(k, b, n) for (k, b), (_, n) in zip(before, now, strict=True) if b != n]
+            what = ", ".join(f"{k} from {b!r} to {n!r}" for k, b, n in changed)
+            return ValueError(
+                f"param group {g}: changed {what} after its {owner.__name__} state was "
+                "created (the owner-held state has the shapes the old values give); set "
+                "it before the first step, or build a new optimizer"
+            )
+        recorded[g] = now
+    return None
