@@ -457,14 +457,18 @@ class MatrixRuntime:
         Known already when an earlier re-plan's step raised before handing it over: the
         state never left it, whatever plans were made since.
         """
-        if self._unmoved is not None:
-            return
+        if self._unmoved is None:
+            self._unmoved = self.state_home()
+
+    def state_home(self) -> Snapshot | None:
+        """Where the owner-held state lives now (None before any plan and copy)."""
+        if self._unmoved is not None:  # a re-plan whose step raised before the move
+            return self._unmoved
         if self.topology is not None:
-            self._unmoved = snapshot(self)
-        elif self.inherited is not None:  # a copy's first plan: the copied state moves
-            self._unmoved = self.inherited.snapshot(
-                self.process_group, self.rank, self.world, self.watchdog
-            )
+            return snapshot(self)
+        if self.inherited is not None:  # a copy's first plan: the copied state moves
+            return self.inherited.snapshot(self.process_group, self.rank, self.world, self.watchdog)
+        return None
 
     def _reprice(self) -> None:
         """Re-price the plan's table by the calls its steps made and re-plan (collective)."""

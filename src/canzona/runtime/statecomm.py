@@ -367,10 +367,11 @@ class PlanRecord:
 
 
 def record(runtime: MatrixRuntime) -> PlanRecord | None:
-    """Where ``runtime``'s owner-held state lives (None before its first plan)."""
-    if runtime.topology is None:
-        return None
-    snap = snapshot(runtime)
+    """Where ``runtime``'s owner-held state lives (None before any plan and copy)."""
+    if runtime.topology is None:  # a copy that has not planned yet: still where it was
+        return runtime.inherited
+    snap = runtime.state_home()
+    assert snap is not None
     return PlanRecord(
         snap.items, snap.routes, snap.topology, snap.rank, snap.world, snap.replica_dedup
     )
