@@ -268,11 +268,11 @@ def measure_transfer(watchdog: Watchdog, device: torch.device) -> float:
     if cached is not None:
         return cached
     world = watchdog.world
-    numel = PROBE_BYTES // 4
+    # equal parts: each rank's input split for a peer is that peer's output split
+    numel = PROBE_BYTES // 4 // world * world
     inp = torch.zeros(numel, dtype=torch.float32, device=device)
     out = torch.empty_like(inp)
     splits = [numel // world] * world
-    splits[-1] += numel - sum(splits)
     dist.all_to_all_single(out, inp, splits, splits, group=watchdog.process_group)  # warm-up
     t0 = time.perf_counter()
     dist.all_to_all_single(out, inp, splits, splits, group=watchdog.process_group)
@@ -280,7 +280,7 @@ def measure_transfer(watchdog: Watchdog, device: torch.device) -> float:
         torch.cuda.synchronize(device)
     elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=watchdog.process_group)
-    moved = PROBE_BYTES * (world - 1) / world  # the same number on every rank
+    moved = numel * 4 * (world - 1) / world  # the same number on every rank
     rate = moved / max(float(elapsed.item()), 1e-9)
     _RATES[key] = rate
     return rate
