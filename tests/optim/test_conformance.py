@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import copy
 import io
 import pickle
@@ -67,6 +68,72 @@ def test_state_dict_round_trip_is_bitwise(name: str, how: str) -> None:
     assert_state_dicts_equal(opt2.state_dict(), opt.state_dict())
 
 
+def test_state_dict_hooks_see_and_change_the_whole_state(name: str) -> None:
+    """torch.optim's state-dict hooks around the owner-held state as around any other.
+
+    Catches: post-hooks run before the owner-held keys (NorMuon's second moment, Shampoo's
+    factors, SOAP's bases) and the saved param-group values are added (a hook's edits lost,
+    dtypes where the result holds strings); load pre-hooks run after the state dict was
+    checked (a hook upgrading old key names never ran) or without seeing owner-held keys;
+    load post-hooks run before the owner-held state is in place."""
+    grads = gradients(steps=5)
+    params, opt = make(name)
+    train(params, opt, grads[:3])
+    plain = _transport(opt.state_dict(), "deepcopy")
+    seen: dict[str, Any] = {}
+
+    def rename(o: Any, sd: dict[str, Any]) -> dict[str, Any]:
+        seen["post"] = copy.deepcopy(sd)  # what the hook sees is what state_dict returns
+        return {
+            **sd,
+            "state": {i: {f"old.{k}": v for k, v in e.items()} for i, e in sd["state"].items()},
+        }
+
+    handle = opt.register_state_dict_post_hook(rename)
+    saved = _transport(opt.state_dict(), "deepcopy")
+    handle.remove()
+    assert_state_dicts_equal(seen["post"], plain)
+    assert all(k.startswith("old.") for e in saved["state"].values() for k in e)
+    at_save = snapshot(params)
+    train(params, opt, grads[3:])
+
+    params2, opt2 = make(name, at_save)
+
+    def upgrade(o: Any, sd: dict[str, Any]) -> None:
+        sd["state"] = {
+            i: {k.removeprefix("old."): v for k, v in e.items()} for i, e in sd["state"].items()
+        }
+
+    def loaded(o: Any) -> None:
+        seen["loaded"] = o.state_dict()
+
+    opt2.register_load_state_dict_pre_hook(upgrade)
+    opt2.register_load_state_dict_post_hook(loaded)
+    opt2.load_state_dict(saved)
+    assert_state_dicts_equal(seen["loaded"], plain)
+    train(params2, opt2, grads[3:])
+    assert_params_equal(params2, params)
+
+
+def test_a_load_pre_hook_that_raises_loads_nothing(name: str) -> None:
+    """Catches: a load pre-hook's exception swallowed, or raised after a partial load."""
+    grads = gradients(steps=4)
+    params, opt = make(name)
+    train(params, opt, grads[:2])
+    saved = _transport(opt.state_dict(), "deepcopy")
+    params2, opt2 = make(name)
+    train(params2, opt2, grads[2:])
+    before = _transport(opt2.state_dict(), "deepcopy")
+
+    def refuse(o: Any, sd: dict[str, Any]) -> None:
+        raise RuntimeError("checkpoint from the future")
+
+    opt2.register_load_state_dict_pre_hook(refuse)
+    with pytest.raises(RuntimeError, match="checkpoint from the future"):
+        opt2.load_state_dict(saved)
+    assert_state_dicts_equal(opt2.state_dict(), before)
+
+
 def test_state_dict_round_trip_before_the_first_step(name: str) -> None:
     grads = gradients(steps=3)
     params, opt = make(name)
@@ -92,11 +159,18 @@ def test_loading_a_fresh_state_forgets_what_the_steps_built(name: str) -> None:
     at_load = snapshot(params)
     opt.load_state_dict(_transport(make(name)[1].state_dict(), "deepcopy"))
     assert opt.state_dict()["state"] == {}
-    train(params, opt, grads[3:])
-    params2, opt2 = make(name, at_load)
-    train(params2, opt2, grads[3:])
-    assert_params_equal(params, params2)
-    assert_state_dicts_equal(opt.state_dict(), opt2.state_dict())
+    _goes_on_as_a_fresh_one(name, params, opt, at_load, grads[3:])
+
+
+def _goes_on_as_a_fresh_one(
+    name: str, params: Any, opt: torch.optim.Optimizer, at: Any, grads: Any
+) -> None:
+    """``opt`` steps ``grads`` as a fresh optimizer over parameters ``at`` does."""
+    train(params, opt, grads)
+    fresh_params, fresh = make(name, at)
+    train(fresh_params, fresh, grads)
+    assert_params_equal(params, fresh_params)
+    assert_state_dicts_equal(opt.state_dict(), fresh.state_dict())
 
 
 def test_state_dict_keeps_named_parameters(name: str) -> None:
@@ -342,19 +416,19 @@ def test_step_lr_equals_setting_the_lr_by_hand(name: str, tensor_lr: bool) -> No
     assert_params_equal(scheduled, by_hand)
 
 
-def test_tensor_lr_equals_float_lr(name: str) -> None:
+def test_a_float64_tensor_lr_equals_the_float(name: str) -> None:
+    """A tensor lr's arithmetic runs in its dtype, as torch.optim's: in float64 it is
+    Python's. (A float32 tensor gives float32 products: ``test_muon_vs_torch.py`` and the
+    AdamW-route test compare those with torch.)
+
+    Catches: a tensor lr read differently from the float (e.g. rounded to float32)."""
     grads = gradients(steps=4)
-    for lr in (2.0**-6, 0.01):
+    for lr in (2.0**-6, 0.01, 0.03):
         floats, opt = make(name, lr=lr)
         tensors, topt = make(name, lr=torch.tensor(lr, dtype=torch.float64))
         train(floats, opt, grads)
         train(tensors, topt, grads)
         assert_params_equal(tensors, floats)
-    dyadic, dopt = make(name, lr=torch.tensor(2.0**-6))  # float32, exactly representable
-    train(dyadic, dopt, grads)
-    floats, opt = make(name, lr=2.0**-6)
-    train(floats, opt, grads)
-    assert_params_equal(dyadic, floats)
 
 
 def test_parameters_without_gradient_are_skipped(name: str) -> None:
@@ -434,6 +508,116 @@ def test_named_parameters_are_accepted(name: str) -> None:
     train(named, nopt, grads)
     train(unnamed, uopt, grads)
     assert_params_equal(named, unnamed)
+
+
+# ------------------------------------------------------------------ editing optimizer.state
+def _storage_keys(opt: torch.optim.Optimizer, p: torch.Tensor) -> list[str]:
+    """The keys of ``p``'s entry that hold real tensors (not the step, not owner-held)."""
+    return [k for k, v in opt.state[p].items() if k != "step" and v.numel()]
+
+
+@pytest.mark.parametrize("how", ["clear", "pop", "new dict", "new mapping"])
+def test_a_cleared_state_starts_afresh(name: str, how: str) -> None:
+    """Clearing ``optimizer.state`` between steps, as torch.optim allows: the next steps are
+    those of a fresh optimizer from the same parameters, owner-held state included.
+
+    Catches: the step's lists reused with the old tensors (Muon kept its old momentum and
+    ``state_dict()`` came back empty), owner-held state kept (Shampoo's factors, SOAP's
+    bases, NorMuon's second moment: Shampoo failed with KeyError 'step')."""
+    grads = gradients(steps=6)
+    params, opt = make(name)
+    train(params, opt, grads[:3])
+    at_reset = snapshot(params)
+    if how == "clear":
+        opt.state.clear()
+    elif how == "pop":
+        for p in params.values():
+            opt.state.pop(p)
+    elif how == "new dict":
+        for p in params.values():
+            opt.state[p] = {}
+    else:
+        opt.state = collections.defaultdict(dict)
+    _goes_on_as_a_fresh_one(name, params, opt, at_reset, grads[3:])
+
+
+def test_replaced_state_tensors_are_the_ones_the_step_updates(name: str) -> None:
+    """A state tensor replaced between steps (by one like it) is read and updated by the
+    next steps, as in torch.optim.
+
+    Catches: the step's cached lists still holding the replaced tensors: the new ones
+    never change (the parameters match either way: the replacements are copies)."""
+    grads = gradients(steps=5)
+    params, opt = make(name)
+    ref_params, ref = make(name)
+    train(params, opt, grads[:2])
+    train(ref_params, ref, grads[:2])
+    replaced = {}
+    for p in params.values():
+        for key in [*_storage_keys(opt, p), "step"]:
+            opt.state[p][key] = replaced[(id(p), key)] = opt.state[p][key].clone()
+    assert replaced  # every optimizer has element-wise state (AdamW's moments at least)
+    train(params, opt, grads[2:])
+    train(ref_params, ref, grads[2:])
+    assert_params_equal(params, ref_params)
+    assert_state_dicts_equal(opt.state_dict(), ref.state_dict())
+    for p in params.values():
+        for key in _storage_keys(opt, p):
+            assert opt.state[p][key] is replaced[(id(p), key)], key
+
+
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        (
+            "dtype",
+            r"state 'exp_avg' of parameter 'param4' was replaced by Tensor \(7,\) torch.float64",
+        ),
+        (
+            "shape",
+            r"state 'exp_avg' of parameter 'param4' was replaced by Tensor \(2,\) torch.float32",
+        ),
+        ("number", r"state 'step' of parameter 'param0' was replaced by a float"),
+        ("lost key", r"entry of parameter 'param4' lost key 'exp_avg'"),
+        ("owner-held", r"lives on its owner rank"),
+    ],
+)
+def test_a_state_edit_the_step_cannot_use_fails_it_and_changes_nothing(
+    name: str, edit: str, match: str
+) -> None:
+    """Catches: a replacement of another dtype or shape, or an entry missing a key, reaching
+    the math (an unclear error after part of the step was applied, or none at all)."""
+    grads = gradients(steps=4)
+    params, opt = make(name)
+    train(params, opt, grads[:2])
+    p = params["square"] if edit in ("number", "owner-held") else params["bias"]
+    entry = opt.state[p]
+    kept = dict(entry)
+    if edit == "dtype":
+        entry["exp_avg"] = entry["exp_avg"].double()
+    elif edit == "shape":
+        entry["exp_avg"] = torch.zeros(2)
+    elif edit == "number":
+        entry["step"] = 2.0
+    elif edit == "lost key":
+        del entry["exp_avg"]
+    else:
+        owner_held = [k for k, v in entry.items() if v.numel() == 0 and k != "step"]
+        if not owner_held:
+            pytest.skip(f"{name} keeps no owner-held state")
+        entry[owner_held[0]] = torch.zeros(8, 8)
+    before = snapshot(params)
+    with pytest.raises(canzona.UpdateFailedError, match=match):
+        set_grads(params, grads[2])
+        opt.step()
+    assert_params_equal(params, before)
+    entry.clear()
+    entry.update(kept)  # undone: the steps go on as if nothing happened
+    ref_params, ref = make(name)
+    train(ref_params, ref, grads[:2])
+    train(params, opt, grads[2:])
+    train(ref_params, ref, grads[2:])
+    assert_params_equal(params, ref_params)
 
 
 def test_zero_grad(name: str) -> None:

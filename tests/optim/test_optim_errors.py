@@ -460,22 +460,49 @@ def test_step_buffers_are_kept_on_the_cpu_and_freed_on_accelerators_by_default()
 
 
 @pytest.mark.parametrize("name", ["muon", "shampoo", "soap", "normuon"])
-@pytest.mark.parametrize("key", ["betas", "eps"])
-def test_an_adamw_group_refuses_torch_adamw_names(name: str, key: str) -> None:
+@pytest.mark.parametrize(
+    ("key", "value", "says"),
+    [
+        ("betas", (0.5, 0.6), "'adamw_betas'"),
+        ("eps", 1e-2, "'adamw_eps'"),
+        ("amsgrad", True, "no amsgrad"),
+        ("maximize", True, "no maximize"),
+    ],
+)
+def test_an_adamw_group_refuses_torch_adamw_names(
+    name: str, key: str, value: Any, says: str
+) -> None:
     """Catches: ``{"algorithm": "adamw", "betas": ...}`` (torch.optim.AdamW's names)
-    silently ignored: the AdamW route reads ``adamw_betas`` and ``adamw_eps``."""
+    silently ignored: the AdamW route reads ``adamw_betas`` and ``adamw_eps`` and
+    implements neither amsgrad nor maximize."""
     cls, kwargs = OPTIMIZERS[name]
-    value = (0.5, 0.6) if key == "betas" else 1e-2
     group = {"params": [nn.Parameter(torch.randn(4))], "algorithm": "adamw", key: value}
-    with pytest.raises(ValueError, match=re.escape(f"'adamw_{key}'")) as info:
+    with pytest.raises(ValueError, match=re.escape(says)) as info:
         cls([group], **kwargs)
     assert f"got {key}={value!r}" in str(info.value)
     opt = cls([nn.Parameter(torch.randn(4, 4))], **kwargs)
     with pytest.raises(ValueError, match=re.escape(f"got {key}={value!r}")):
         opt.add_param_group(group)
     assert len(opt.param_groups) == 1
-    group[f"adamw_{key}"] = group.pop(key)
-    cls([group], **kwargs)  # the names it reads
+    if key in ("betas", "eps"):
+        group[f"adamw_{key}"] = group.pop(key)
+        cls([group], **kwargs)  # the names it reads
+
+
+@pytest.mark.parametrize("name", ["muon", "shampoo"])
+@pytest.mark.parametrize("algorithm", ["matrix", "adamw"])
+def test_a_parameter_twice_in_one_group_is_refused(name: str, algorithm: str) -> None:
+    """Catches: the same tensor listed twice in one group (unnamed parameters get distinct
+    names) accepted: its step counted once but its update applied about twice."""
+    cls, kwargs = OPTIMIZERS[name]
+    p = nn.Parameter(torch.randn(8, 4))
+    group: dict[str, Any] = {"params": [p, nn.Parameter(torch.randn(8, 4)), p]}
+    if algorithm == "adamw":
+        group["algorithm"] = "adamw"
+    same = re.escape("'param2' is the same tensor as 'param0'")
+    # torch's own warning comes first
+    with pytest.warns(UserWarning, match="duplicate"), pytest.raises(ValueError, match=same):
+        cls([group], **kwargs)
 
 
 @pytest.mark.parametrize(

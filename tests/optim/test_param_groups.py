@@ -213,6 +213,11 @@ def test_adamw_group_is_torch_adamw(cls: type[torch.optim.Optimizer]) -> None:
             {"adamw_betas": (0.5, 0.9), "adamw_eps": 1e-3},
             {"lr": 0.01, "weight_decay": 0.0, "betas": (0.5, 0.9), "eps": 1e-3},
         ),
+        (  # a float32 tensor lr: torch's arithmetic in float32 (1 ulp from the float's)
+            {"lr": 0.1, "weight_decay": 0.1},
+            {"lr": torch.tensor(0.02)},
+            {"lr": torch.tensor(0.02), "weight_decay": 0.1, "betas": (0.9, 0.95)},
+        ),
         (  # nothing given: the optimizer's lr and weight_decay, adamw_betas=(0.9, 0.95)
             {},
             {},
@@ -392,6 +397,33 @@ def test_a_conv1d_weight_is_one_matrix_never_a_stack() -> None:
         opt.step()
         expected.step()
     assert torch.equal(conv.detach().reshape(8, 12), ref.detach())
+
+
+def test_a_channels_last_convolution_steps_as_its_matrix() -> None:
+    """A model in ``channels_last`` (its 4-D weights have no ``(out, in*kh*kw)`` view).
+
+    Catches: the apply viewing the weight as that matrix: a RuntimeError after the vote
+    (the other matrices already updated), or an update written into a copy and lost."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Conv2d(8, 4, 2)).to(
+        memory_format=torch.channels_last
+    )
+    assert not model[0].weight.is_contiguous()
+    groups = canzona.param_groups(model, flatten=True, lr=0.02)
+    [flat] = [g for g in groups if g.get("flatten")]
+    weights = [p for _, p in flat["params"]]
+    refs = [nn.Parameter(w.detach().reshape(w.shape[0], -1).clone()) for w in weights]
+    expected = torch.optim.Muon(refs, lr=0.02)
+    opt = canzona.Muon([flat])
+    for _ in range(3):
+        for w, ref in zip(weights, refs, strict=True):
+            w.grad = torch.randn_like(w)
+            ref.grad = w.grad.reshape(ref.shape).clone()
+        opt.step()
+        expected.step()
+    for w, ref in zip(weights, refs, strict=True):
+        assert not w.is_contiguous()  # updated in place, layout kept
+        assert torch.equal(w.detach().reshape(ref.shape), ref.detach())
 
 
 def test_flatten_leaves_a_convolution_forced_to_adamw_there() -> None:

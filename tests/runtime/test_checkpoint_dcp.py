@@ -14,6 +14,8 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
     set_state_dict,
 )
 from torch.distributed.tensor import DTensor
@@ -133,10 +135,14 @@ def test_same_mesh_resume_is_bit_exact(dist: Any, tmp_path: Path, name: str, fla
             assert torch.equal(resumed[key][n], want), f"{name}: {key} {n} differs"
 
 
-def _consolidated_round_trip(name: str) -> dict[str, Any]:
+def _consolidated_round_trip(name: str, broadcast: bool) -> dict[str, Any]:
     """A consolidated, CPU-offloaded state dict (``full_state_dict``, ``cpu_offload``) of an
     optimizer with a split group, loaded into a fresh one; both train on, against a run
-    without the round trip."""
+    without the round trip.
+
+    With ``broadcast`` only rank 0 holds the state dicts it loads (the offloaded ones,
+    empty elsewhere), with ``broadcast_from_rank0`` (model and optimizer loaded apart:
+    ``set_state_dict`` takes an empty model state dict for "optimizer only")."""
     cls, kw = OPTIMIZERS[name]
     split = {"up.weight": canzona.Split(dim=0, size=5)}
 
@@ -155,9 +161,16 @@ def _consolidated_round_trip(name: str) -> dict[str, Any]:
     # would be shared with the original optimizer's, as in torch.optim
     model_sd, optim_sd = copy.deepcopy(get_state_dict(model, opt, options=full))
     resumed, resumed_opt = build()
-    set_state_dict(
-        resumed, resumed_opt, model_state_dict=model_sd, optim_state_dict=optim_sd, options=full
-    )
+    if broadcast:
+        from_rank0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        model_sd, optim_sd = copy.deepcopy(get_state_dict(model, opt, options=offload))
+        assert bool(optim_sd) == (tdist.get_rank() == 0)
+        set_model_state_dict(resumed, model_sd, options=from_rank0)
+        set_optimizer_state_dict(resumed, resumed_opt, optim_sd, options=from_rank0)
+    else:
+        set_state_dict(
+            resumed, resumed_opt, model_state_dict=model_sd, optim_state_dict=optim_sd, options=full
+        )
     for m, o in ((model, opt), (resumed, resumed_opt)):
         _train(m, o, range(3, 5))
     return {
@@ -170,12 +183,16 @@ def _consolidated_round_trip(name: str) -> dict[str, Any]:
     }
 
 
+@pytest.mark.parametrize("broadcast", [False, True], ids=["every-rank", "from-rank0"])
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-def test_a_consolidated_offloaded_state_dict_round_trips(dist: Any, name: str) -> None:
+def test_a_consolidated_offloaded_state_dict_round_trips(
+    dist: Any, name: str, broadcast: bool
+) -> None:
     """Catches: param-group values DCP's consolidation and offload refuse (``ns_dtype`` and
     ``root_dtype`` as torch.dtype objects, ``split`` as a Split raised "Unexpected value
-    type") and values not read back as what they were (the split group losing its blocks)."""
-    outs = dist(4).run(_consolidated_round_trip, name, timeout=TIMEOUT)
+    type"), values not read back as what they were (the split group losing its blocks), and
+    a rank-0-only state dict broadcast into owner-held state in the wrong places."""
+    outs = dist(4).run(_consolidated_round_trip, name, broadcast, timeout=TIMEOUT)
     assert set(outs[0]["kinds"]) <= {"bool", "float", "int", "str", "tuple", "list", "NoneType"}
     assert "str" in outs[0]["kinds"]  # the learning-rate adjustment's name, and dtypes
     for out in outs:

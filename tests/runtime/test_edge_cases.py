@@ -722,3 +722,40 @@ def test_a_deepcopy_on_a_mesh_steps_like_the_original(dist: Any, name: str) -> N
             "state": True,
             "refused": ("TypeError", True),
         }, out
+
+
+def _cleared_state(name: str) -> dict[str, Any]:
+    """Two steps, ``optimizer.state.clear()`` on every rank, two more; and a fresh optimizer
+    over copies of the parameters taken at the clear, stepping the same two."""
+    shapes = dict(FIRST)
+    grads = grad_steps(shapes, 4)
+    params = sharded_params(full_tensors(shapes), mesh((2,)), {n: (Shard(0),) for n in shapes})
+    kw = OWNER_KW.get(name, {"lr": 0.02, "momentum": 0.9})
+    make = lambda ps: getattr(canzona, name)(ps, **kw)  # noqa: E731
+    opt = make(params)
+    for g in grads[:2]:
+        set_grads(params, g)
+        opt.step()
+    fresh_params = [(n, nn.Parameter(p.detach().clone())) for n, p in params]
+    fresh = make(fresh_params)
+    opt.state.clear()
+    for g in grads[2:]:
+        for ps, o in ((params, opt), (fresh_params, fresh)):
+            set_grads(ps, g)
+            o.step()
+    return {
+        "params": all(
+            torch.equal(full_of(p), full_of(q))
+            for (_, p), (_, q) in zip(params, fresh_params, strict=True)
+        ),
+        "state": _same(_state_fulls(opt), _state_fulls(fresh)),
+    }
+
+
+@pytest.mark.parametrize("name", ["Muon", "Shampoo", "SOAP", "NorMuon"])
+def test_a_state_cleared_on_every_rank_starts_afresh_on_the_owners(dist: Any, name: str) -> None:
+    """Catches: owner-held state (held on the owner rank, outside ``optimizer.state``) kept
+    after the user cleared ``optimizer.state``, or the step's cached lists still holding the
+    cleared tensors: the run must go on exactly as a fresh optimizer's."""
+    for out in dist(2).run(_cleared_state, name, timeout=TIMEOUT):
+        assert out == {"params": True, "state": True}, (name, out)

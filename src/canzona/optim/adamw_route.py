@@ -14,10 +14,20 @@ from canzona.updates.batched import adamw_moments_, adamw_params_
 
 def scalar(value: float | Tensor) -> float:
     """A learning rate given as a float or a 1-element tensor, as a float."""
+    return float(lr_value(value))
+
+
+def lr_value(value: float | Tensor) -> float | Tensor:
+    """A learning rate as torch.optim uses it: a float, or a 0-dim tensor.
+
+    The arithmetic on a tensor learning rate (``1 - lr * weight_decay``, the shape-adjusted
+    rate) then runs in the tensor's dtype, as torch.optim's does: a float32 ``lr`` gives
+    float32 products, bit for bit torch's.
+    """
     if isinstance(value, Tensor):
         if value.numel() != 1:
             raise ValueError(f"a tensor learning rate must have one element, got {value.shape}")
-        return float(value.item())
+        return value.detach().reshape(())
     return float(value)
 
 
@@ -56,7 +66,7 @@ class AdamWRouteMixin:
                 lists[1],
                 lists[2],
                 step,
-                lr=scalar(group["lr"]),
+                lr=lr_value(group["lr"]),
                 betas=tuple(group["adamw_betas"]),
                 eps=group["adamw_eps"],
                 weight_decay=group["weight_decay"],

@@ -15,9 +15,10 @@ from canzona.optim.adamw_route import AdamWRouteMixin, scalar
 from canzona.optim.checkpoint import CheckpointMixin
 from canzona.optim.copies import CopyMixin
 from canzona.optim.owner_state import OwnerState
-from canzona.optim.prepare import GroupWork, StepWork, build_work
+from canzona.optim.prepare import GroupWork, SeenState, StepWork, build_work
 from canzona.optim.transaction import Backup, StepTransaction
 from canzona.optim.validation import (
+    check_adamw_names,
     check_algorithms,
     check_common,
     check_group,
@@ -136,15 +137,8 @@ class MatrixOptimizer(AdamWRouteMixin, CopyMixin, CheckpointMixin, Optimizer):
     # ------------------------------------------------------------------ groups
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group; matrix groups accept only 2-D parameters and 3-D stacks."""
-        torch_names = sorted({"betas", "eps"} & param_group.keys())
-        if param_group.get("algorithm") == ADAMW and torch_names:
-            # defaults would fill these keys for the matrix algorithm: the AdamW route never
-            # reads them, so torch.optim.AdamW's names would be silently ignored
-            raise ValueError(
-                f"an algorithm={ADAMW!r} group takes its betas as 'adamw_betas' and its "
-                f"epsilon as 'adamw_eps', got {', '.join(torch_names)}="
-                f"{', '.join(repr(param_group[k]) for k in torch_names)}"
-            )
+        if param_group.get("algorithm") == ADAMW:
+            check_adamw_names(param_group)
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         algorithm = group.get("algorithm")
@@ -206,8 +200,13 @@ class MatrixOptimizer(AdamWRouteMixin, CopyMixin, CheckpointMixin, Optimizer):
     def _validate_group(self, group: dict[str, Any]) -> None:
         """Raise ``ValueError`` for invalid hyper-parameters of a matrix group."""
 
-    def _init_storage_state(self, p: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
-        """Create the element-wise state of a matrix parameter (storage layout)."""
+    def _init_storage_state(
+        self, p: Tensor, state: dict[str, Any], group: dict[str, Any], grad: Tensor | None
+    ) -> None:
+        """Create the element-wise state of a matrix parameter (storage layout).
+
+        ``grad``: the parameter's gradient in this step (None without one).
+        """
 
     def _prepare_group(
         self, group: dict[str, Any], work: GroupWork, grads: list[Tensor], txn: StepTransaction
@@ -440,7 +439,7 @@ class MatrixOptimizer(AdamWRouteMixin, CopyMixin, CheckpointMixin, Optimizer):
         read = False
         if failure is None and not start.declined:
             try:
-                work = self._step_work(start, table, params, gids, txn)
+                work = self._step_work(start, table, params, names, gids, raw, txn)
                 read = True  # the prepare reads every gradient, whatever fails
                 self._prepare(work, raw, names, txn)
             except Exception as exc:
@@ -474,26 +473,36 @@ class MatrixOptimizer(AdamWRouteMixin, CopyMixin, CheckpointMixin, Optimizer):
         start: StepStart,
         table: StepTable,
         params: list[Tensor],
+        names: list[str],
         gids: list[int],
+        raw: list[Tensor | None],
         txn: StepTransaction,
     ) -> StepWork:
-        """The step's lists: reused while the table, active set and states are unchanged."""
+        """The step's lists: reused while the table, active set and states are unchanged.
+
+        A state entry the user cleared starts afresh, owner-held state included; one whose
+        tensors the user replaced is read again (see :class:`SeenState`).
+        """
         key = (table.version, start.active, self._state_generation)
         cached = self._work
         if cached is not None and cached[0] == key and cached[1] is start.payload:
-            return cached[2]
+            seen = cached[2].seen
+            if seen is None or seen.unchanged(self.state):
+                return cached[2]
+            seen.check_edits(self.state, [names[i] for i in sorted(start.active)])
         active = sorted(start.active)
         matrix = set(table.matrix)
-        created = False
+        fresh: set[int] = set()
         for i in active:
             p = params[i]
             state = self.state[p]
             if "step" not in state:
                 txn.created(self.state, p)
-                self._init_state(p, state, self.param_groups[gids[i]], i in matrix)
-                created = True
+                self._init_state(p, state, self.param_groups[gids[i]], i in matrix, raw[i])
+                fresh.add(i)
                 self._algorithms.setdefault(gids[i], self.param_groups[gids[i]]["algorithm"])
-        if created:
+        if fresh:
+            self._owner.forget(fresh)  # a cleared entry: its owner-held state too
             self._state_generation += 1
         work = build_work(
             active=active,
@@ -504,6 +513,7 @@ class MatrixOptimizer(AdamWRouteMixin, CopyMixin, CheckpointMixin, Optimizer):
             payload=start.payload,
             state=self.state,
         )
+        work.seen = SeenState([params[i] for i in active], self.state)
         key = (table.version, start.active, self._state_generation)
         self._work = (key, start.payload, work)  # the payload views are the schedule's
         return work
@@ -566,14 +576,19 @@ class MatrixOptimizer(AdamWRouteMixin, CopyMixin, CheckpointMixin, Optimizer):
         return ()
 
     def _init_state(
-        self, p: Tensor, state: dict[str, Any], group: dict[str, Any], is_matrix: bool
+        self,
+        p: Tensor,
+        state: dict[str, Any],
+        group: dict[str, Any],
+        is_matrix: bool,
+        grad: Tensor | None,
     ) -> None:
         state["step"] = torch.tensor(0.0)
         if group["algorithm"] == ADAMW:
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         elif is_matrix:
-            self._init_storage_state(p, state, group)
+            self._init_storage_state(p, state, group, grad)
             self._owner.add_placeholders(p, state, group)
 
     def _backup(self, tensors: list[Tensor]) -> Backup:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -20,6 +23,23 @@ from canzona.runtime import (
 
 ADAMW = "adamw"
 ADAMW_KEYS = ("step", "exp_avg", "exp_avg_sq")
+
+
+@contextmanager
+def held_hooks(optimizer: Any, *names: str) -> Iterator[list[list[Any]]]:
+    """Hide the optimizer's hook dicts ``names`` from torch's own code; yields their hooks.
+
+    torch runs state-dict hooks inside ``Optimizer.state_dict``/``load_state_dict``, before
+    (save) or after (load) the parts that only exist here: the caller runs them itself.
+    """
+    saved = [getattr(optimizer, name) for name in names]
+    for name in names:
+        setattr(optimizer, name, OrderedDict())
+    try:
+        yield [list(hooks.values()) for hooks in saved]
+    finally:
+        for name, hooks in zip(names, saved, strict=True):
+            setattr(optimizer, name, hooks)
 
 
 def _shape(value: Any) -> tuple[int, ...] | None:
@@ -90,8 +110,22 @@ class CheckpointMixin:
 
     # ------------------------------------------------------------------ save
     def state_dict(self) -> dict[str, Any]:
-        """The optimizer state (collective on a distributed mesh); see the class doc."""
-        sd: dict[str, Any] = super().state_dict()  # type: ignore[misc]
+        """The optimizer state (collective on a distributed mesh); see the class doc.
+
+        State-dict post-hooks (``register_state_dict_post_hook``) see the whole state dict,
+        owner-held state and saved param groups included, and may replace it.
+        """
+        with held_hooks(self, "_optimizer_state_dict_post_hooks") as (post,):
+            sd: dict[str, Any] = super().state_dict()  # type: ignore[misc]
+        sd = self._complete_state_dict(sd)
+        for hook in post:
+            result = hook(self, sd)
+            if result is not None:
+                sd = result
+        return sd
+
+    def _complete_state_dict(self, sd: dict[str, Any]) -> dict[str, Any]:
+        """The state dict of torch.optim with saved param-group values and owner-held state."""
         sd["param_groups"] = saved_groups(sd["param_groups"])
         params, _, gids = self._flat()
         entries = self._stepped_entries(params, gids)
@@ -214,19 +248,42 @@ class CheckpointMixin:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict; on any error nothing changes (collective on a distributed mesh).
 
+        Load pre-hooks (``register_load_state_dict_pre_hook``) run first and may change or
+        replace the state dict before anything reads it; post-hooks run once every state,
+        owner-held included, is loaded.
+
         Raises:
-            ValueError: naming the offending group, parameter or key; every rank raises.
+            ValueError: naming the offending group, parameter or key; every rank raises
+                (a pre-hook's own exception on the rank where it raised).
         """
+        hooks = ("_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks")
+        with held_hooks(self, *hooks) as (pre, post):
+            self._load_state_dict(state_dict, pre)
+        for hook in post:
+            hook(self)
+
+    def _load_state_dict(self, state_dict: dict[str, Any], pre_hooks: list[Any]) -> None:
+        """:meth:`load_state_dict` between its hooks (``pre_hooks`` run here, on a copy)."""
         params, names, _ = self._flat()
-        error: ValueError | None = None
+        error: Exception | None = None
+        state_dict = dict(state_dict)  # shallow, as torch's: a hook may edit it
         try:
-            # dtypes and splits as state_dict() writes them (DCP holds no such objects)
-            state_dict = {**state_dict, "param_groups": loaded_groups(state_dict["param_groups"])}
-            self._validate(state_dict)
-        except ValueError as exc:
+            for hook in pre_hooks:
+                result = hook(self, state_dict)
+                if result is not None:
+                    state_dict = result
+        except Exception as exc:  # raised below, once every rank knows a rank failed
             error = exc
-        except (KeyError, TypeError, AttributeError, IndexError) as exc:
-            error = ValueError(f"malformed state dict: {type(exc).__name__}: {exc}")
+        if error is None:
+            try:
+                # dtypes and splits as state_dict() writes them (DCP holds no such objects)
+                groups = loaded_groups(state_dict["param_groups"])
+                state_dict = {**state_dict, "param_groups": groups}
+                self._validate(state_dict)
+            except ValueError as exc:
+                error = exc
+            except (KeyError, TypeError, AttributeError, IndexError) as exc:
+                error = ValueError(f"malformed state dict: {type(exc).__name__}: {exc}")
         self._runtime.layouts(names, params)
         failed = check_all_ok(error is None, self._runtime)
         if error is not None:

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from canzona.defaults import ADAMW_DEFAULTS, MUON_DEFAULTS
-from canzona.optim.adamw_route import scalar
+from canzona.optim.adamw_route import lr_value
 from canzona.optim.base import MatrixOptimizer
 from canzona.optim.payload_runs import payload_runs
 from canzona.optim.prepare import GroupWork
@@ -204,8 +204,14 @@ class Muon(MatrixOptimizer):
         for group in self.param_groups:
             group.setdefault("scale", self.defaults["scale"])
 
-    def _init_storage_state(self, p: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
-        state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    def _init_storage_state(
+        self, p: Tensor, state: dict[str, Any], group: dict[str, Any], grad: Tensor | None
+    ) -> None:
+        # the gradient's dtype, as torch's (a bf16 weight may have fp32 gradients)
+        dtype = grad.dtype if grad is not None else p.dtype
+        state["momentum_buffer"] = torch.zeros_like(
+            p, dtype=dtype, memory_format=torch.preserve_format
+        )
 
     def _row_signature(self, group: dict[str, Any]) -> tuple[object, ...]:
         return (group.get("ns_dtype"),)
@@ -265,7 +271,7 @@ class Muon(MatrixOptimizer):
 
     def _apply_batch(self, batch: ApplyBatch) -> None:
         hp = batch.hparams
-        lr = scalar(hp["lr"])
+        lr = lr_value(hp["lr"])
         m, n = batch.shape
         directions = batch.directions
         if m > n:
@@ -278,6 +284,6 @@ class Muon(MatrixOptimizer):
         decay_and_step_(
             batch.targets,
             directions,
-            decay=1 - lr * hp["weight_decay"],
-            alpha=-muon_lr(lr, hp["adjust_lr_fn"], batch.shape, scale=hp["scale"]),
+            decay=float(1 - lr * hp["weight_decay"]),
+            alpha=-float(muon_lr(lr, hp["adjust_lr_fn"], batch.shape, scale=hp["scale"])),
         )

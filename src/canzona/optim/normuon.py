@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from canzona.defaults import ADAMW_DEFAULTS, NORMUON_DEFAULTS
-from canzona.optim.adamw_route import scalar
+from canzona.optim.adamw_route import lr_value
 from canzona.optim.muon import Muon, as_tuples, check_positive_finite
 from canzona.plan import PlanConfig
 from canzona.plan.cost import NORMUON_ELEMENTWISE
@@ -200,10 +200,10 @@ class NorMuon(Muon):
 
     def _apply_batch(self, batch: ApplyBatch) -> None:
         hp = batch.hparams
-        lr = scalar(hp["lr"])
+        lr = lr_value(hp["lr"])
         decay_and_step_(
             batch.targets,
             batch.directions,
-            decay=1 - lr * hp["weight_decay"],
-            alpha=-muon_lr(lr, hp["adjust_lr_fn"], batch.shape, scale=hp["scale"]),
+            decay=float(1 - lr * hp["weight_decay"]),
+            alpha=-float(muon_lr(lr, hp["adjust_lr_fn"], batch.shape, scale=hp["scale"])),
         )

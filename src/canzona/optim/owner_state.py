@@ -64,6 +64,7 @@ class OwnerState:
         self._atomic = False
         self._keep = False
         self._touched: dict[Key, State | None] = {}
+        self._dropped: dict[Key, State] = {}  # forgotten in this step, until it commits
         self._spare: dict[Key, State] = {}  # last step's copies, refilled in place
         self.backup_bytes = 0  # what the copies of this step hold
 
@@ -79,6 +80,7 @@ class OwnerState:
         self._atomic = atomic
         self._keep = keep
         self._touched = {}
+        self._dropped = {}
         self.backup_bytes = 0
         if not keep:
             self._spare = {}
@@ -120,6 +122,17 @@ class OwnerState:
             self._spare[key] = copy
         return copy
 
+    def forget(self, params: set[int]) -> None:
+        """Forget the state of the matrices of ``params`` (until a rollback puts it back).
+
+        For parameters whose ``optimizer.state`` entry the user cleared: they start afresh,
+        as in torch.optim.
+        """
+        if not params or not self.states:
+            return
+        for key in [k for k in self.states if k[0] in params]:
+            self._dropped[key] = self.states.pop(key)
+
     def _end(self) -> None:
         """Keep only the copies this step used (all of them go without ``keep``)."""
         if self._keep:
@@ -127,6 +140,7 @@ class OwnerState:
         else:
             self._spare = {}
         self._touched = {}
+        self._dropped = {}
 
     def commit(self) -> None:
         """Forget the copies (the step succeeded)."""
@@ -141,6 +155,7 @@ class OwnerState:
                 state = self.states[key]
                 for name, value in before.items():
                     state[name].copy_(value)
+        self.states.update(self._dropped)
         self._end()
 
     # ------------------------------------------------------------------ keys
@@ -247,6 +262,7 @@ class OwnerState:
         """Drop every state."""
         self.states = {}
         self._touched = {}
+        self._dropped = {}
 
 
 def _own(item: Item, key: str) -> str:

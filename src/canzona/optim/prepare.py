@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any
 
 import torch
@@ -37,16 +40,106 @@ class GroupWork:
     cache: dict[str, Any] = field(default_factory=dict)
 
 
+class SeenState:
+    """The ``optimizer.state`` entries of a step's active parameters, as its lists hold them.
+
+    A step reuses its lists (which hold the state tensors) while the entries are these
+    very dicts holding these very values; a user who replaces or clears an entry, or a
+    tensor in it, between steps (as torch.optim allows) makes the next step build them
+    again from ``optimizer.state``.
+
+    Args:
+        params: The step's active parameters.
+        state: The optimizer's state mapping.
+    """
+
+    __slots__ = ("dicts", "entries", "params", "values")
+
+    def __init__(self, params: list[Tensor], state: Mapping[Tensor, dict[str, Any]]) -> None:
+        self.params = params
+        self.dicts = [state[p] for p in params]
+        self.entries = [dict(d) for d in self.dicts]  # what each entry held
+        self.values = list(chain.from_iterable(map(dict.values, self.dicts)))
+
+    def unchanged(self, state: Mapping[Tensor, dict[str, Any]]) -> bool:
+        """Whether every entry and every value in it is still the one seen (by identity)."""
+        dicts = list(map(state.get, self.params))
+        if not all(map(operator.is_, dicts, self.dicts)):
+            return False
+        values = list(chain.from_iterable(map(dict.values, dicts)))  # type: ignore[arg-type]
+        return len(values) == len(self.values) and all(map(operator.is_, values, self.values))
+
+    def check_edits(self, state: Mapping[Tensor, dict[str, Any]], labels: Sequence[str]) -> None:
+        """Raise ``ValueError`` for an entry edited into one the step cannot use.
+
+        A cleared entry (no ``"step"``) starts afresh; otherwise every key must stay, and
+        a replaced tensor must match the one it replaces (type, shape, dtype, device and,
+        for a DTensor, mesh and placements). ``labels``: each active parameter's name.
+        """
+        for p, old, label in zip(self.params, self.entries, labels, strict=True):
+            new = state.get(p)
+            if new is None or "step" not in new:
+                continue
+            if new.keys() != old.keys():
+                missing = sorted(old.keys() - new.keys())
+                what = (
+                    f"lost key {missing[0]!r}"
+                    if missing
+                    else (f"gained key {sorted(new.keys() - old.keys())[0]!r}")
+                )
+                raise ValueError(
+                    f"the optimizer.state entry of parameter {label!r} {what} since the last "
+                    "step: replace its tensors, or clear the whole entry to start afresh"
+                )
+            for key, value in new.items():
+                if value is not old[key]:
+                    _check_like(value, old[key], key, label)
+
+
+def _describe(t: Tensor) -> str:
+    kind = type(t).__name__
+    placements = getattr(t, "placements", None)
+    extra = f", {placements} on {getattr(t, 'device_mesh', None)}" if placements else ""
+    return f"{kind} {tuple(t.shape)} {t.dtype} on {t.device}{extra}"
+
+
+def _check_like(value: Any, old: Tensor, key: str, label: str) -> None:
+    """``value`` may replace the state tensor ``old``: same kind, shape, dtype, device, layout."""
+    same = (
+        isinstance(value, Tensor)
+        and type(value) is type(old)
+        and value.shape == old.shape
+        and value.dtype == old.dtype
+        and value.device == old.device
+        and getattr(value, "placements", None) == getattr(old, "placements", None)
+        and getattr(value, "device_mesh", None) == getattr(old, "device_mesh", None)
+    )
+    if same:
+        return
+    got = _describe(value) if isinstance(value, Tensor) else f"a {type(value).__name__}"
+    hint = (
+        " (owner-held state lives on its owner rank: load_state_dict sets it)"
+        if old.numel() == 0 and key != "step"
+        else ""
+    )
+    raise ValueError(
+        f"state {key!r} of parameter {label!r} was replaced by {got}; a replacement must "
+        f"match the tensor it replaces, a {_describe(old)}{hint}"
+    )
+
+
 @dataclass(slots=True)
 class StepWork:
     """Every active parameter's step counter, and the work of each param group, in order.
 
     The counters live in one tensor, ``steps``: each parameter's ``state["step"]`` is a
     0-dim view of it (see :func:`link_steps`), so a step advances them all with one op.
+    ``seen`` holds the state entries the lists were built from.
     """
 
     steps: Tensor
     groups: list[GroupWork]
+    seen: SeenState | None = None
 
 
 def build_work(

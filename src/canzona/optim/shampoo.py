@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from canzona.defaults import ADAMW_DEFAULTS, SHAMPOO_DEFAULTS
-from canzona.optim.adamw_route import scalar
+from canzona.optim.adamw_route import lr_value
 from canzona.optim.owned import OwnerStateOptimizer
 from canzona.plan import PlanConfig
 from canzona.runtime import ApplyBatch, PipelineConfig
@@ -151,7 +151,10 @@ class Shampoo(OwnerStateOptimizer):
 
     def _apply_batch(self, batch: ApplyBatch) -> None:
         hp = batch.hparams
-        lr = scalar(hp["lr"])
+        lr = lr_value(hp["lr"])
         decay_and_step_(
-            batch.targets, batch.directions, decay=1 - lr * hp["weight_decay"], alpha=-lr
+            batch.targets,
+            batch.directions,
+            decay=float(1 - lr * hp["weight_decay"]),
+            alpha=-float(lr),
         )

@@ -8,7 +8,7 @@ from typing import Any
 from torch import Tensor
 
 from canzona.defaults import ADAMW_DEFAULTS, SOAP_DEFAULTS
-from canzona.optim.adamw_route import scalar
+from canzona.optim.adamw_route import lr_value
 from canzona.optim.owned import OwnerStateOptimizer
 from canzona.plan import PlanConfig
 from canzona.runtime import ApplyBatch, PipelineConfig
@@ -130,7 +130,7 @@ class SOAP(OwnerStateOptimizer):
             soap_apply_batch_(
                 [batch.targets[k] for k in ks],
                 [batch.directions[k] for k in ks],
-                lr=scalar(hp["lr"]),
+                lr=lr_value(hp["lr"]),
                 weight_decay=hp["weight_decay"],
                 step=step,
                 hp=_hparams(dict(hp)),

@@ -17,6 +17,28 @@ ADAMW = "adamw"
 NO_GRAD_WARN_STEPS = 3
 
 
+#: torch.optim.AdamW's names the AdamW route takes under its own name, or does not implement.
+TORCH_ADAMW_NAMES = {
+    "betas": "its betas as 'adamw_betas'",
+    "eps": "its epsilon as 'adamw_eps'",
+    "amsgrad": "no amsgrad (AdamW as torch.optim.AdamW(amsgrad=False) computes it)",
+    "maximize": "no maximize (negate the loss instead)",
+}
+
+
+def check_adamw_names(group: Mapping[str, Any]) -> None:
+    """Refuse torch.optim.AdamW's names in an AdamW group: the route would not read them."""
+    given = sorted(TORCH_ADAMW_NAMES.keys() & group.keys())
+    if given:
+        # defaults fill betas/eps for the matrix algorithm and the AdamW route never
+        # reads them: torch.optim.AdamW's names would be silently ignored
+        raise ValueError(
+            f"an algorithm={ADAMW!r} group takes "
+            f"{'; '.join(TORCH_ADAMW_NAMES[k] for k in given)}, got "
+            f"{', '.join(f'{k}={group[k]!r}' for k in given)}"
+        )
+
+
 def check_group(group: dict[str, Any], owner: str, taken: Set[str], offset: int) -> None:
     """Raise ``ValueError`` naming the parameter for anything the optimizer cannot update.
 
@@ -49,6 +71,14 @@ def check_group(group: dict[str, Any], owner: str, taken: Set[str], offset: int)
             f"parameter names must be unique in one optimizer; repeated: {repeated[:5]} "
             "(prefix the names of parameters gathered from different modules)"
         )
+    first: dict[int, str] = {}
+    for label, p in zip(labels, group["params"], strict=True):
+        if id(p) in first:
+            raise ValueError(
+                f"parameter {label!r} is the same tensor as {first[id(p)]!r} in one param "
+                "group: each parameter may appear once"
+            )
+        first[id(p)] = label
     for label, p in zip(labels, group["params"], strict=True):
         validate_param(label, p)
         if group.get("algorithm") == ADAMW:

@@ -28,6 +28,7 @@ def apply_runs(
     """
     batches: dict[tuple[int, int, int], ApplyBatch] = {}
     stacks: dict[int, tuple[ApplyBatch, list[tuple[Target, torch.Tensor, int]]]] = {}
+    flats: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for data, d in runs:
         key = (d.key, *d.full)
         batch = batches.get(key)
@@ -49,14 +50,14 @@ def apply_runs(
         ):
             batch.directions += data.unbind(0)  # matricised N-D weights: one matrix each
             batch.params += [t.param for t in d.targets]
-            batch.targets += [_local(tensors, t) for t in d.targets]
+            batch.targets += [_local(tensors, t, flats) for t in d.targets]
             continue
         i = 0
         for t in d.targets:
             if t.pos is not None and t.rows is None and t.rects is None:
                 stacks.setdefault(t.param, (batch, []))[1].append((t, data, i))
             else:
-                _add_target(batch, t, _local(tensors, t), data, i)
+                _add_target(batch, t, _local(tensors, t, flats), data, i)
             i += t.count
     for p, (batch, parts) in stacks.items():
         local = local_tensor(tensors[p])
@@ -70,6 +71,9 @@ def apply_runs(
         _add_stack(batch, local, whole, p)
     for batch in batches.values():
         apply(batch)
+    for local, matrix in flats.values():
+        if matrix.data_ptr() != local.data_ptr():  # a copy: written back
+            local.copy_(matrix.view(local.shape))
 
 
 def _add_stack(batch: ApplyBatch, target: torch.Tensor, directions: torch.Tensor, p: int) -> None:
@@ -91,10 +95,27 @@ def _add_stack(batch: ApplyBatch, target: torch.Tensor, directions: torch.Tensor
     batch.params += [p] * target.shape[0]
 
 
-def _local(tensors: Sequence[torch.Tensor], t: Target) -> torch.Tensor:
-    """A target parameter's local shard (a matricised N-D weight as its ``(rows, rest)``)."""
+def _local(
+    tensors: Sequence[torch.Tensor],
+    t: Target,
+    flats: dict[int, tuple[torch.Tensor, torch.Tensor]],
+) -> torch.Tensor:
+    """A target parameter's local shard (a matricised N-D weight as its ``(rows, rest)``).
+
+    A weight whose memory has no such view (``channels_last``) is updated in a contiguous
+    copy, written back after the apply; ``flats`` keeps each weight's matrix.
+    """
     local = local_tensor(tensors[t.param])
-    return local.view(local.shape[0], -1) if t.flat else local
+    if not t.flat:
+        return local
+    seen = flats.get(t.param)
+    if seen is None:
+        try:
+            matrix = local.view(local.shape[0], -1)
+        except RuntimeError:
+            matrix = local.contiguous().view(local.shape[0], -1)
+        seen = flats[t.param] = (local, matrix)
+    return seen[1]
 
 
 def _add_target(

@@ -104,14 +104,19 @@ def muon_prepare_batch_(
     Args:
         bufs: Momentum buffers, updated in place.
         grads: Gradients (or matching shards).
-        out: Where the payloads go (same shapes; may have the buffers' dtype only).
+        out: Where the payloads go (same shapes; of another dtype than the buffers, they
+            receive the blend computed in the buffers' dtype, cast).
         momentum: Momentum factor :math:`\mu`.
         nesterov: Whether to use the Nesterov blend.
     """
     if not bufs:
         return
     torch._foreach_lerp_(list(bufs), list(grads), 1 - momentum)
-    if nesterov:
+    if nesterov and any(o.dtype != b.dtype for o, b in zip(out, bufs, strict=True)):
+        # e.g. fp32 gradients of a bf16 weight: torch blends in fp32, Newton–Schulz casts
+        blend = [torch.lerp(g.to(b.dtype), b, momentum) for g, b in zip(grads, bufs, strict=True)]
+        torch._foreach_copy_(list(out), blend)
+    elif nesterov:
         torch._foreach_copy_(list(out), list(grads))
         torch._foreach_lerp_(list(out), list(bufs), momentum)
     else:
@@ -194,7 +199,7 @@ def soap_apply_batch_(
     params: Sequence[Tensor],
     directions: Sequence[Tensor],
     *,
-    lr: float,
+    lr: float | Tensor,
     weight_decay: float,
     step: int,
     hp: SOAPHParams,
@@ -214,7 +219,7 @@ def soap_apply_batch_(
         return
     torch._foreach_add_(list(params), list(directions), alpha=-soap_step_size(lr, step, hp))
     if weight_decay > 0:
-        torch._foreach_add_(list(params), list(params), alpha=-lr * weight_decay)
+        torch._foreach_add_(list(params), list(params), alpha=-float(lr * weight_decay))
 
 
 def adamw_moments_(
@@ -246,7 +251,7 @@ def adamw_params_(
     exp_avg_sqs: Sequence[Tensor],
     step: int,
     *,
-    lr: float,
+    lr: float | Tensor,
     betas: tuple[float, float],
     eps: float,
     weight_decay: float,
@@ -261,7 +266,7 @@ def adamw_params_(
         exp_avgs: First moments (already updated).
         exp_avg_sqs: Second moments (already updated).
         step: 1-based count of this update, shared by every tensor of the lists.
-        lr: Learning rate.
+        lr: Learning rate (a 0-dim tensor's arithmetic in its dtype, as torch's).
         betas: ``(beta1, beta2)``.
         eps: Denominator term.
         weight_decay: Decoupled weight decay coefficient.
@@ -271,10 +276,10 @@ def adamw_params_(
         return
     beta1, beta2 = betas
     if weight_decay != 0:
-        mul_(params, 1 - lr * weight_decay)
+        mul_(params, float(1 - lr * weight_decay))
     bias_correction1 = 1 - beta1**step
     bias_correction2 = 1 - beta2**step
-    step_size = lr / bias_correction1
+    step_size = float(lr / bias_correction1)
     bias_correction2_sqrt = bias_correction2**0.5
     denom = torch._foreach_sqrt(list(exp_avg_sqs))
     torch._foreach_div_(denom, bias_correction2_sqrt)

@@ -78,8 +78,8 @@ def _lr_ratio(adjust_lr_fn: str | None, m: int, n: int) -> float:
 
 
 def muon_lr(
-    lr: float, adjust_lr_fn: str | None, shape: Sequence[int], *, scale: float = 1.0
-) -> float:
+    lr: float | Tensor, adjust_lr_fn: str | None, shape: Sequence[int], *, scale: float = 1.0
+) -> float | Tensor:
     r"""The learning rate of one matrix: ``lr`` times a shape factor times ``scale``.
 
     With ``(m, n)`` the last two dims of the full matrix (rows = fan-out, columns = fan-in of
@@ -101,7 +101,8 @@ def muon_lr(
     (torch reads the first two dims; the same for 2-D parameters).
 
     Args:
-        lr: Learning rate of the param group.
+        lr: Learning rate of the param group (a 0-dim tensor gives a tensor computed in its
+            dtype, as torch's).
         adjust_lr_fn: One of :data:`ADJUST_LR_FNS` or ``None``.
         shape: Shape of the full (unsharded) matrix.
         scale: Free multiplicative factor, positive and finite (0.2 with ``"unit_rms"`` gives

@@ -248,7 +248,7 @@ def soap_direction(grad: Tensor, state: State, step: int, hp: SOAPHParams) -> Te
     return direction
 
 
-def soap_step_size(lr: float, step: int, hp: SOAPHParams) -> float:
+def soap_step_size(lr: float | Tensor, step: int, hp: SOAPHParams) -> float:
     """Step size of call ``step``: 0 on step 1, else ``lr`` with Adam's bias corrections folded in.
 
     With ``t = step - 1``: ``lr * sqrt(1 - beta2^t) / (1 - beta1^t)`` when ``correct_bias``,
@@ -266,7 +266,7 @@ def soap_step_size(lr: float, step: int, hp: SOAPHParams) -> float:
     if step == 1:
         return 0.0
     if not hp.correct_bias:
-        return lr
+        return float(lr)
     t = step - 1
     beta1, beta2 = hp.betas
     return float(lr * (1.0 - beta2**t) ** 0.5 / (1.0 - beta1**t))
