@@ -271,6 +271,30 @@ def test_partial_placement_rejected_at_construction(dist: Any) -> None:
         assert "'proj.weight'" in msg and "Partial" in msg
 
 
+def _unreadable_shards() -> tuple[str, str]:
+    """Every rank's local shard one row short of what ``Shard(0)`` of its shape gives."""
+
+    def shards() -> DTensor:
+        return DTensor.from_local(
+            torch.randn(2, 8), mesh((4,)), [Shard(0)], run_check=False, shape=(12, 8), stride=(8, 1)
+        )
+
+    p = nn.Parameter(shards())
+    p.grad = shards()
+    opt = canzona.Muon([("proj.weight", p)], lr=0.02)
+    return _outcome(opt.step)
+
+
+def test_a_local_shard_its_placements_do_not_give_is_refused(dist: Any) -> None:
+    """Catches: a DTensor whose local shard is not what its placements give (a layout built
+    by hand with ``from_local``) routed by the placements: rows sent where they are not
+    (here every rank's shard disagrees, so every rank raises at the first step)."""
+    for kind, msg in dist(4).run(_unreadable_shards, timeout=TIMEOUT):
+        assert kind == "LayoutError"
+        assert "'proj.weight'" in msg and "local shard of shape (2, 8)" in msg
+        assert "placements give (3, 8)" in msg
+
+
 def _one_d_in_matrix_group() -> tuple[str, str]:
     p = nn.Parameter(distribute_tensor(torch.randn(12), mesh((4,)), [Shard(0)]))
     return _outcome(lambda: canzona.Shampoo([("norm.weight", p)]))

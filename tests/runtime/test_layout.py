@@ -59,3 +59,24 @@ def test_placements_canzona_cannot_reconstruct_raise() -> None:
         check_placements("w", [Partial()], 2)
     with pytest.raises(LayoutError, match="do not match mesh shape"):
         fragment_for((4, 4), (2, 2), [Shard(0)], (0, 0))
+
+
+@pytest.mark.parametrize(("dp", "tp"), [(2, 2), (3, 2), (2, 3), (3, 3), (4, 2), (5, 2)])
+def test_fsdp_over_tp_holds_fsdps_chunks_of_tps_chunks(dp: int, tp: int) -> None:
+    """FSDP2 over tensor parallelism stores, at mesh coordinate ``(d, t)``, chunk ``d`` of
+    TP's chunk ``t`` (``torch.chunk`` both times); its placements are ``(_StridedShard(0,
+    split_factor=tp), Shard(0))``.
+
+    Catches: those placements split left to right as DTensor's ``_StridedShard`` does: on
+    uneven sizes (7 rows on (3, 2), 11 on (3, 3), 9 on (4, 2), ...) other rows."""
+    placements = (_StridedShard(0, split_factor=tp), Shard(0))
+    for rows in range(1, 31):
+        for d in range(dp):
+            for t in range(tp):
+                tp_piece = torch.arange(rows).chunk(tp)
+                piece = tp_piece[t] if t < len(tp_piece) else torch.arange(0)
+                chunks = piece.chunk(dp)
+                want = chunks[d].tolist() if d < len(chunks) else []
+                frag = fragment_for((rows, 4), (dp, tp), placements, (d, t))
+                got = [i for a, b in frag.runs[0] for i in range(a, b)]
+                assert got == want, (rows, d, t)

@@ -316,6 +316,53 @@ def test_fsdp_over_tp_strided_shards_world4(dist: Any) -> None:
         assert out["same"] == {"0.weight": True, "2.weight": True}, out
 
 
+def _uneven_fsdp_tp_case(dp: int, tp: int) -> dict[str, bool]:
+    """FSDP×TP on a ``(dp, tp)`` mesh with row counts that neither axis divides: Colwise
+    weights of 7 and 13 rows under FSDP's ``_StridedShard``, a Rowwise one of 7 columns.
+
+    Gradients are element-wise functions of the parameters (no collective), so the
+    reference sees the same values bit for bit."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(
+        torch.nn.Linear(10, 7, bias=False),
+        torch.nn.Linear(7, 13, bias=False),
+        torch.nn.Linear(13, 9, bias=False),
+    )
+    model = copy.deepcopy(ref)
+    dm = mesh((dp, tp), ("dp", "tp"))
+    plan = {"0": ColwiseParallel(), "1": ColwiseParallel(), "2": RowwiseParallel()}
+    parallelize_module(model, dm["tp"], plan)
+    fully_shard(model, mesh=dm["dp"])
+    opt = canzona.Muon(model.parameters(), **KW)
+    ref_opt = torch.optim.Muon(ref.parameters(), **KW)
+    for step in range(3):
+        for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+            p.grad = p.detach() * 1.5 - 0.25 * step
+            q.grad = q.detach() * 1.5 - 0.25 * step
+        opt.step()
+        ref_opt.step()
+    return {
+        n: bool(torch.equal(p.full_tensor(), q.detach()))
+        for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True)
+    }
+
+
+@pytest.mark.parametrize("dp_tp", [(3, 2), (2, 3)])
+def test_fsdp_over_tp_with_uneven_rows_world6(dist: Any, dp_tp: tuple[int, int]) -> None:
+    """Catches: FSDP's ``_StridedShard`` over TP read in DTensor's left-to-right order,
+    which on uneven sizes is not what FSDP stores (7 rows on (3, 2): rank (2, 0) holds no
+    row, rank (2, 1) row 6): a KeyError on one rank, split sizes that disagree on others."""
+    for out in dist(6).run(_uneven_fsdp_tp_case, *dp_tp):
+        assert out == {"0.weight": True, "1.weight": True, "2.weight": True}, out
+
+
 BATCHED = {f"w{i}": (32, 48) for i in range(4)} | {f"t{i}": (64, 32) for i in range(2)}
 
 

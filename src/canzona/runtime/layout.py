@@ -163,21 +163,50 @@ def fragment_for(
             f"placements {tuple(placements)!r} do not match mesh shape {tuple(mesh_shape)!r}"
         )
     runs: list[Runs] = [((0, s),) if s else () for s in global_shape]
+    cuts: dict[int, list[tuple[Placement, int, int]]] = {}  # per tensor dim, in mesh order
     for mesh_dim, placement in enumerate(placements):
         size, coord = mesh_shape[mesh_dim], coordinate[mesh_dim]
-        if isinstance(placement, _StridedShard):
-            d = placement.dim
-            runs[d] = _strided_chunk(runs[d], int(placement.split_factor), size, coord)
-        elif isinstance(placement, Shard):
-            d = placement.dim
-            runs[d] = _chunk(runs[d], size, coord)
+        if isinstance(placement, Shard | _StridedShard):
+            cuts.setdefault(placement.dim, []).append((placement, size, coord))
         elif isinstance(placement, Replicate):
             continue
         elif isinstance(placement, Partial):
             raise LayoutError(f"Partial placement {placement!r} holds no slice of the tensor")
         else:
             raise LayoutError(f"unsupported placement {placement!r}")
+    for d, seq in cuts.items():
+        runs[d] = _cut(runs[d], seq)
     return Fragment(tuple(_merge(r) for r in runs))
+
+
+def _cut(runs: Runs, seq: list[tuple[Placement, int, int]]) -> Runs:
+    """One tensor dimension cut by its placements ``(placement, mesh size, coordinate)``.
+
+    A ``_StridedShard`` whose split factor is the product of the mesh sizes of the plain
+    shardings after it is FSDP2 over tensor parallelism: those shardings cut first, then
+    the strided one cuts each piece (``torch.chunk``), which is what FSDP2 stores and what
+    DTensor's redistribution reads back. On uneven sizes this differs from DTensor's
+    left-to-right split of the placements (e.g. 7 rows on a ``(3, 2)`` mesh: rank ``(2,
+    0)`` holds no row, rank ``(2, 1)`` row 6). Any other strided placement splits as
+    DTensor's ``_StridedShard`` does, left to right.
+    """
+    for k, (placement, size, coord) in enumerate(seq):
+        later = seq[k + 1 :]
+        if (
+            isinstance(placement, _StridedShard)
+            and later
+            and not any(isinstance(p, _StridedShard) for p, _, _ in later)
+            and int(placement.split_factor) == math.prod(s for _, s, _ in later)
+        ):
+            for _, s, c in (*seq[:k], *later):
+                runs = _chunk(runs, s, c)
+            return _chunk(runs, size, coord)
+    for placement, size, coord in seq:
+        if isinstance(placement, _StridedShard):
+            runs = _strided_chunk(runs, int(placement.split_factor), size, coord)
+        else:
+            runs = _chunk(runs, size, coord)
+    return runs
 
 
 def mesh_coordinates(mesh_shape: Sequence[int]) -> Iterator[tuple[int, ...]]:

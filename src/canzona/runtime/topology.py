@@ -13,7 +13,7 @@ from torch.distributed.tensor.placement_types import Placement, Replicate
 
 from canzona.runtime.checks import first_difference, ranks_by_value
 from canzona.runtime.config import PlanMismatchError
-from canzona.runtime.layout import check_placements
+from canzona.runtime.layout import LayoutError, check_placements, fragment_for
 
 MeshKey = tuple[tuple[int, ...], tuple[str, ...] | None]
 
@@ -97,6 +97,16 @@ def describe(
                 f"parameter {name!r} lives on a mesh with ranks {global_ranks} that are not all "
                 "in the optimizer's process group"
             ) from exc
+    coordinate = mesh.get_coordinate()
+    if coordinate is not None:
+        held = fragment_for(tuple(tensor.shape), tuple(mesh.shape), placements, coordinate).shape
+        if held != tuple(tensor._local_tensor.shape):
+            raise LayoutError(
+                f"parameter {name!r} {tuple(tensor.shape)} with placements {placements} holds "
+                f"a local shard of shape {tuple(tensor._local_tensor.shape)} on rank {rank} "
+                f"(mesh coordinate {tuple(coordinate)}), where these placements give {held}: "
+                "a storage layout canzona cannot read"
+            )
     names = tuple(mesh.mesh_dim_names) if mesh.mesh_dim_names else None
     return ParamLayout(
         index, name, tuple(tensor.shape), tensor.dtype, tuple(mesh.shape), names, placements, ranks
