@@ -79,7 +79,6 @@ def check_group(group: dict[str, Any], owner: str, taken: Set[str], offset: int)
                 "group: each parameter may appear once"
             )
         first[id(p)] = label
-    for label, p in zip(labels, group["params"], strict=True):
         validate_param(label, p)
         if group.get("algorithm") == ADAMW:
             continue
