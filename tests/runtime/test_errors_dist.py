@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.placement_types import Partial, Shard
 
 import canzona
+from canzona.runtime.topology import agree, describe
 
 from _cases import (
     SHAPES,
@@ -271,28 +272,70 @@ def test_partial_placement_rejected_at_construction(dist: Any) -> None:
         assert "'proj.weight'" in msg and "Partial" in msg
 
 
-def _unreadable_shards() -> tuple[str, str]:
-    """Every rank's local shard one row short of what ``Shard(0)`` of its shape gives."""
+def _unreadable_shards(bad_ranks: tuple[int, ...], when: str) -> tuple[str, str]:
+    """A ``Shard(0)`` parameter of 12 rows on 4 ranks whose local shard on ``bad_ranks`` is
+    one row short of the 3 its placements give; ``when``: the first step,
+    ``load_state_dict()`` of a healthy optimizer's state, or the runtime's agreement on the
+    layouts (a re-plan's first collective)."""
 
-    def shards() -> DTensor:
+    def shards(rows: int) -> DTensor:
         return DTensor.from_local(
-            torch.randn(2, 8), mesh((4,)), [Shard(0)], run_check=False, shape=(12, 8), stride=(8, 1)
+            torch.randn(rows, 8),
+            mesh((4,)),
+            [Shard(0)],
+            run_check=False,
+            shape=(12, 8),
+            stride=(8, 1),
         )
 
-    p = nn.Parameter(shards())
-    p.grad = shards()
+    healthy = nn.Parameter(shards(3))
+    saved = canzona.Muon([("proj.weight", healthy)], lr=0.02).state_dict()
+    p = nn.Parameter(shards(2 if tdist.get_rank() in bad_ranks else 3))
+    p.grad = torch.ones_like(p)
     opt = canzona.Muon([("proj.weight", p)], lr=0.02)
-    return _outcome(opt.step)
+    before = p.to_local().clone()
+    act = {
+        "step": opt.step,
+        "load": lambda: opt.load_state_dict(saved),
+        "agree": lambda: agree(
+            [describe(0, "proj.weight", p, None, tdist.get_rank())],
+            process_group=None,
+            rank=tdist.get_rank(),
+            world=4,
+        ),
+    }[when]
+    kind, msg = _outcome(act)
+    assert torch.equal(p.to_local(), before)
+    return kind, msg
 
 
-def test_a_local_shard_its_placements_do_not_give_is_refused(dist: Any) -> None:
+@pytest.mark.parametrize("when", ["step", "load", "agree"])
+@pytest.mark.parametrize("bad_ranks", [(0, 1, 2, 3), (3,)], ids=["every-rank", "rank-3"])
+def test_a_local_shard_its_placements_do_not_give_is_refused(
+    dist: Any, bad_ranks: tuple[int, ...], when: str
+) -> None:
     """Catches: a DTensor whose local shard is not what its placements give (a layout built
-    by hand with ``from_local``) routed by the placements: rows sent where they are not
-    (here every rank's shard disagrees, so every rank raises at the first step)."""
-    for kind, msg in dist(4).run(_unreadable_shards, timeout=TIMEOUT):
-        assert kind == "LayoutError"
-        assert "'proj.weight'" in msg and "local shard of shape (2, 8)" in msg
-        assert "placements give (3, 8)" in msg
+    by hand with ``from_local``) routed by the placements (rows sent where they are not),
+    and such a shard on one rank raised there only (the others waited for it: a timeout)."""
+    out = dist(4).run(_unreadable_shards, bad_ranks, when, timeout=TIMEOUT)
+    kinds = {kind for kind, _ in out}
+    if when == "load":  # the rank that cannot read it names it, the others name that rank
+        assert kinds == ({"LayoutError"} if len(bad_ranks) == 4 else {"LayoutError", "ValueError"})
+        for rank, (kind, msg) in enumerate(out):
+            if rank not in bad_ranks:
+                assert msg == "load_state_dict failed on ranks [3]; nothing was loaded"
+                continue
+            assert kind == "LayoutError"
+            assert "'proj.weight'" in msg and "local shard of shape (2, 8)" in msg
+            assert f"on rank {rank} " in msg and "placements give (3, 8)" in msg
+        return
+    expected = {"step": "UpdateFailedError", "agree": "LayoutError"}[when]
+    assert kinds == {expected}
+    assert len({msg for _, msg in out}) == 1, "every rank raises the same error"
+    msg = out[0][1]
+    assert "'proj.weight'" in msg and "local shard of shape (2, 8)" in msg
+    assert f"on rank {bad_ranks[0]} " in msg and "placements give (3, 8)" in msg
+    assert f"ranks {list(bad_ranks)}" in msg
 
 
 def _one_d_in_matrix_group() -> tuple[str, str]:

@@ -17,6 +17,7 @@ from canzona.runtime import (
     StateEntry,
     as_storage_layout,
     check_all_ok,
+    first_problem,
     param_mesh,
     snapshot,
 )
@@ -284,7 +285,9 @@ class CheckpointMixin:
                 error = exc
             except (KeyError, TypeError, AttributeError, IndexError) as exc:
                 error = ValueError(f"malformed state dict: {type(exc).__name__}: {exc}")
-        self._runtime.layouts(names, params)
+        unreadable = first_problem(self._runtime.layouts(names, params))
+        if error is None and unreadable is not None:
+            error = unreadable[1]  # a local shard of another shape than its placements give
         failed = check_all_ok(error is None, self._runtime)
         if error is not None:
             raise error

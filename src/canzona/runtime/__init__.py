@@ -27,6 +27,7 @@ from canzona.runtime.tensors import (
     read_gradients,
     validate_param,
 )
+from canzona.runtime.topology import first_problem
 
 __all__ = [
     "ApplyBatch",
@@ -54,6 +55,7 @@ __all__ = [
     "check_all_ok",
     "export_state",
     "fingerprint",
+    "first_problem",
     "fragment_for",
     "import_state",
     "local_grad",

@@ -36,7 +36,7 @@ from canzona.runtime.routing import (
 from canzona.runtime.statecomm import PlanRecord, Snapshot, snapshot
 from canzona.runtime.table import ApplyFn, ComputeFn, StepTable
 from canzona.runtime.tensors import process_group_of, tensor_device
-from canzona.runtime.topology import ParamLayout, Topology, agree, describe, structure_digest
+from canzona.runtime.topology import ParamLayout, Topology, agree, describe_all, structure_digest
 from canzona.runtime.watchdog import Watchdog
 
 _SCHEDULES = 4  # schedules kept per plan (one per set of parameters with gradients)
@@ -97,6 +97,7 @@ class MatrixRuntime:
         self._structure = ""
         self._layout_key: tuple[object, ...] = ()
         self._layouts: list[ParamLayout] = []
+        self._unreadable: Failure | None = None
         self._layout_version = 0
         self._structure_key: tuple[object, ...] = ()
         self._structure_now = ""
@@ -180,10 +181,8 @@ class MatrixRuntime:
         if key != self._layout_key:
             self._resolve_group(tensors)
             self._layout_version += 1
-            self._layouts = [
-                describe(i, n, t, self.process_group, self.rank)
-                for i, (n, t) in enumerate(zip(names, tensors, strict=True))
-            ]
+            self._layouts, bad = describe_all(names, tensors, self.process_group, self.rank)
+            self._unreadable = bad and Failure("reading the layout", bad[1], (bad[0],))
             self._layout_key = key
         return self._layouts
 
@@ -226,6 +225,8 @@ class MatrixRuntime:
         if self._observation is not None and self._observation.due:
             self._forget_ride()  # the re-pricing is a collective of its own: no header rides
         try:
+            self.layouts(names, tensors)
+            failure = failure or self._unreadable  # raised on every rank, like any failure
             if self._rides():
                 return self._begin_riding(names, tensors, table, has_grad, nonfinite, failure)
             previous, flagged, failed = self._sync(
@@ -273,7 +274,7 @@ class MatrixRuntime:
     ) -> StepStart:
         assert self._ride is not None
         pipeline, grads, version = self._ride
-        structure = self._structure_of(self.layouts(names, tensors), table)
+        structure = self._structure_of(self._layouts, table)  # begin_step read them
         needs_setup = not self._planned or structure != self._structure
         ready = (
             not needs_setup

@@ -35,6 +35,7 @@ class ParamLayout:
     mesh_dim_names: tuple[str, ...] | None
     placements: tuple[Placement, ...]
     mesh_ranks: tuple[int, ...]
+    problem: str | None = None  # this rank's shard is not what the placements give
 
     @property
     def mesh_key(self) -> MeshKey:
@@ -80,6 +81,10 @@ def describe(
     Raises:
         canzona.runtime.layout.LayoutError: for unsupported placements.
         ValueError: when the mesh holds ranks outside the optimizer's process group.
+
+    A local shard of another shape than the placements give is rank-local: it is kept as
+    the layout's ``problem`` (not part of :meth:`ParamLayout.structure`), which
+    :func:`agree` and the step raise on every rank, not here on one.
     """
     if not isinstance(tensor, DTensor):
         return ParamLayout(index, name, tuple(tensor.shape), tensor.dtype, (), None, (), (rank,))
@@ -98,19 +103,41 @@ def describe(
                 "in the optimizer's process group"
             ) from exc
     coordinate = mesh.get_coordinate()
+    problem = None
     if coordinate is not None:
         held = fragment_for(tuple(tensor.shape), tuple(mesh.shape), placements, coordinate).shape
         if held != tuple(tensor._local_tensor.shape):
-            raise LayoutError(
+            problem = (
                 f"parameter {name!r} {tuple(tensor.shape)} with placements {placements} holds "
                 f"a local shard of shape {tuple(tensor._local_tensor.shape)} on rank {rank} "
                 f"(mesh coordinate {tuple(coordinate)}), where these placements give {held}: "
                 "a storage layout canzona cannot read"
             )
     names = tuple(mesh.mesh_dim_names) if mesh.mesh_dim_names else None
+    shape, mesh_shape = tuple(tensor.shape), tuple(mesh.shape)
     return ParamLayout(
-        index, name, tuple(tensor.shape), tensor.dtype, tuple(mesh.shape), names, placements, ranks
+        index, name, shape, tensor.dtype, mesh_shape, names, placements, ranks, problem
     )
+
+
+def describe_all(
+    names: Sequence[str],
+    tensors: Sequence[torch.Tensor],
+    process_group: dist.ProcessGroup | None,
+    rank: int,
+) -> tuple[list[ParamLayout], tuple[int, LayoutError] | None]:
+    """:func:`describe` of every parameter, in optimizer order, and :func:`first_problem`."""
+    pairs = enumerate(zip(names, tensors, strict=True))
+    layouts = [describe(i, n, t, process_group, rank) for i, (n, t) in pairs]
+    return layouts, first_problem(layouts)
+
+
+def first_problem(layouts: Sequence[ParamLayout]) -> tuple[int, LayoutError] | None:
+    """The first layout this rank cannot read (see :func:`describe`): index and error."""
+    for layout in layouts:
+        if layout.problem is not None:
+            return layout.index, LayoutError(layout.problem)
+    return None
 
 
 def structure_digest(layouts: Sequence[ParamLayout], extra: str = "") -> str:
@@ -149,9 +176,14 @@ def agree(
 ) -> Topology:
     """Check that all ranks hold the same parameters and learn every mesh's copies.
 
-    One ``all_gather_object`` of a digest and the local meshes; on a mismatch a second
-    one gathers the full descriptions so that every rank raises the same
-    :class:`PlanMismatchError` naming the ranks that disagree and the first difference.
+    One ``all_gather_object`` of a digest, the local meshes and this rank's first
+    unreadable layout; on a mismatch a second one gathers the full descriptions so that
+    every rank raises the same :class:`PlanMismatchError` naming the ranks that disagree
+    and the first difference.
+
+    Raises:
+        canzona.runtime.layout.LayoutError: on every rank, when some rank holds a local
+            shard its placements do not give (naming the parameter, shapes and ranks).
     """
     meshes: dict[MeshKey, tuple[int, ...]] = {}
     for layout in layouts:
@@ -166,10 +198,19 @@ def agree(
                 "give distinct meshes distinct mesh_dim_names"
             )
     digest = structure_digest(layouts, extra)
+    bad = first_problem(layouts)
+    mine = None if bad is None else str(bad[1])
     if world == 1:
+        if bad is not None:
+            raise bad[1]
         return Topology(tuple(layouts), {k: (v,) for k, v in meshes.items()}, rank, world)
-    gathered: list[tuple[str, dict[MeshKey, tuple[int, ...]]] | None] = [None] * world
-    dist.all_gather_object(gathered, (digest, meshes), group=process_group)
+    gathered: list[tuple[str, dict[MeshKey, tuple[int, ...]], str | None] | None] = [None] * world
+    dist.all_gather_object(gathered, (digest, meshes, mine), group=process_group)
+    problems = [(r, g[2]) for r, g in enumerate(gathered) if g is not None and g[2] is not None]
+    if problems:
+        raise LayoutError(
+            f"unreadable local shards on ranks {[r for r, _ in problems]}: {problems[0][1]}"
+        )
     digests = [g[0] for g in gathered if g is not None]
     if len(set(digests)) != 1:
         parts = [ranks for _, ranks in ranks_by_value(digests)]
