@@ -386,9 +386,29 @@ def test_load_state_dict_errors_use_parameter_names(name: str) -> None:
     renamed = copy.deepcopy(opt.state_dict())
     renamed["param_groups"][0]["param_names"] = ["square", "tall", "vide", "stack"]
     before = copy.deepcopy(opt.state_dict())
-    with pytest.raises(ValueError, match="parameter names differ, first at 'wide'"):
+    match = "parameter names differ at position 2: 'wide' here, 'vide' in the state dict"
+    with pytest.raises(ValueError, match=match):
         opt.load_state_dict(renamed)
     assert_state_dicts_equal(opt.state_dict(), before)
+
+    # DCP rebuilds "params" from this optimizer's names and keeps the saved "param_names"
+    longer = copy.deepcopy(opt.state_dict())
+    longer["param_groups"][0]["param_names"] = ["square", "tall", "wide", "stack", "extra"]
+    match = r"at position 4: None here, 'extra' in the state dict \(4 names here, 5 there\)"
+    with pytest.raises(ValueError, match=match):
+        opt.load_state_dict(longer)
+    assert_state_dicts_equal(opt.state_dict(), before)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_load_state_dict_names_a_group_dcp_gave_no_hyper_parameters(name: str) -> None:
+    """Catches: a checkpoint whose param groups hold the parameters otherwise (DCP then
+    gives a group only its "params") reported as not saved by a canzona optimizer."""
+    params, opt = _trained(name, named=True)
+    bad = copy.deepcopy(opt.state_dict())
+    bad["param_groups"][0] = {"params": bad["param_groups"][0]["params"]}
+    match = "param group 0 of the state dict holds parameters but no hyper-parameters"
+    _assert_refused(name, opt, params, bad, match)
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
+from itertools import zip_longest
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -187,6 +188,13 @@ class CheckpointMixin:
             )
         flat: list[tuple[Tensor, dict[str, Any], str]] = []
         for g, (mine, saved) in enumerate(zip(self.param_groups, saved_groups, strict=True)):
+            if "algorithm" not in saved and set(saved) <= {"params", "param_names"}:
+                raise ValueError(
+                    f"param group {g} of the state dict holds parameters but no hyper-parameters: "
+                    "DCP's set_optimizer_state_dict gives a group only its parameters when the "
+                    "checkpoint's param groups hold them otherwise (a parameter moved to "
+                    "another group?); build the optimizer with the checkpoint's param groups"
+                )
             if "algorithm" not in saved:
                 raise ValueError(
                     f"param group {g} of the state dict has no 'algorithm' entry: it was not "
@@ -212,8 +220,13 @@ class CheckpointMixin:
             names = mine.get("param_names")
             saved_names = saved.get("param_names")
             if names and saved_names and list(names) != list(saved_names):
-                bad = next(a for a, b in zip(names, saved_names, strict=True) if a != b)
-                raise ValueError(f"param group {g}: parameter names differ, first at {bad!r}")
+                pairs = enumerate(zip_longest(names, saved_names))
+                at, (ours, theirs) = next((i, ab) for i, ab in pairs if ab[0] != ab[1])
+                raise ValueError(
+                    f"param group {g}: parameter names differ at position {at}: {ours!r} "
+                    f"here, {theirs!r} in the state dict ({len(names)} names here, "
+                    f"{len(saved_names)} there)"
+                )
             for j, p in enumerate(mine["params"]):
                 label = names[j] if names else f"param{len(flat)}"
                 flat.append(
