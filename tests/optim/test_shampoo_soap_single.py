@@ -25,7 +25,7 @@ STEPS = 8
 SQUARES = [(8, 8), (12, 12), (2, 6, 6)]
 NON_SQUARE = [(12, 6), (6, 12), (2, 5, 9)]
 
-# Roots refreshed at steps 2, 5 and 8: both fresh and stale roots are used.
+# Roots refreshed at steps 2, 3, 6 and 9: both fresh and stale roots are used.
 SHAMPOO_BASE: dict[str, Any] = {
     "lr": 0.05,
     "weight_decay": 0.01,
@@ -42,6 +42,7 @@ SHAMPOO_VARIANTS: dict[str, dict[str, Any]] = {
     "max_precond_dim": {"max_precond_dim": 10},  # 8x8 and 6x6 preconditioned, 12x12 not
     "grafting_hparams": {"grafting_beta2": 0.9, "grafting_epsilon": 1e-3},
     "late_start": {"start_preconditioning_step": 5, "precondition_frequency": 1},
+    "start_off_the_frequency": {"start_preconditioning_step": 3, "precondition_frequency": 2},
 }
 
 # Bases refreshed at internal steps 3 and 6 (calls 4 and 7).

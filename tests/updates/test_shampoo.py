@@ -127,9 +127,24 @@ def test_grafting_norm_before_and_after_preconditioning() -> None:
     assert torch.allclose(d2.norm(), graft.norm(), rtol=1e-5)
 
 
-def test_refresh_schedule() -> None:
-    hp = ShampooHParams(precondition_frequency=3, start_preconditioning_step=2)
-    assert [t for t in range(1, 12) if shampoo_refresh_due(t, hp)] == [2, 5, 8, 11]
+@pytest.mark.parametrize(
+    ("frequency", "start", "steps"),
+    [
+        (3, 2, [2, 3, 6, 9, 12, 15, 18, 21, 24, 27, 30, 33, 36, 39]),
+        (20, 30, [30, 40]),
+        (4, 6, [6, 8, 12, 16, 20, 24, 28, 32, 36, 40]),
+        (8, 3, [3, 8, 16, 24, 32, 40]),
+        (5, 5, [5, 10, 15, 20, 25, 30, 35, 40]),
+        (1, 37, [37, 38, 39, 40]),
+    ],
+)
+def test_refresh_schedule_is_distributed_shampoos(
+    frequency: int, start: int, steps: list[int]
+) -> None:
+    """Catches: roots refreshed every f steps counted from the start (30, 50, ... for f=20
+    and a start of 30) instead of Distributed Shampoo's start and multiples of f after it."""
+    hp = ShampooHParams(precondition_frequency=frequency, start_preconditioning_step=start)
+    assert [t for t in range(1, 41) if shampoo_refresh_due(t, hp)] == steps
 
 
 def test_inverse_fourth_root() -> None:

@@ -42,7 +42,7 @@ class Shampoo(OwnerStateOptimizer):
             & M_t \leftarrow \beta_1 M_{t-1} + (1-\beta_1) G_t, \quad
               \hat M_t = M_t / (1-\beta_1^t) \\
             & P_t = \hat L^{-1/4} \hat M_t \hat R^{-1/4}
-              \quad\text{(roots refreshed every } f \text{ steps, from step } s\text{)} \\
+              \quad\text{(roots refreshed at step } s \text{, then at multiples of } f\text{)} \\
             & D_t = \hat M_t / (\sqrt{\hat v_t} + \epsilon_g), \quad
               v_t \leftarrow \beta_g v_{t-1} + (1-\beta_g) G_t^2 \\
             & \theta_t \leftarrow (1 - \gamma\lambda)\theta_{t-1}
@@ -141,7 +141,9 @@ class Shampoo(OwnerStateOptimizer):
 
     def _calibration_step(self, phase: str, hp: Any) -> int:
         start: int = hp.start_preconditioning_step
-        return start if phase == "refresh" else start + 1
+        if phase == "refresh":
+            return start
+        return start + 1 if (start + 1) % hp.precondition_frequency else start + 2
 
     def _cost_params(self, group: dict[str, Any]) -> dict[str, Any]:
         return {

@@ -180,7 +180,7 @@ class ReferenceShampoo(_Reference):
             m_hat = g
         s.left = self._factor(s.left, g @ g.T)
         s.right = self._factor(s.right, g.T @ g)
-        if t >= self.start and (t - self.start) % self.frequency == 0:
+        if t == self.start or (t > self.start and t % self.frequency == 0):
             s.left_root = self._root(s.left, t) if s.left is not None else None
             s.right_root = self._root(s.right, t) if s.right is not None else None
         graft = None

@@ -131,10 +131,11 @@ def shampoo_refresh_due(step: int, hp: ShampooHParams) -> bool:
         hp: Hyper-parameters.
 
     Returns:
-        True at ``start_preconditioning_step`` and every ``precondition_frequency`` steps after.
+        True at ``start_preconditioning_step`` and, after it, at every multiple of
+        ``precondition_frequency`` (Distributed Shampoo's schedule).
     """
     start = hp.start_preconditioning_step
-    return step >= start and (step - start) % hp.precondition_frequency == 0
+    return step == start or (step > start and step % hp.precondition_frequency == 0)
 
 
 def inverse_fourth_root(
