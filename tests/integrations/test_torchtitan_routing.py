@@ -15,6 +15,8 @@ from torch import nn
 import canzona
 from canzona.integrations.torchtitan import OPTIMIZER_NAMES, canzona_optimizers, resolve_name
 
+ADAMW = {"algorithm": "adamw"}
+
 
 class _Plain(nn.Module):
     """No TorchTitan names: an embedding, a block with a LayerNorm, a head called ``proj``."""
@@ -120,6 +122,88 @@ def test_shape_routed_parameters_go_to_their_own_optimizers_adamw_group() -> Non
             "adamw": ["emb.weight", "body.1.weight", "body.1.bias", "body.2.bias", "output.weight"],
         },
     }
+
+
+@requires_torchtitan
+def test_a_shape_routed_canzona_pattern_that_matches_nothing_is_named() -> None:
+    """Catches: with ``route_by_shape=True`` a mistyped canzona group dropped silently (the
+    parameter it meant then trained with the catch-all's lr), where TorchTitan raises."""
+    from torchtitan.components.optimizer import ParamGroupConfig
+
+    from canzona.integrations.torchtitan import CanzonaOptimizersContainer
+
+    groups = [
+        ParamGroupConfig(
+            pattern=r"^body\.0\.wieght$",
+            optimizer_name="canzona.Muon",
+            optimizer_kwargs={"lr": 0.002},
+        ),
+        ParamGroupConfig(
+            pattern=".*", optimizer_name="canzona.Muon", optimizer_kwargs={"lr": 0.02}
+        ),
+        ParamGroupConfig(pattern=r"^$", optimizer_name="canzona.Muon", optimizer_kwargs=ADAMW),
+    ]
+    config = CanzonaOptimizersContainer.Config(param_groups=groups, route_by_shape=True)
+    match = r"pattern '\^body\\\.0\\\.wieght\$' matched no parameters"
+    with pytest.raises(ValueError, match=match):
+        config.build(model_parts=[_Plain()])
+    # a group whose parameters routing sends to AdamW took them: it is left out, no error
+    groups[0] = ParamGroupConfig(
+        pattern=r"^body\.1\.", optimizer_name="canzona.Muon", optimizer_kwargs={"lr": 0.002}
+    )
+    config = CanzonaOptimizersContainer.Config(param_groups=groups, route_by_shape=True)
+    (inner,) = config.build(model_parts=[_Plain()]).optimizers
+    assert [g["lr"] for g in inner.param_groups if g["algorithm"] == "muon"] == [0.02]
+
+
+class _Embeddings(nn.Module):
+    """A pipeline stage that holds the embedding only (TorchTitan's first stage)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+
+
+@requires_torchtitan
+def test_model_parts_build_when_a_pattern_matches_in_some_part_only() -> None:
+    """Catches: a split or group pattern required to match in every model part (a pipeline
+    stage without attention failed to build), and one that matches in no part accepted."""
+    split = {r"^body\.0\.weight$": canzona.Split(0, size=4)}
+    config = canzona_optimizers("muon", lr=0.02, adamw_lr=1e-3, split=split)
+    parts = [_Embeddings(), _Plain()]
+    opt = config.build(model_parts=parts)
+    routed = [
+        [(g["algorithm"], g["param_names"], g.get("split")) for g in inner.param_groups]
+        for inner in opt.optimizers
+    ]
+    adamw = ["emb.weight", "body.1.weight", "body.1.bias", "body.2.bias", "output.weight"]
+    assert routed == [
+        [("adamw", ["emb.weight"], None)],
+        [
+            ("adamw", adamw, None),
+            ("muon", ["body.0.weight"], split[r"^body\.0\.weight$"]),
+            ("muon", ["body.2.weight"], None),
+        ],
+    ]
+    nowhere = canzona_optimizers(
+        "muon", lr=0.02, adamw_lr=1e-3, split={r"\.wqkv\.": canzona.Split(0, size=4)}
+    )
+    with pytest.raises(ValueError, match=r"split pattern '\\\.wqkv\\\.' matched no matrix"):
+        nowhere.build(model_parts=parts)
+
+
+@requires_torchtitan
+def test_canzona_optimizers_refuses_a_hyper_parameter_the_optimizer_lacks() -> None:
+    """Catches: a misspelt or foreign keyword (``momentun``, Muon's ``momentum`` given to
+    Shampoo) built into the group and ignored, where the constructor raises."""
+    with pytest.raises(TypeError, match=r"'momentun': .* did you mean 'momentum'"):
+        canzona_optimizers("muon", lr=0.02, adamw_lr=1e-3, momentun=0.5)
+    with pytest.raises(TypeError, match="keyword 'momentum': it is not a hyper-parameter of"):
+        canzona_optimizers("shampoo", lr=0.02, adamw_lr=1e-3, momentum=0.5)
+    config = canzona_optimizers("muon", lr=0.02, adamw_lr=1e-3, momentum=0.5, ns_steps=3)
+    (inner,) = config.build(model_parts=[_Plain()]).optimizers
+    muon = next(g for g in inner.param_groups if g["algorithm"] == "muon")
+    assert (muon["momentum"], muon["ns_steps"]) == (0.5, 3)
 
 
 def _doc_block(marker: str) -> str:

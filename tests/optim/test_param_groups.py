@@ -283,6 +283,47 @@ def test_embedding_bags_go_to_adamw() -> None:
     }
 
 
+class _BiasStacksAndTokens(nn.Module):
+    """gpt-oss's per-expert bias stacks and a vision encoder's bare parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = nn.Module()
+        self.experts.mlp1_weight = nn.Parameter(torch.randn(4, 8, 6))  # a stack: matrices
+        self.experts.mlp1_bias_EG = nn.Parameter(torch.randn(4, 6))  # a stack of biases
+        self.experts.w2 = nn.Parameter(torch.randn(4, 6, 8))
+        self.pos_embed = nn.Parameter(torch.randn(4, 4, 8))
+        self.cls_token = nn.Parameter(torch.randn(1, 1, 8))
+        self.register_tokens = nn.Parameter(torch.randn(1, 2, 8))
+        self.attn = nn.Module()
+        self.attn.relative_position_bias_table = nn.Parameter(torch.randn(9, 2))
+        self.embed_proj = nn.Linear(8, 8, bias=False)  # a weight of a module named embed_...
+        self.token_mixer = nn.Linear(8, 8, bias=False)
+
+
+def test_bias_stacks_embeddings_and_tokens_go_to_adamw_whatever_their_shape() -> None:
+    """Catches: a 2-D stack of expert biases orthogonalised as one matrix (coupling the
+    experts' biases), a bare positional embedding or class token run through Muon as a
+    stack; and weights of modules whose names have those words sent to AdamW."""
+    assert _routing(canzona.param_groups(_BiasStacksAndTokens())) == {
+        "matrix": [
+            "experts.mlp1_weight",
+            "experts.w2",
+            "embed_proj.weight",
+            "token_mixer.weight",
+        ],
+        "adamw": [
+            "pos_embed",
+            "cls_token",
+            "register_tokens",
+            "experts.mlp1_bias_EG",
+            "attn.relative_position_bias_table",
+        ],
+    }
+    forced = canzona.param_groups(_BiasStacksAndTokens(), to_matrix=["pos_embed"])
+    assert "pos_embed" in _routing(forced)["matrix"]
+
+
 def test_the_first_matching_split_pattern_wins() -> None:
     """Catches: a later pattern overriding an earlier one for the same parameter."""
     heads = canzona.Split(dim=0, size=8)

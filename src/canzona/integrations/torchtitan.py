@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import inspect
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -158,13 +159,16 @@ def _container_class() -> Any:
 
         def __init__(self, config: Any, *, model_parts: list[Any]) -> None:
             self._route_by_shape = bool(getattr(config, "route_by_shape", False))
+            self._found: set[int] = set()  # canzona groups that took parameters in some part
             super().__init__(config, model_parts=model_parts)
+            if self._route_by_shape:
+                _check_found(config.param_groups, self._found)
 
         def _build_param_groups(
             self, model: Any, param_group_configs: list[Any], impl_kwargs: dict[str, Any]
         ) -> tuple[dict[str, list[dict[str, Any]]], dict[str, list[str]]]:
             if self._route_by_shape:
-                return _shape_routed_groups(model, param_group_configs, impl_kwargs)
+                return _shape_routed_groups(model, param_group_configs, impl_kwargs, self._found)
             groups: tuple[dict[str, list[dict[str, Any]]], dict[str, list[str]]]
             groups = OptimizersContainer._build_param_groups(
                 model, param_group_configs, impl_kwargs
@@ -191,8 +195,29 @@ def _container_class() -> Any:
     return CanzonaOptimizersContainer
 
 
+def _check_found(configs: Sequence[Any], found: set[int]) -> None:
+    """Every canzona group took parameters in some model part (see :func:`_shape_routed_groups`).
+
+    An ``algorithm="adamw"`` group may take none: it is where routing sends parameters.
+
+    Raises:
+        ValueError: naming the first pattern that took none in any part (a split pattern:
+            that it matched no matrix parameter), as TorchTitan raises for its own groups.
+    """
+    for i, config in enumerate(configs):
+        sink = config.optimizer_kwargs.get("algorithm") == "adamw"  # routing may fill it
+        if config.optimizer_name not in OPTIMIZER_NAMES or i in found or sink:
+            continue
+        if SPLIT in config.optimizer_kwargs:
+            raise ValueError(
+                f"{config.optimizer_name}: the split pattern '{config.pattern}' matched no "
+                "matrix parameter"
+            )
+        raise ValueError(f"Optimizer param_groups pattern '{config.pattern}' matched no parameters")
+
+
 def _shape_routed_groups(
-    model: Any, configs: list[Any], impl_kwargs: dict[str, Any]
+    model: Any, configs: list[Any], impl_kwargs: dict[str, Any], found: set[int]
 ) -> tuple[dict[str, list[dict[str, Any]]], dict[str, list[str]]]:
     """TorchTitan's first-match grouping, then routing by shape for canzona's groups.
 
@@ -200,6 +225,11 @@ def _shape_routed_groups(
     its FQN, as in TorchTitan. Then the parameters that :func:`canzona.param_groups` sends to
     AdamW leave canzona's matrix groups for the first ``algorithm="adamw"`` group of the same
     optimizer, and canzona's groups left empty are dropped.
+
+    A canzona group that takes parameters here joins ``found`` (for a split group: matrix
+    parameters; for another: any parameter its pattern matches, routed or not); the
+    container checks once every model part is built that each one took some
+    (:func:`_check_found`), so a pipeline stage without, e.g., attention builds.
 
     Raises:
         ValueError: When such a parameter has no AdamW group to go to, or a pattern of
@@ -222,6 +252,7 @@ def _shape_routed_groups(
     def is_adamw(config: Any) -> bool:
         return bool(config.optimizer_kwargs.get("algorithm") == "adamw")
 
+    found.update(i for i, m in enumerate(members) if m and SPLIT not in configs[i].optimizer_kwargs)
     for i, config in enumerate(configs):
         moved = [(n, p) for n, p in members[i] if id(p) in to_adamw]
         if config.optimizer_name not in OPTIMIZER_NAMES or is_adamw(config) or not moved:
@@ -244,18 +275,14 @@ def _shape_routed_groups(
         members[target] = sorted(members[target] + moved, key=lambda np: position[id(np[1])])
     groups: dict[str, list[dict[str, Any]]] = {}
     patterns: dict[str, list[str]] = {}
-    for members_i, config in zip(members, configs, strict=True):
+    for i, (members_i, config) in enumerate(zip(members, configs, strict=True)):
         if not members_i:
-            if config.optimizer_name in OPTIMIZER_NAMES and SPLIT in config.optimizer_kwargs:
-                raise ValueError(
-                    f"{config.optimizer_name}: the split pattern '{config.pattern}' matched no "
-                    "matrix parameter"
-                )
             if config.optimizer_name in OPTIMIZER_NAMES:
-                continue
+                continue  # took nothing in this part: checked over every part
             raise ValueError(
                 f"Optimizer param_groups pattern '{config.pattern}' matched no parameters"
             )
+        found.add(i)
         groups.setdefault(config.optimizer_name, []).append(
             {
                 "params": [p for _, p in members_i],
@@ -308,7 +335,8 @@ def canzona_optimizers(
             matrices split into blocks (:class:`canzona.Split`; e.g. one block per head of
             a fused ``wqkv``). Each pattern is a matrix group of its own, placed before the
             catch-all one (TorchTitan gives a parameter the first group that matches).
-        **kwargs: More hyper-parameters of the matrix group (e.g. ``momentum=0.9``).
+        **kwargs: More hyper-parameters of the matrix group (e.g. ``momentum=0.9``); a
+            keyword the optimizer's constructor does not take raises ``TypeError``.
 
     Raises:
         ValueError: For an unknown ``optimizer``, listing the valid names; at ``build``,
@@ -316,6 +344,7 @@ def canzona_optimizers(
         ImportError: If torchtitan is not installed.
     """
     name = resolve_name(optimizer)
+    _check_hyper_parameters(name, kwargs)
     container = _container_class()  # a clear ImportError when torchtitan is missing
     from torchtitan.components.optimizer import ParamGroupConfig
 
@@ -344,6 +373,26 @@ def canzona_optimizers(
         },
         route_by_shape=True,
     )
+
+
+def _check_hyper_parameters(name: str, given: Mapping[str, Any]) -> None:
+    """Refuse keywords the optimizer's constructor does not take (it would raise too).
+
+    Raises:
+        TypeError: naming the keyword and the closest hyper-parameter.
+    """
+    cls = getattr(canzona, OPTIMIZER_NAMES[name])
+    known = [k for k in inspect.signature(cls.__init__).parameters if k not in _NOT_GROUP_KEYS]
+    for key in given:
+        if key not in known:
+            raise TypeError(
+                f"canzona_optimizers({name!r}) got an unexpected keyword {key!r}: it is not a "
+                f"hyper-parameter of {name}; {_choices(key, known)}"
+            )
+
+
+#: Constructor arguments that are not hyper-parameters of a param group.
+_NOT_GROUP_KEYS = ("self", "params", "plan", "pipeline")
 
 
 def __getattr__(name: str) -> Any:

@@ -19,6 +19,18 @@ ROUTER_NAMES = ("router", "gate")
 NamedParams = list[tuple[str, nn.Parameter]]
 
 
+#: Words of a parameter's own name (split at ``_``) that make it not a weight matrix even
+#: when it is 2-D or 3-D: a stack of per-expert biases (``mlp1_bias_EG``), a positional
+#: embedding or a class/register token registered as a bare ``nn.Parameter``.
+NOT_A_WEIGHT_WORDS = ("bias", "biases", "token", "tokens")
+
+
+def _not_a_weight(name: str) -> bool:
+    """Whether the parameter's own name (after the last ``.``) says bias, embedding or token."""
+    words = name.rsplit(".", 1)[-1].lower().split("_")
+    return any(w in NOT_A_WEIGHT_WORDS or w.startswith("embed") for w in words)
+
+
 def _matches(name: str, patterns: Iterable[str]) -> bool:
     return any(fnmatch.fnmatchcase(name, p) for p in patterns)
 
@@ -74,7 +86,7 @@ def split_params(
                     f"parameter {name!r} is {p.ndim}-D and cannot use the matrix algorithm"
                 )
             matrix_params.append((name, p))
-        elif p.ndim in (2, 3) and id(p) not in special:
+        elif p.ndim in (2, 3) and id(p) not in special and not _not_a_weight(name):
             matrix_params.append((name, p))
         else:
             adamw_params.append((name, p))
@@ -97,7 +109,10 @@ def param_groups(
     AdamW: embeddings, the output head (modules named ``lm_head`` or ``output``, and
     any weight tied to an embedding), MoE routers (modules named ``router``, or exactly
     ``gate``), convolution weights (``nn.Conv1d``'s 3-D one too: it is not a stack),
-    biases, norms and every other non-matrix parameter. Name patterns
+    biases, norms and every other non-matrix parameter, and parameters whose own name
+    has the word ``bias``, ``token(s)`` or ``embed...`` (split at ``_``) whatever their
+    shape: stacks of expert biases (``mlp1_bias_EG``), positional embeddings and class
+    tokens registered as bare parameters (``pos_embed``, ``cls_token``). Name patterns
     (``fnmatch``, on ``model.named_parameters()`` names) override the routing. The groups
     hold named parameters, so error messages and plans use the model's names.
 
