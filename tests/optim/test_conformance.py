@@ -697,6 +697,74 @@ def test_add_param_group_after_the_first_step(name: str) -> None:
 
 
 # ------------------------------------------------------------------ edge cases
+REGROUPED = {"a": (8, 8), "b": (8, 8), "c": (6, 12), "d": (8, 8), "bias": (7,)}
+
+
+def _regrouped_run(name: str, edit: str, reference: bool) -> dict[str, torch.Tensor]:
+    """Six steps over groups [a, b], [c, d], AdamW [bias]; before step 3 ``edit`` changes the
+    param groups (``reference``: the same parameters stay, those it removes without grads)."""
+    cls, kwargs = OPTIMIZERS[name]
+    params = parameters(initial(REGROUPED))
+    grads = gradients(REGROUPED, steps=6)
+    opt = cls(
+        [
+            {"params": [params["a"], params["b"]]},
+            {"params": [params["c"], params["d"]]},
+            {"params": [params["bias"]], "algorithm": "adamw"},
+        ],
+        **kwargs,
+    )
+    frozen: set[str] = set()
+    for step, g in enumerate(grads):
+        if step == 3:
+            groups = opt.param_groups
+            if edit == "drop a parameter":
+                frozen = {"c"}
+                if not reference:
+                    groups[1]["params"].remove(params["c"])
+            elif edit == "drop a group":
+                frozen = {"a", "b"}
+                if not reference:
+                    del groups[0]
+            elif not reference and edit == "reverse a group":
+                groups[0]["params"].reverse()
+            elif not reference and edit == "reverse the groups":
+                groups.reverse()
+            elif not reference and edit == "swap across groups":
+                groups[0]["params"][1], groups[1]["params"][1] = (
+                    groups[1]["params"][1],
+                    groups[0]["params"][1],
+                )
+        for n, p in params.items():
+            p.grad = None if n in frozen else g[n].clone()
+        opt.step()
+    return snapshot(params)
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        "reverse a group",
+        "reverse the groups",
+        "swap across groups",
+        "drop a parameter",
+        "drop a group",
+    ],
+)
+def test_param_groups_edited_between_steps_keep_each_parameters_state(name: str, edit: str) -> None:
+    """torch.optim keys the state by parameter, so param groups reordered or thinned between
+    steps (a frozen layer dropped) change nothing else.
+
+    Catches: owner-held state kept by position (Shampoo's factors, SOAP's bases, NorMuon's
+    second moment of the matrix that was at that position: silently wrong results, or a
+    shape error on the owner), and group-indexed records breaking on a removed group
+    (IndexError on every later step)."""
+    got = _regrouped_run(name, edit, reference=False)
+    want = _regrouped_run(name, edit, reference=True)
+    for n in REGROUPED:
+        assert torch.equal(got[n], want[n]), f"{n!r} differs by {(got[n] - want[n]).abs().max()}"
+
+
 def test_zero_size_parameter_is_a_no_op(name: str) -> None:
     """A ``(0, n)`` matrix is accepted, left as it is, its step counter advances, and it does
     not disturb the others. Catches: an error for an empty matrix, an empty matrix sent

@@ -286,3 +286,49 @@ def test_plain_storage_state_for_dtensor_params_is_sharded(dist: Any) -> None:
         for name in ("rows", "cols"):
             assert o["kept"][name] == {"dtensor": True, "placements": True, "slice": True}, o
         assert o["continued"] == {"rows": True, "cols": True}, o
+
+
+def _regrouped_on_a_mesh(cls_name: str, edit: str) -> dict[str, bool]:
+    """Groups [a, b, c], [d] (a, d (16, 16), b (24, 8), c (8, 24)) on 2 ranks; before step 3
+    ``edit`` reverses the first group or drops ``b`` from it. The reference: one process,
+    the groups unedited, ``b`` without gradients from step 3 when it is dropped."""
+    shapes = {"a": (16, 16), "b": (24, 8), "c": (8, 24), "d": (16, 16)}
+    fulls = full_tensors(shapes)
+    grads = grad_steps(shapes, 5)
+    cls = getattr(canzona, cls_name)
+
+    def run(params: list[tuple[str, nn.Parameter]], edited: bool) -> dict[str, torch.Tensor]:
+        named = dict(params)
+        opt = cls([{"params": params[:3]}, {"params": params[3:]}], **OWNER_KW[cls_name])
+        frozen: set[str] = set()
+        for step, g in enumerate(grads):
+            if step == 3 and edit == "drop":
+                frozen = {"b"}
+                if edited:
+                    group = opt.param_groups[0]
+                    keep = [i for i, n in enumerate(group["param_names"]) if n != "b"]
+                    group["params"] = [group["params"][i] for i in keep]
+                    group["param_names"] = [group["param_names"][i] for i in keep]
+            elif step == 3 and edited:
+                opt.param_groups[0]["params"].reverse()
+                opt.param_groups[0]["param_names"].reverse()
+            set_grads([(n, p) for n, p in params if n not in frozen], g)
+            for n in frozen:
+                named[n].grad = None
+            opt.step()
+        return {n: full_of(p) for n, p in params}
+
+    want = run([(n, nn.Parameter(t.clone())) for n, t in fulls.items()], edited=False)
+    sharded = sharded_params(fulls, mesh((2,)), {n: (Shard(0),) for n in shapes})
+    got = run(sharded, edited=True)
+    return {n: eq for n, (eq, _) in compare(got, want).items()}
+
+
+@pytest.mark.parametrize("edit", ["reverse", "drop"])
+@pytest.mark.parametrize("cls_name", list(OWNER_KW))
+def test_param_groups_edited_between_steps_on_a_mesh(dist: Any, cls_name: str, edit: str) -> None:
+    """Catches: owner-held state moved by position after the edit (the state of the matrix
+    that was at a position given to the one now there: silently wrong, or a shape error on
+    its owner while the other rank waited in the state exchange)."""
+    for out in dist(2).run(_regrouped_on_a_mesh, cls_name, edit, timeout=TIMEOUT):
+        assert out == dict.fromkeys(out, True), out

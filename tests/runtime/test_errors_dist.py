@@ -174,20 +174,70 @@ def test_layouts_that_differ_across_ranks_raise_everywhere(
             assert "ranks [0, 1, 3] and ranks [2]" in msg and "first difference" in msg, msg
 
 
-def _hyper_mismatch() -> tuple[str, str]:
+def _hyper_mismatch(how: str) -> tuple[str, str]:
     params = _params(("square", "tall"))
-    opt = canzona.Muon(params, lr=0.02 if tdist.get_rank() else 0.03)
+    if how == "value":
+        lr: float | torch.Tensor = 0.02 if tdist.get_rank() else 0.03
+    else:  # the same value, exact in float32: a tensor computes in float32, a float in float64
+        lr = torch.tensor(5 * 2**-10) if tdist.get_rank() == 1 else 5 * 2**-10
+    opt = canzona.Muon(params, lr=lr, weight_decay=0.1)
     for _, p in params:
         p.grad = torch.ones_like(p)
     return _outcome(opt.step)
 
 
-def test_hyper_parameter_mismatch_raises_everywhere(dist: Any) -> None:
+@pytest.mark.parametrize("how", ["value", "tensor on one rank"])
+def test_hyper_parameter_mismatch_raises_everywhere(dist: Any, how: str) -> None:
     """Catches: a header without the hyper-parameter digest (the owner's learning rate would
-    silently apply to every rank's shard)."""
-    out = dist(4).run(_hyper_mismatch, timeout=TIMEOUT)
+    silently apply to every rank's shard), and a tensor lr compared by its value alone
+    (each rank's shard then updated at its own rounding of the rate)."""
+    out = dist(4).run(_hyper_mismatch, how, timeout=TIMEOUT)
     assert {kind for kind, _ in out} == {"PlanMismatchError"}
     assert all("hyper-parameters" in msg for _, msg in out)
+
+
+def _closure_raises_on_one_rank() -> tuple[str, str, bool, bool]:
+    """Rank 1's closure raises in the second step; every rank catches and steps on."""
+    shapes = {"square": SHAPES["square"], "odd": SHAPES["odd"]}
+    fulls = full_tensors(shapes)
+    grads = grad_steps(shapes, 3)
+    params = sharded_params(fulls, mesh((4,)), {n: (Shard(0),) for n in shapes})
+    opt = canzona.Shampoo(params, lr=0.01, precondition_frequency=1, start_preconditioning_step=1)
+    local = [(n, nn.Parameter(t.clone())) for n, t in fulls.items()]
+    ref = canzona.Shampoo(local, lr=0.01, precondition_frequency=1, start_preconditioning_step=1)
+    outcome: tuple[str, str] = ("ok", "")
+    for step, g in enumerate(grads):
+
+        def closure(step: int = step, g: dict[str, torch.Tensor] = g) -> None:
+            if step == 1 and tdist.get_rank() == 1:
+                raise RuntimeError("the data loader broke")
+            for n, p in params:  # each rank its own shard: no collective in the closure
+                p.grad = distribute_tensor(g[n], p.device_mesh, p.placements, src_data_rank=None)
+
+        before = [p.to_local().clone() for _, p in params]
+        result = _outcome(lambda closure=closure: opt.step(closure))
+        if step == 1:
+            outcome = result
+            unchanged = all(
+                torch.equal(p.to_local(), b) for (_, p), b in zip(params, before, strict=True)
+            )
+            continue
+        set_grads(local, g)
+        ref.step()  # the reference skips the failed step
+    same = all(
+        torch.equal(full_of(p), full_of(q)) for (_, p), (_, q) in zip(params, local, strict=True)
+    )
+    return (*outcome, unchanged, same)
+
+
+def test_a_closure_that_raises_on_one_rank_fails_the_step_everywhere(dist: Any) -> None:
+    """Catches: the closure's exception raised on its rank only (the others went on into
+    the step and waited for it, or paired this step with that rank's next one)."""
+    for kind, msg, unchanged, same in dist(4).run(_closure_raises_on_one_rank, timeout=TIMEOUT):
+        assert kind == "UpdateFailedError", msg
+        assert "ranks [1]" in msg and "running the closure" in msg, msg
+        assert "RuntimeError: the data loader broke" in msg, msg
+        assert unchanged and same
 
 
 def _partial_grads() -> tuple[str, str]:

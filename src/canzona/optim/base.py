@@ -8,12 +8,14 @@ from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.optim import Optimizer
 
-from canzona.optim.adamw_route import AdamWRouteMixin, scalar
+from canzona.optim.adamw_route import AdamWRouteMixin
 from canzona.optim.checkpoint import CheckpointMixin
 from canzona.optim.copies import CopyMixin
+from canzona.optim.group_values import plain_value
 from canzona.optim.owner_state import OwnerState
 from canzona.optim.prepare import GroupWork, SeenState, StepWork, build_work
 from canzona.optim.transaction import Backup, StepTransaction
@@ -24,9 +26,10 @@ from canzona.optim.validation import (
     check_group,
     check_hparams,
     check_state_shapes,
+    regrouped,
     watch_gradients,
 )
-from canzona.plan import GroupedCost, PlanConfig, Split, cost_model
+from canzona.plan import GroupedCost, PlanConfig, cost_model
 from canzona.runtime import (
     ApplyBatch,
     ComputeBatch,
@@ -48,30 +51,6 @@ from canzona.runtime import (
 ADAMW = "adamw"
 _DTYPE = operator.attrgetter("dtype")
 _NOT_HYPER = ("params", "param_names")
-#: Types whose values :func:`_plain` passes through unchanged (checked first: it runs per step).
-_SCALARS = frozenset({float, int, bool, str, type(None), torch.dtype})
-
-
-def _plain(value: Any) -> Any:
-    """A process-independent view of a param-group value, for the cross-rank check.
-
-    Numbers, strings, dtypes and containers of them compare by value; a tensor by its
-    value when it has one element; any other object only by its type (its ``repr`` may
-    hold a memory address that differs between processes).
-    """
-    if type(value) in _SCALARS:
-        return value
-    if value is None or isinstance(value, bool | int | float | str | torch.dtype):
-        return value
-    if isinstance(value, Tensor):
-        return scalar(value) if value.numel() == 1 else (str(value.dtype), tuple(value.shape))
-    if isinstance(value, list | tuple):
-        return tuple(_plain(v) for v in value)
-    if isinstance(value, dict):
-        return tuple(sorted((str(k), _plain(v)) for k, v in value.items()))
-    if isinstance(value, Split):
-        return value.describe()
-    return type(value).__qualname__
 
 
 class MatrixOptimizer(AdamWRouteMixin, CopyMixin, CheckpointMixin, Optimizer):
@@ -86,6 +65,7 @@ class MatrixOptimizer(AdamWRouteMixin, CopyMixin, CheckpointMixin, Optimizer):
     """
 
     algorithm: ClassVar[str] = ""
+    _closure_failure: Failure | None = None  # this step's closure raised (distributed)
     cost_model: ClassVar[str] = "muon"
     storage_keys: ClassVar[tuple[str, ...]] = ()
 
@@ -122,6 +102,7 @@ class MatrixOptimizer(AdamWRouteMixin, CopyMixin, CheckpointMixin, Optimizer):
         self._state_generation = 0
         self._steps_without_grads = 0
         self._algorithms: dict[int, str] = {}  # per param group, the algorithm of its state
+        self._group_ids: tuple[int, ...] = ()  # the groups those records are by (see regrouped)
         self._checked_hparams = ""  # the hyper-parameters' fingerprint last found valid
         # per param group: the values that shaped its owner-held state (``_state_shape``)
         self._state_shapes: dict[int, tuple[tuple[str, Any], ...]] = {}
@@ -188,7 +169,7 @@ class MatrixOptimizer(AdamWRouteMixin, CopyMixin, CheckpointMixin, Optimizer):
     def _hyper_fingerprint(self) -> str:
         rows = tuple(
             tuple(
-                (key, _plain(value))
+                (key, plain_value(value))
                 for key, value in sorted(group.items())
                 if key not in _NOT_HYPER
             )
@@ -351,14 +332,21 @@ class MatrixOptimizer(AdamWRouteMixin, CopyMixin, CheckpointMixin, Optimizer):
             closure: Re-evaluates the model and returns the loss (run with grad enabled).
 
         Raises:
-            UpdateFailedError: on every rank when anything failed on any rank; no
-                parameter (and, with ``PipelineConfig(atomic=True)``, no optimizer state)
-                changed anywhere.
+            UpdateFailedError: on every rank when anything failed on any rank (the closure
+                included, in a distributed job); no parameter (and, with
+                ``PipelineConfig(atomic=True)``, no optimizer state) changed anywhere.
         """
         loss = None
+        self._closure_failure = None
         if closure is not None:
             with torch.enable_grad():
-                loss = closure()
+                try:
+                    loss = closure()
+                except Exception as exc:
+                    if not dist.is_initialized():  # one process: as torch.optim
+                        raise
+                    # the other ranks are in the step: they raise with this one
+                    self._closure_failure = Failure("running the closure", exc)
         paused = self.pipeline_config.pause_gc and gc.isenabled()
         if paused:
             gc.disable()
@@ -380,12 +368,15 @@ class MatrixOptimizer(AdamWRouteMixin, CopyMixin, CheckpointMixin, Optimizer):
 
     def _attempt(self) -> None:
         params, names, gids = self._flat()
+        if (groups := tuple(map(id, self.param_groups))) != self._group_ids:
+            records = regrouped(self._group_ids, groups, self._algorithms, self._state_shapes)
+            (self._algorithms, self._state_shapes), self._group_ids = records, groups
         if self._algorithms:
             check_algorithms(self.param_groups, self._algorithms, self.state, params, names, gids)
         table = self._step_table(params, gids)
         raw = [p.grad for p in params]  # each gradient read once a step
         has_grad = [g is not None for g in raw]
-        failure = self._check_hparams(table.fingerprint)
+        failure = self._closure_failure or self._check_hparams(table.fingerprint)
         nonfinite = False
         if self.pipeline_config.skip_nonfinite:
             try:

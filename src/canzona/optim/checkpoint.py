@@ -77,6 +77,7 @@ class CheckpointMixin:
     _state_generation: int
     _state_shapes: dict[int, tuple[tuple[str, Any], ...]]
     _algorithms: dict[int, str]
+    _group_ids: tuple[int, ...]
 
     if TYPE_CHECKING:  # MatrixOptimizer's
 
@@ -107,8 +108,7 @@ class CheckpointMixin:
     ) -> None:
         """After a re-plan, move owner-held state from the old owners to the new ones."""
         entries = self._stepped_entries(params, gids)
-        if entries:
-            self._owner.migrate(previous, snapshot(self._runtime), params, entries)
+        self._owner.migrate(previous, snapshot(self._runtime), params, entries)
 
     # ------------------------------------------------------------------ save
     def state_dict(self) -> dict[str, Any]:
@@ -351,3 +351,4 @@ class CheckpointMixin:
         self._algorithms = {  # the loaded states are of these (validated) algorithms
             g: group["algorithm"] for g, group in enumerate(self.param_groups)
         }
+        self._group_ids = ()  # the records are by the loaded groups' positions

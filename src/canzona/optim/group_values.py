@@ -6,7 +6,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch import Tensor
 
+from canzona.optim.adamw_route import scalar
 from canzona.plan import Split
 
 #: The first element of a saved :class:`~canzona.Split` (a tuple: DCP holds no objects).
@@ -51,3 +53,31 @@ def saved_groups(groups: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 def loaded_groups(groups: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """A state dict's param groups with every value as :func:`loaded_value` reads it."""
     return [{k: v if k == "params" else loaded_value(v) for k, v in g.items()} for g in groups]
+
+
+#: Types :func:`plain_value` passes through unchanged (checked first: it runs per step).
+_SCALARS = frozenset({float, int, bool, str, type(None), torch.dtype})
+
+
+def plain_value(value: Any) -> Any:
+    """A process-independent view of a param-group value, for the cross-rank check.
+
+    Numbers, strings, dtypes and containers of them compare by value; a tensor by its
+    dtype and its value when it has one element; any other object only by its type (its
+    ``repr`` may hold a memory address that differs between processes).
+    """
+    if type(value) in _SCALARS:
+        return value
+    if value is None or isinstance(value, bool | int | float | str | torch.dtype):
+        return value
+    if isinstance(value, Tensor):
+        # the dtype too: a float32 tensor lr gives float32 products where a float gives float64
+        held = scalar(value) if value.numel() == 1 else tuple(value.shape)
+        return (str(value.dtype), held)
+    if isinstance(value, list | tuple):
+        return tuple(plain_value(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((str(k), plain_value(v)) for k, v in value.items()))
+    if isinstance(value, Split):
+        return value.describe()
+    return type(value).__qualname__

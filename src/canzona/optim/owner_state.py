@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -238,22 +239,30 @@ class OwnerState:
     ) -> None:
         """Move the state from the owners of ``previous`` to those of ``current`` (collective).
 
-        Only ``entries`` of parameters that the previous plan knew move (a parameter added
-        since has no state yet).
+        ``entries`` are by the current positions of ``params``; each parameter's state is
+        read at the position the previous plan had it in (by identity: param groups
+        reordered or with parameters removed keep every parameter's own state). Only
+        parameters that the previous plan knew move (one added since has no state yet).
         """
-        entries = [e for e in entries if e.param < len(previous.topology.layouts)]
+        old_at = _previous_positions(previous, params)
+        entries = [e for e in entries if e.param in old_at]
         if not entries:
+            self.states = {}
             return
-        meshes = {e.param: param_mesh(params[e.param]) for e in entries}
+        before = [replace(e, param=old_at[e.param]) for e in entries]
+        meshes = {old_at[e.param]: param_mesh(params[e.param]) for e in entries}
         old = self.states
         values = export_state(
             previous,
-            entries,
+            before,
             get=lambda item, key: self.lookup(item, old)[_own(item, key)],
             meshes=meshes,
         )
+        moved = {
+            (e.param, e.key): values[(b.param, b.key)] for e, b in zip(entries, before, strict=True)
+        }
         self.states = {}
-        import_state(current, entries, values, self._put)
+        import_state(current, entries, moved, self._put)
 
     def _put(self, item: Item, key: str, value: Tensor) -> None:
         self.states.setdefault(item.key, {})[_own(item, key)] = value
@@ -263,6 +272,14 @@ class OwnerState:
         self.states = {}
         self._touched = {}
         self._dropped = {}
+
+
+def _previous_positions(previous: Snapshot, params: Sequence[Tensor]) -> dict[int, int]:
+    """Current position -> position in ``previous``'s plan, of the parameters it knew."""
+    if previous.param_ids is None:  # a copy's first plan: the same parameters, in order
+        return {i: i for i in range(min(len(params), len(previous.topology.layouts)))}
+    at = {pid: i for i, pid in enumerate(previous.param_ids)}
+    return {i: at[id(p)] for i, p in enumerate(params) if id(p) in at}
 
 
 def _own(item: Item, key: str) -> str:

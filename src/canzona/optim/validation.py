@@ -147,6 +147,24 @@ def watch_gradients(owner: str, steps_without: int, active: Set[int], matrix: Se
     return steps_without
 
 
+def regrouped(
+    before: tuple[int, ...], now: tuple[int, ...], *records: dict[int, Any]
+) -> list[dict[int, Any]]:
+    """Per-param-group ``records`` re-keyed from the groups ``before`` to those ``now``.
+
+    ``before`` and ``now`` are the groups' ``id()`` in order: a group moved keeps its
+    record, a removed one loses it. An empty ``before`` means the records are by the
+    current positions already (a new, copied or loaded optimizer).
+    """
+    if not before:
+        return list(records)
+    at = {group: i for i, group in enumerate(now)}
+    return [
+        {at[before[g]]: v for g, v in record.items() if g < len(before) and before[g] in at}
+        for record in records
+    ]
+
+
 def check_algorithms(
     groups: Sequence[dict[str, Any]],
     algorithms: dict[int, str],

@@ -5,15 +5,16 @@ from __future__ import annotations
 import hashlib
 import itertools
 from collections.abc import Callable, Hashable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import torch.distributed as dist
 
-from canzona.runtime.config import GradientMismatchError, PlanMismatchError
+from canzona.runtime.config import GradientMismatchError, PlanMismatchError, UpdateFailedError
 from canzona.runtime.watchdog import Watchdog, gather_ints
 
 if TYPE_CHECKING:
     from canzona.runtime.engine import MatrixRuntime
+    from canzona.runtime.pipeline import Failure
 
 _CHUNKS = 3  # 40-bit chunks per digest: exact in int64
 VOTE = 1_000_000  # progress-marker phase of the success vote: after every micro-group
@@ -242,6 +243,24 @@ def failing_ranks(
     """All-gather a success flag; returns the ranks where it was False."""
     rows = gather_ints([0 if ok else 1], watchdog=watchdog, phase=4, what=what)
     return [r for r, (bad,) in enumerate(rows) if bad]
+
+
+def raise_failures(
+    failure: Failure | None, names: Sequence[str], watchdog: Watchdog, distributed: bool
+) -> NoReturn:
+    """Raise the same :class:`UpdateFailedError` on every rank, with every failing rank's report.
+
+    Collective when ``distributed``: every rank calls it.
+    """
+    mine = None if failure is None else failure.describe(names)
+    reports = vote(mine, watchdog=watchdog) if distributed else []
+    if not distributed and mine is not None:
+        reports = [(watchdog.rank, mine)]
+    text = "; ".join(f"rank {r}: {line}" for r, line in reports)
+    raise UpdateFailedError(
+        f"the step failed on ranks {[r for r, _ in reports]} ({text}); "
+        "nothing was updated on any rank"
+    ) from (failure.error if failure is not None else None)
 
 
 def vote(report: str | None, *, watchdog: Watchdog) -> list[tuple[int, str]]:

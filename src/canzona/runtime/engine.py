@@ -18,10 +18,10 @@ from canzona.runtime.checks import (
     check_header,
     check_plan_digest,
     header_values,
+    raise_failures,
     ride_header,
-    vote,
 )
-from canzona.runtime.config import PipelineConfig, UpdateFailedError
+from canzona.runtime.config import PipelineConfig
 from canzona.runtime.pipeline import Failure, Pipeline, StepStats
 from canzona.runtime.pipelines import build_pipeline
 from canzona.runtime.repricing import Observation, repriced
@@ -95,7 +95,7 @@ class MatrixRuntime:
         self.world = 1
         self.digest = ""
         self._structure = ""
-        self._layout_key: tuple[object, ...] = ()
+        self._layout_key: tuple[tuple[int, ...], tuple[str, ...]] = ((), ())
         self._layouts: list[ParamLayout] = []
         self._unreadable: Failure | None = None
         self._layout_version = 0
@@ -123,6 +123,7 @@ class MatrixRuntime:
             self.watchdog,
         )
         self.device = torch.device("cpu")
+        self.planned_ids: tuple[int, ...] = ()  # the parameters (ids) of the current plan
         self.calibration_s = 0.0  # time the last calibration took
         self.calibrations = 0  # calibrations so far
         self.reprice_s = 0.0  # time the last re-pricing by observed calls took (with its plan)
@@ -239,7 +240,7 @@ class MatrixRuntime:
                 compute=compute,
             )
             if failed or (failure is not None and self.process_group is None):
-                self._raise_failures(failure, names)
+                raise_failures(failure, names, self.watchdog, self.process_group is not None)
             # without a header (check_every_step=False) a failure reaches the others at the vote
             active = frozenset(compress(range(len(has_grad)), has_grad))
             if flagged:
@@ -275,7 +276,7 @@ class MatrixRuntime:
         assert self._ride is not None
         pipeline, grads, version = self._ride
         structure = self._structure_of(self._layouts, table)  # begin_step read them
-        needs_setup = not self._planned or structure != self._structure
+        needs_setup = self._stale(structure)
         ready = (
             not needs_setup
             and failure is None
@@ -367,17 +368,6 @@ class MatrixRuntime:
             self._current.schedule.release()
             self._current = None
 
-    def _raise_failures(self, failure: Failure | None, names: Sequence[str]) -> None:
-        mine = None if failure is None else failure.describe(names)
-        reports = vote(mine, watchdog=self.watchdog) if self.process_group is not None else []
-        if self.process_group is None and mine is not None:
-            reports = [(self.rank, mine)]
-        text = "; ".join(f"rank {r}: {line}" for r, line in reports)
-        raise UpdateFailedError(
-            f"the step failed on ranks {[r for r, _ in reports]} ({text}); "
-            "nothing was updated on any rank"
-        ) from (failure.error if failure is not None else None)
-
     def sync_plan(
         self,
         names: Sequence[str],
@@ -412,7 +402,7 @@ class MatrixRuntime:
         layouts = self.layouts(names, tensors)
         structure = self._structure_of(layouts, table)
         config = self._config_now
-        needs_setup = not self._planned or structure != self._structure
+        needs_setup = self._stale(structure)
         self.watchdog.tag = f"{self._instance}-{structure[:16]}"
         flagged = nonfinite
         if self.process_group is not None and (
@@ -482,6 +472,14 @@ class MatrixRuntime:
         self.reprice_s = time.perf_counter() - start
         self.repricings += 1
 
+    def _stale(self, structure: str) -> bool:
+        """Whether the plan must be (re)built: none yet, other layouts or other parameters.
+
+        The same layouts in another order re-plan too: the state moves to the new positions.
+        """
+        moved = self._layout_key[0] is not self.planned_ids
+        return not self._planned or structure != self._structure or moved
+
     def _structure_of(self, layouts: Sequence[ParamLayout], table: StepTable) -> str:
         """The structure digest of the parameters and configuration (cached per key)."""
         # frozen configs and the table's version: the key costs nothing per matrix
@@ -502,6 +500,7 @@ class MatrixRuntime:
         compute: ComputeFn | None,
     ) -> None:
         self._forget_ride()
+        self.planned_ids = self._layout_key[0]
         self.topology = agree(
             layouts,
             process_group=self.process_group,

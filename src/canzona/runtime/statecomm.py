@@ -57,6 +57,8 @@ class Snapshot:
     world: int
     replica_dedup: bool
     watchdog: Watchdog
+    #: ``id()`` of the parameters, in the plan's order (None: the current ones, in order)
+    param_ids: tuple[int, ...] | None = None
 
     by_param: dict[int, list[Item]] = field(default_factory=dict)
 
@@ -391,4 +393,5 @@ def snapshot(runtime: MatrixRuntime) -> Snapshot:
         world=world,
         replica_dedup=runtime.plan_config.replica_dedup,
         watchdog=watchdog,
+        param_ids=runtime.planned_ids,
     )
