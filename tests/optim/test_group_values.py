@@ -80,6 +80,24 @@ def test_a_state_dict_of_other_blocks_is_refused(
     assert opt.state_dict()["state"] == {}
 
 
+def test_a_split_declared_otherwise_into_the_same_blocks_loads() -> None:
+    """Catches: ``Split(0, sizes=(4, 4, 4))`` refused for a checkpoint saved with
+    ``Split(0, size=4)`` (the same three blocks of 12 rows, the same per-block state)."""
+    sd = _trained(canzona.Split(dim=0, size=4))
+    saved_state = sd["state"][0]
+    p = nn.Parameter(torch.randn(12, 8))
+    group = {"params": [("qkv", p)], "split": canzona.Split(dim=0, sizes=(4, 4, 4))}
+    opt = canzona.Shampoo([group], lr=0.01, precondition_frequency=1)
+    opt.load_state_dict(sd)
+    loaded = opt.state_dict()["state"][0]
+    assert sorted(loaded) == sorted(saved_state)
+    for key, value in saved_state.items():
+        assert torch.equal(loaded[key], value), key
+    with pytest.raises(ValueError, match="sizes=\\(4, 8\\)"):  # other blocks: refused
+        other = {"params": [("qkv", p)], "split": canzona.Split(dim=0, sizes=(4, 8))}
+        canzona.Shampoo([other], lr=0.01, precondition_frequency=1).load_state_dict(sd)
+
+
 def test_a_state_dict_of_a_flattened_weight_needs_flatten() -> None:
     """Catches: a (12, 2, 4) weight's state as one (12, 8) matrix loaded for a stack of 12."""
     sd = _trained(None, flatten=True)

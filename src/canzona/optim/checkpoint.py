@@ -12,7 +12,8 @@ import torch
 from torch import Tensor
 
 from canzona.optim.group_values import loaded_groups, saved_groups
-from canzona.optim.owner_state import OwnerState, is_stack
+from canzona.optim.owner_state import OwnerState, is_stack, matrix_shape
+from canzona.plan import Split
 from canzona.runtime import (
     Snapshot,
     StateEntry,
@@ -211,7 +212,8 @@ class CheckpointMixin:
                     f"optimizer has {len(mine['params'])} (a state dict of another model?)"
                 )
             for key in ("split", "flatten"):  # the matrices the state belongs to
-                if (saved.get(key) or None) != (mine.get(key) or None):
+                ours, theirs = mine.get(key) or None, saved.get(key) or None
+                if ours != theirs and not (key == "split" and _same_blocks(ours, theirs, mine)):
                     raise ValueError(
                         f"param group {g}: state dict {key} {saved.get(key)!r} does not match "
                         f"the optimizer's {mine.get(key)!r} (its state is per block or per "
@@ -352,3 +354,20 @@ class CheckpointMixin:
             g: group["algorithm"] for g, group in enumerate(self.param_groups)
         }
         self._group_ids = ()  # the records are by the loaded groups' positions
+
+
+def _same_blocks(ours: Any, theirs: Any, group: dict[str, Any]) -> bool:
+    """Whether two splits cut every matrix of ``group`` into the same blocks.
+
+    ``Split(0, sizes=(8, 8, 8))`` and ``Split(0, size=8)`` do, on 24 rows.
+    """
+    if not (isinstance(ours, Split) and isinstance(theirs, Split)):
+        return False
+    for p in group["params"]:
+        m, n = matrix_shape(p, group)
+        try:
+            if ours.shapes(m, n) != theirs.shapes(m, n):
+                return False
+        except ValueError:  # blocks that do not tile the matrix
+            return False
+    return True

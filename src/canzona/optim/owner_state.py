@@ -34,7 +34,7 @@ def is_stack(p: Tensor, group: dict[str, Any]) -> bool:
     return p.ndim == 3 and not group.get("flatten")
 
 
-def _matrix_shape(p: Tensor, group: dict[str, Any]) -> tuple[int, int]:
+def matrix_shape(p: Tensor, group: dict[str, Any]) -> tuple[int, int]:
     """Rows and columns of one matrix of ``p`` (a matricised weight: first dim by the rest)."""
     if group.get("flatten") and p.ndim > 2:
         return p.shape[0], math.prod(p.shape[1:])
@@ -166,7 +166,7 @@ class OwnerState:
         A split parameter has one state per block, under ``"<key>#<block>"``; a
         matricised N-D weight (``flatten``) the state of its ``(shape[0], rest)`` matrix.
         """
-        m, n = _matrix_shape(p, group)
+        m, n = matrix_shape(p, group)
         split = group.get("split")
         if split is None:
             mat = torch.empty((m, n), dtype=p.dtype, device="meta")
