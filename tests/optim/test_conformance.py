@@ -700,9 +700,12 @@ def test_add_param_group_after_the_first_step(name: str) -> None:
 REGROUPED = {"a": (8, 8), "b": (8, 8), "c": (6, 12), "d": (8, 8), "bias": (7,)}
 
 
-def _regrouped_run(name: str, edit: str, reference: bool) -> dict[str, torch.Tensor]:
+def _regrouped_run(
+    name: str, edit: str, reference: bool, copied: bool = False
+) -> dict[str, torch.Tensor]:
     """Six steps over groups [a, b], [c, d], AdamW [bias]; before step 3 ``edit`` changes the
-    param groups (``reference``: the same parameters stay, those it removes without grads)."""
+    param groups (``reference``: the same parameters stay, those it removes without grads);
+    ``copied``: the optimizer and parameters are deep-copied right after the edit."""
     cls, kwargs = OPTIMIZERS[name]
     params = parameters(initial(REGROUPED))
     grads = gradients(REGROUPED, steps=6)
@@ -735,6 +738,8 @@ def _regrouped_run(name: str, edit: str, reference: bool) -> dict[str, torch.Ten
                     groups[1]["params"][1],
                     groups[0]["params"][1],
                 )
+            if copied:
+                params, opt = copy.deepcopy((params, opt))
         for n, p in params.items():
             p.grad = None if n in frozen else g[n].clone()
         opt.step()
@@ -751,18 +756,67 @@ def _regrouped_run(name: str, edit: str, reference: bool) -> dict[str, torch.Ten
         "drop a group",
     ],
 )
-def test_param_groups_edited_between_steps_keep_each_parameters_state(name: str, edit: str) -> None:
+@pytest.mark.parametrize("copied", [False, True], ids=["", "copied"])
+def test_param_groups_edited_between_steps_keep_each_parameters_state(
+    name: str, edit: str, copied: bool
+) -> None:
     """torch.optim keys the state by parameter, so param groups reordered or thinned between
     steps (a frozen layer dropped) change nothing else.
 
     Catches: owner-held state kept by position (Shampoo's factors, SOAP's bases, NorMuon's
     second moment of the matrix that was at that position: silently wrong results, or a
     shape error on the owner), and group-indexed records breaking on a removed group
-    (IndexError on every later step)."""
-    got = _regrouped_run(name, edit, reference=False)
+    (IndexError on every later step); a copy made after the edit, before the next step,
+    taking the state by the old positions (or the group records by the old groups)."""
+    got = _regrouped_run(name, edit, reference=False, copied=copied)
     want = _regrouped_run(name, edit, reference=True)
     for n in REGROUPED:
         assert torch.equal(got[n], want[n]), f"{n!r} differs by {(got[n] - want[n]).abs().max()}"
+
+
+@pytest.mark.parametrize("into", ["adamw", "matrix", "other blocks"])
+def test_a_parameter_moved_where_its_state_does_not_fit_is_refused(name: str, into: str) -> None:
+    """Catches: a parameter with matrix state moved into the AdamW group (KeyError at every
+    later step), AdamW state moved into a matrix group (Shampoo/SOAP went on with AdamW's
+    moments), a matrix moved into a group that splits it otherwise (its blocks got zero
+    state and the old keys stayed): refused on the step, naming it, nothing changed; once
+    its state is cleared it starts afresh in its new group."""
+    cls, kwargs = OPTIMIZERS[name]
+    params = parameters(initial(REGROUPED))
+    grads = gradients(REGROUPED, steps=3)
+    opt = cls(
+        [
+            {"params": [params["a"], params["b"]]},
+            {"params": [params["d"]], "split": canzona.Split(dim=0, size=4)},
+            {"params": [params["bias"], params["c"]], "algorithm": "adamw"},
+        ],
+        **kwargs,
+    )
+    set_grads(params, grads[0])
+    opt.step()
+    groups = opt.param_groups
+    moved, source, target = {
+        "adamw": (params["a"], 0, 2),
+        "matrix": (params["c"], 2, 0),
+        "other blocks": (params["b"], 0, 1),
+    }[into]
+    held = groups[source]["params"]
+    held.pop(next(i for i, p in enumerate(held) if p is moved))
+    groups[target]["params"].append(moved)
+    if name == "muon" and into == "other blocks":  # its momentum is element-wise: it fits
+        set_grads(params, grads[1])
+        opt.step()
+        return
+    before = snapshot(params)
+    set_grads(params, grads[1])
+    with pytest.raises(canzona.UpdateFailedError, match="has state of another param group"):
+        opt.step()
+    assert_params_equal(params, before)
+    with pytest.raises(canzona.UpdateFailedError, match="has state of another param group"):
+        opt.step()  # until it is resolved
+    opt.state.pop(moved)
+    opt.step()
+    assert float(opt.state[moved]["step"]) == 1.0  # afresh in its new group
 
 
 def test_zero_size_parameter_is_a_no_op(name: str) -> None:

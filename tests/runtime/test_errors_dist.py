@@ -240,6 +240,30 @@ def test_a_closure_that_raises_on_one_rank_fails_the_step_everywhere(dist: Any) 
         assert unchanged and same
 
 
+def _reordered_on_one_rank() -> tuple[str, str]:
+    """Two equal-shaped unnamed matrices; after a step rank 1 alone reverses them."""
+    shapes = {"a": SHAPES["square"], "b": SHAPES["square"]}
+    grads = grad_steps(shapes, 2)
+    named = sharded_params(full_tensors(shapes), mesh((4,)), {n: (Shard(0),) for n in shapes})
+    params = [p for _, p in named]
+    opt = canzona.Shampoo(params, lr=0.01, precondition_frequency=1, start_preconditioning_step=1)
+    set_grads(named, grads[0])
+    opt.step()
+    if tdist.get_rank() == 1:
+        opt.param_groups[0]["params"].reverse()
+    set_grads(named, grads[1])
+    return _outcome(opt.step)
+
+
+def test_parameters_reordered_on_some_ranks_only_raise_everywhere(dist: Any) -> None:
+    """Catches: equal layouts reordered on one rank re-planned without comparing where each
+    parameter came from (the owner assembled one matrix from rank 1's rows of the other)."""
+    out = dist(4).run(_reordered_on_one_rank, timeout=TIMEOUT)
+    assert {kind for kind, _ in out} == {"PlanMismatchError"}, out
+    for _, msg in out:
+        assert "ranks [0, 2, 3] vs ranks [1]" in msg and "from positions (1, 0)" in msg, msg
+
+
 def _partial_grads() -> tuple[str, str]:
     params = _params(("square", "tall"))
     opt = canzona.Muon(params, lr=0.02)

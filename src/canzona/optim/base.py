@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gc
 import operator
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from typing import Any, ClassVar
 
 import torch
@@ -25,6 +25,7 @@ from canzona.optim.validation import (
     check_common,
     check_group,
     check_hparams,
+    check_moves,
     check_state_shapes,
     regrouped,
     watch_gradients,
@@ -96,6 +97,8 @@ class MatrixOptimizer(AdamWRouteMixin, CopyMixin, CheckpointMixin, Optimizer):
         self._owner = owner
         self._table: StepTable | None = None
         self._table_key: tuple[object, ...] = ()
+        self._kinds: dict[int, Hashable] = {}  # per parameter (id): what state its group gives
+        self._moved: ValueError | None = None  # a parameter moved where its state cannot go
         self._table_version = 0
         self._step_params: list[Tensor] = []
         self._work: tuple[tuple[object, ...], dict[int, Tensor], StepWork] | None = None
@@ -321,7 +324,17 @@ class MatrixOptimizer(AdamWRouteMixin, CopyMixin, CheckpointMixin, Optimizer):
                 calibration=tuple(self._calibration_phases(g) for g in groups),
             )
             self._table_key = key
+            kinds = [self._kind(p, groups[g]) for p, g in zip(params, gids, strict=True)]
+            self._moved = check_moves(params, self._flat()[1], kinds, self.state, self._kinds)
+            if self._moved is not None:
+                self._table_key = ()  # checked again at every step until resolved
         return self._table.with_hparams(groups, self._hyper_fingerprint())
+
+    def _kind(self, p: Tensor, group: dict[str, Any]) -> tuple[object, ...]:
+        """What state ``p`` has in ``group``: its algorithm and owner-held keys and shapes."""
+        if group["algorithm"] == ADAMW or p.numel() == 0:
+            return (group["algorithm"],)
+        return (group["algorithm"], *sorted(self._owner.specs(p, group).items()))
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
@@ -377,6 +390,8 @@ class MatrixOptimizer(AdamWRouteMixin, CopyMixin, CheckpointMixin, Optimizer):
         raw = [p.grad for p in params]  # each gradient read once a step
         has_grad = [g is not None for g in raw]
         failure = self._closure_failure or self._check_hparams(table.fingerprint)
+        if failure is None and self._moved is not None:
+            failure = Failure("checking the param groups", self._moved)
         nonfinite = False
         if self.pipeline_config.skip_nonfinite:
             try:

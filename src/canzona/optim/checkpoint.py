@@ -79,6 +79,8 @@ class CheckpointMixin:
     _state_shapes: dict[int, tuple[tuple[str, Any], ...]]
     _algorithms: dict[int, str]
     _group_ids: tuple[int, ...]
+    _kinds: dict[int, Any]
+    _table_key: tuple[object, ...]
 
     if TYPE_CHECKING:  # MatrixOptimizer's
 
@@ -354,6 +356,7 @@ class CheckpointMixin:
             g: group["algorithm"] for g, group in enumerate(self.param_groups)
         }
         self._group_ids = ()  # the records are by the loaded groups' positions
+        self._kinds, self._table_key = {}, ()  # the loaded state fits the groups: recorded anew
 
 
 def _same_blocks(ours: Any, theirs: Any, group: dict[str, Any]) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from canzona.optim.owner_state import OwnerState
+from canzona.optim.validation import regrouped
 from canzona.plan import PlanConfig
 from canzona.runtime import MatrixRuntime, PipelineConfig
 from canzona.runtime.statecomm import record
@@ -27,9 +28,13 @@ class CopyMixin:
     defaults: dict[str, Any]
     _owner: OwnerState
     _algorithms: dict[int, str]
+    _group_ids: tuple[int, ...]
     _runtime: MatrixRuntime
+    param_groups: list[dict[str, Any]]
 
     if TYPE_CHECKING:  # MatrixOptimizer's
+
+        def _flat(self) -> tuple[list[Any], list[str], list[int]]: ...
 
         def _reset(self, owner: OwnerState) -> None: ...
 
@@ -57,8 +62,10 @@ class CopyMixin:
         state["owner_states"] = self._owner.states
         # where they live (on every rank, those that hold none too: the move is collective);
         # the copy's own plan may put them elsewhere
-        state["owner_plan"] = record(self._runtime)
-        state["algorithms"] = dict(self._algorithms)
+        state["owner_plan"] = record(self._runtime, self._flat()[0])
+        # by the groups now (they may have been edited since the last step)
+        groups = tuple(map(id, self.param_groups))
+        state["algorithms"] = regrouped(self._group_ids, groups, self._algorithms)[0]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:

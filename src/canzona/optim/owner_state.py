@@ -276,8 +276,11 @@ class OwnerState:
 
 def _previous_positions(previous: Snapshot, params: Sequence[Tensor]) -> dict[int, int]:
     """Current position -> position in ``previous``'s plan, of the parameters it knew."""
-    if previous.param_ids is None:  # a copy's first plan: the same parameters, in order
-        return {i: i for i in range(min(len(params), len(previous.topology.layouts)))}
+    if previous.param_ids is None:  # a copy's first plan: as recorded when it was made
+        if previous.positions is None:
+            return {i: i for i in range(min(len(params), len(previous.topology.layouts)))}
+        pairs = zip(range(len(params)), previous.positions, strict=False)
+        return {i: at for i, at in pairs if at is not None}
     at = {pid: i for i, pid in enumerate(previous.param_ids)}
     return {i: at[id(p)] for i, p in enumerate(params) if id(p) in at}
 

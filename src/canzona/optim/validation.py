@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Mapping, Sequence, Set
+from collections.abc import Callable, Hashable, Mapping, Sequence, Set
 from typing import Any
 
 import torch
@@ -163,6 +163,37 @@ def regrouped(
         {at[before[g]]: v for g, v in record.items() if g < len(before) and before[g] in at}
         for record in records
     ]
+
+
+def check_moves(
+    params: Sequence[torch.Tensor],
+    names: Sequence[str],
+    kinds: Sequence[Hashable],
+    state: Mapping[Any, dict[str, Any]],
+    seen: dict[int, Hashable],
+) -> ValueError | None:
+    """Refuse a parameter with state that param groups moved where its state does not fit.
+
+    ``kinds[i]`` says what state parameter ``i``'s group gives it (its algorithm, and the
+    keys and shapes of its owner-held state); ``seen`` keeps each parameter's kind (by
+    ``id``) as of the last check, and takes the new kinds when nothing is refused. A
+    parameter without state, or not seen before (a loaded or copied optimizer), is taken
+    as it is.
+
+    Raises:
+        Nothing; returns the ``ValueError`` naming the parameter (every rank fails the step).
+    """
+    for p, name, kind in zip(params, names, kinds, strict=True):
+        before = seen.get(id(p))
+        if before is not None and before != kind and "step" in state.get(p, {}):
+            return ValueError(
+                f"parameter {name!r} has state of another param group than the one it is in "
+                f"now ({before!r}, now {kind!r}): its state cannot be used there; clear "
+                "optimizer.state for it (it starts afresh) or keep it in a group like the old"
+            )
+    seen.clear()
+    seen.update((id(p), kind) for p, kind in zip(params, kinds, strict=True))
+    return None
 
 
 def check_algorithms(

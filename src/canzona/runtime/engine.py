@@ -500,13 +500,17 @@ class MatrixRuntime:
         compute: ComputeFn | None,
     ) -> None:
         self._forget_ride()
+        # where each parameter was in the last plan: the ranks must agree on it too (equal
+        # layouts reordered on some ranks only would pair one matrix's rows with another's)
+        at = {pid: i for i, pid in enumerate(self.planned_ids)}
+        moved = tuple(at.get(pid, -1) for pid in self._layout_key[0]) if at else ()
         self.planned_ids = self._layout_key[0]
         self.topology = agree(
             layouts,
             process_group=self.process_group,
             rank=self.rank,
             world=self.world,
-            extra=config,
+            extra=f"{config}; from positions {moved}",
         )
         splits = {
             p: row.split for p, row in zip(table.matrix, table.rows, strict=True) if row.split

@@ -57,8 +57,11 @@ class Snapshot:
     world: int
     replica_dedup: bool
     watchdog: Watchdog
-    #: ``id()`` of the parameters, in the plan's order (None: the current ones, in order)
+    #: ``id()`` of the parameters, in the plan's order (None: see ``positions``)
     param_ids: tuple[int, ...] | None = None
+    #: a copy's: per parameter of the copy, its position in the plan (None: not in it;
+    #: ``positions`` None too: the same parameters, in order)
+    positions: tuple[int | None, ...] | None = None
 
     by_param: dict[int, list[Item]] = field(default_factory=dict)
 
@@ -349,6 +352,7 @@ class PlanRecord:
     rank: int
     world: int
     replica_dedup: bool
+    positions: tuple[int | None, ...] | None = None  # see Snapshot.positions
 
     def snapshot(
         self, process_group: dist.ProcessGroup | None, rank: int, world: int, watchdog: Watchdog
@@ -365,17 +369,30 @@ class PlanRecord:
             world,
             self.replica_dedup,
             watchdog,
+            positions=self.positions,
         )
 
 
-def record(runtime: MatrixRuntime) -> PlanRecord | None:
-    """Where ``runtime``'s owner-held state lives (None before any plan and copy)."""
+def record(runtime: MatrixRuntime, params: Sequence[torch.Tensor]) -> PlanRecord | None:
+    """Where ``runtime``'s owner-held state lives (None before any plan and copy).
+
+    ``params``: the optimizer's parameters now (the copy's will be in this order), whose
+    positions in the plan it records (param groups may have been edited since it was made).
+    """
     if runtime.topology is None:  # a copy that has not planned yet: still where it was
         return runtime.inherited
     snap = runtime.state_home()
     assert snap is not None
+    at = {pid: i for i, pid in enumerate(snap.param_ids or ())}
+    positions = snap.positions if snap.param_ids is None else tuple(at.get(id(p)) for p in params)
     return PlanRecord(
-        snap.items, snap.routes, snap.topology, snap.rank, snap.world, snap.replica_dedup
+        snap.items,
+        snap.routes,
+        snap.topology,
+        snap.rank,
+        snap.world,
+        snap.replica_dedup,
+        positions,
     )
 
 
