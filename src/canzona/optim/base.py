@@ -324,17 +324,11 @@ class MatrixOptimizer(AdamWRouteMixin, CopyMixin, CheckpointMixin, Optimizer):
                 calibration=tuple(self._calibration_phases(g) for g in groups),
             )
             self._table_key = key
-            kinds = [self._kind(p, groups[g]) for p, g in zip(params, gids, strict=True)]
+            kinds = [self._owner.kind(p, groups[g]) for p, g in zip(params, gids, strict=True)]
             self._moved = check_moves(params, self._flat()[1], kinds, self.state, self._kinds)
             if self._moved is not None:
                 self._table_key = ()  # checked again at every step until resolved
         return self._table.with_hparams(groups, self._hyper_fingerprint())
-
-    def _kind(self, p: Tensor, group: dict[str, Any]) -> tuple[object, ...]:
-        """What state ``p`` has in ``group``: its algorithm and owner-held keys and shapes."""
-        if group["algorithm"] == ADAMW or p.numel() == 0:
-            return (group["algorithm"],)
-        return (group["algorithm"], *sorted(self._owner.specs(p, group).items()))
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()

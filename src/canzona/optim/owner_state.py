@@ -18,6 +18,7 @@ from canzona.runtime import (
     export_state,
     import_state,
     param_mesh,
+    positions_in,
 )
 
 Key = tuple[int, int | None, int | None, int]  # Item.key: (param, lead, block, first unit rank)
@@ -180,6 +181,12 @@ class OwnerState:
                 out[f"{k}#{j}"] = (s, dt, j)
         return out
 
+    def kind(self, p: Tensor, group: dict[str, Any]) -> tuple[object, ...]:
+        """What state ``p`` has in ``group``: its algorithm and owner-held keys and shapes."""
+        if group["algorithm"] == ADAMW or p.numel() == 0:
+            return (group["algorithm"],)
+        return (group["algorithm"], *sorted(self.specs(p, group).items()))
+
     def add_placeholders(self, p: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
         """List ``p``'s owner-held keys in its ``optimizer.state`` entry, as empty tensors.
 
@@ -281,8 +288,8 @@ def _previous_positions(previous: Snapshot, params: Sequence[Tensor]) -> dict[in
             return {i: i for i in range(min(len(params), len(previous.topology.layouts)))}
         pairs = zip(range(len(params)), previous.positions, strict=False)
         return {i: at for i, at in pairs if at is not None}
-    at = {pid: i for i, pid in enumerate(previous.param_ids)}
-    return {i: at[id(p)] for i, p in enumerate(params) if id(p) in at}
+    moved = positions_in(previous.param_ids, map(id, params))
+    return {i: at for i, at in enumerate(moved) if at is not None}
 
 
 def _own(item: Item, key: str) -> str:

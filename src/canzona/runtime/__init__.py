@@ -27,7 +27,7 @@ from canzona.runtime.tensors import (
     read_gradients,
     validate_param,
 )
-from canzona.runtime.topology import first_problem
+from canzona.runtime.topology import first_problem, positions_in
 
 __all__ = [
     "ApplyBatch",
@@ -62,6 +62,7 @@ __all__ = [
     "local_grads",
     "local_tensor",
     "param_mesh",
+    "positions_in",
     "process_group_of",
     "read_gradients",
     "snapshot",

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from canzona.plan import CostModel, GroupedCost, MatrixSpec
+from canzona.plan import CostModel, GroupedCost, MatrixSpec, PlanConfig
 from canzona.plan.measured import (
     MeasuredCost,
     batch_line,
@@ -485,3 +485,17 @@ def calibrate(
             pieces=tuple(sizes),
         )
     return GroupedCost(models, name=next(iter(bases.values())).name)
+
+
+def measures(
+    config: PlanConfig, table: StepTable, compute: ComputeFn | None, distributed: bool
+) -> bool:
+    """Whether a plan of ``config`` balances measured seconds (see ``PlanConfig.cost``)."""
+    return (
+        config.cost == "measured"
+        and config.strategy == "canzona"
+        and distributed
+        and compute is not None
+        and isinstance(table.cost, GroupedCost)
+        and bool(table.calibration)
+    )

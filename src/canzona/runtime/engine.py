@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from canzona.plan import CostModel, GroupedCost, MatrixSpec, Plan, PlanConfig, build_plan
-from canzona.runtime.calibrate import calibrate, device_name, shapes_of
+from canzona.runtime.calibrate import calibrate, device_name, measures, shapes_of
 from canzona.runtime.calibration_cache import DiskCache
 from canzona.runtime.checks import (
     check_header,
@@ -36,7 +36,14 @@ from canzona.runtime.routing import (
 from canzona.runtime.statecomm import PlanRecord, Snapshot, snapshot
 from canzona.runtime.table import ApplyFn, ComputeFn, StepTable
 from canzona.runtime.tensors import process_group_of, tensor_device
-from canzona.runtime.topology import ParamLayout, Topology, agree, describe_all, structure_digest
+from canzona.runtime.topology import (
+    ParamLayout,
+    Topology,
+    agree,
+    describe_all,
+    positions_in,
+    structure_digest,
+)
 from canzona.runtime.watchdog import Watchdog
 
 _SCHEDULES = 4  # schedules kept per plan (one per set of parameters with gradients)
@@ -500,10 +507,9 @@ class MatrixRuntime:
         compute: ComputeFn | None,
     ) -> None:
         self._forget_ride()
-        # where each parameter was in the last plan: the ranks must agree on it too (equal
-        # layouts reordered on some ranks only would pair one matrix's rows with another's)
-        at = {pid: i for i, pid in enumerate(self.planned_ids)}
-        moved = tuple(at.get(pid, -1) for pid in self._layout_key[0]) if at else ()
+        # the ranks agree on where each parameter was too (equal layouts reordered on some
+        # ranks only would pair one matrix's rows with another's)
+        moved = positions_in(self.planned_ids, self._layout_key[0]) if self.planned_ids else ()
         self.planned_ids = self._layout_key[0]
         self.topology = agree(
             layouts,
@@ -534,7 +540,7 @@ class MatrixRuntime:
         cost = table.cost if table.cost is not None else self.cost
         self._specs = specs
         self._observation = None
-        if specs and self._measures(table, compute):
+        if specs and measures(self.plan_config, table, compute, self.process_group is not None):
             assert compute is not None and isinstance(table.cost, GroupedCost)
             start = time.perf_counter()
             where = self.config.calibration_cache
@@ -575,17 +581,6 @@ class MatrixRuntime:
         self._pipelines.clear()
         if self.process_group is not None:
             check_plan_digest(self.digest, watchdog=self.watchdog)
-
-    def _measures(self, table: StepTable, compute: ComputeFn | None) -> bool:
-        """Whether this plan balances measured seconds (see ``PlanConfig.cost``)."""
-        return (
-            self.plan_config.cost == "measured"
-            and self.plan_config.strategy == "canzona"
-            and self.process_group is not None
-            and compute is not None
-            and isinstance(table.cost, GroupedCost)
-            and bool(table.calibration)
-        )
 
     def _pipeline(
         self, table: StepTable, active: frozenset[int], tensors: Sequence[torch.Tensor]

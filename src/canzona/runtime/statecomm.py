@@ -13,7 +13,7 @@ from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
 from canzona.runtime.layout import Fragment, fragment_for, full_fragment
 from canzona.runtime.routing import Item, Route, _unravel
-from canzona.runtime.topology import ParamLayout, Topology
+from canzona.runtime.topology import ParamLayout, Topology, positions_in
 from canzona.runtime.watchdog import Watchdog
 
 if TYPE_CHECKING:
@@ -383,8 +383,8 @@ def record(runtime: MatrixRuntime, params: Sequence[torch.Tensor]) -> PlanRecord
         return runtime.inherited
     snap = runtime.state_home()
     assert snap is not None
-    at = {pid: i for i, pid in enumerate(snap.param_ids or ())}
-    positions = snap.positions if snap.param_ids is None else tuple(at.get(id(p)) for p in params)
+    ids = map(id, params)
+    positions = snap.positions if snap.param_ids is None else positions_in(snap.param_ids, ids)
     return PlanRecord(
         snap.items,
         snap.routes,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -130,6 +130,12 @@ def describe_all(
     pairs = enumerate(zip(names, tensors, strict=True))
     layouts = [describe(i, n, t, process_group, rank) for i, (n, t) in pairs]
     return layouts, first_problem(layouts)
+
+
+def positions_in(before: Sequence[int], now: Iterable[int]) -> tuple[int | None, ...]:
+    """For each id of ``now``, its position in ``before`` (None: not there)."""
+    at = {pid: i for i, pid in enumerate(before)}
+    return tuple(at.get(pid) for pid in now)
 
 
 def first_problem(layouts: Sequence[ParamLayout]) -> tuple[int, LayoutError] | None:
