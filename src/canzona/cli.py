@@ -268,7 +268,7 @@ def _plan(args: argparse.Namespace) -> int:
             "alpha": args.alpha,
             "capacity_mb": args.capacity_mb,
             "matrices": len(specs),
-            "units": {"capacity_mb": "MiB", **UNITS},
+            "units": {"capacity_mb": "MiB", **_units(measured=args.cost is not None)},
             "strategies": {
                 name: {**metrics(run), **rank_metrics(run)} for name, run in runs.items()
             },
@@ -294,6 +294,13 @@ def _plan(args: argparse.Namespace) -> int:
     if args.plot is not None:
         print(f"plot written to {args.plot}")
     return 0
+
+
+def _units(*, measured: bool) -> dict[str, str]:
+    """The JSON fields' units: a measured table prices work in seconds, not FLOPs."""
+    if not measured:
+        return dict(UNITS)
+    return {k: v.replace("FLOPs", "seconds (measured)") for k, v in UNITS.items()}
 
 
 def _calibrate(args: argparse.Namespace) -> int:

@@ -104,7 +104,6 @@ BAD_HPARAMS: list[tuple[str, dict[str, Any], str]] = [
     ("muon", {"scale": 0.0}, "scale must be a positive finite number, got 0.0"),
     ("muon", {"scale": float("inf")}, "got inf"),
     ("muon", {"scale": float("nan")}, "got nan"),
-    ("muon", {"scale": True}, "got True"),
     ("muon", {"ns_coefficients": (3.4, -4.7)}, "ns_coefficients"),
     ("muon", {"ns_coefficients": ()}, "must not be empty, got ()"),
     ("muon", {"ns_coefficients": []}, "must not be empty, got ()"),
@@ -156,6 +155,52 @@ def test_bad_hyper_parameters(name: str, kwargs: dict[str, Any], match: str) -> 
     cls, defaults = OPTIMIZERS[name]
     with pytest.raises(ValueError, match=re.escape(match)):
         cls([nn.Parameter(torch.zeros(4, 4))], **{**defaults, **kwargs})
+
+
+WRONG_TYPES: list[tuple[str, str, Any, str]] = [
+    ("muon", "lr", None, "lr must be a number or a 1-element tensor, got None"),
+    ("muon", "lr", "0.5", "lr must be a number or a 1-element tensor, got '0.5' (str)"),
+    ("muon", "weight_decay", None, "weight_decay must be a number, got None"),
+    ("muon", "momentum", "0.9", "momentum must be a number, got '0.9'"),
+    ("muon", "eps", None, "eps must be a number, got None"),
+    ("muon", "adamw_betas", None, "adamw_betas must be a sequence of numbers, got None"),
+    ("muon", "adamw_eps", None, "adamw_eps must be a number, got None"),
+    ("muon", "scale", True, "scale must be a number, got True (bool)"),
+    ("normuon", "beta2", None, "beta2 must be a number, got None"),
+    ("shampoo", "betas", (0.9, "0.99"), "betas must be a sequence of numbers"),
+    ("shampoo", "precondition_frequency", 2.5, "precondition_frequency must be an integer"),
+    ("shampoo", "max_precond_dim", None, "max_precond_dim must be an integer, got None"),
+    ("soap", "shampoo_beta", None, "shampoo_beta must be a number, got None"),
+    ("soap", "lr", True, "lr must be a number or a 1-element tensor, got True (bool)"),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "key", "value", "match"),
+    WRONG_TYPES,
+    ids=[f"{n}-{k}={v!r}" for n, k, v, _ in WRONG_TYPES],
+)
+def test_a_value_of_the_wrong_type_is_named_wherever_it_is_given(
+    name: str, key: str, value: Any, match: str
+) -> None:
+    """At the constructor (``TypeError``), in an added group (``ValueError`` naming the
+    group) and set between steps (the step fails naming it, nothing is updated): the key
+    and the value, where arithmetic on it would raise Python's own message or, for a
+    string ``lr``, store it for a scheduler to fail on."""
+    cls, defaults = OPTIMIZERS[name]
+    with pytest.raises(TypeError, match=re.escape(match)):
+        cls([nn.Parameter(torch.zeros(4, 4))], **{**defaults, key: value})
+    p = nn.Parameter(torch.randn(4, 4))
+    opt = cls([p], **defaults)
+    with pytest.raises(ValueError, match=re.escape(f"param group 1: {match}")):
+        opt.add_param_group({"params": [nn.Parameter(torch.randn(4, 4))], key: value})
+    p.grad = torch.randn(4, 4)
+    opt.step()
+    before = p.detach().clone()
+    opt.param_groups[0][key] = value
+    with pytest.raises(canzona.UpdateFailedError, match=re.escape(f"param group 0: {match}")):
+        opt.step()
+    assert torch.equal(p, before)
 
 
 BAD_GROUPS: list[tuple[str, dict[str, Any], str]] = [

@@ -140,6 +140,18 @@ def test_forcing_a_non_matrix_to_the_matrix_algorithm_raises(pattern: str) -> No
         canzona.param_groups(_model(), to_matrix=[pattern])
 
 
+@pytest.mark.parametrize("key", ["to_adamw", "to_matrix"])
+def test_an_override_pattern_that_matches_nothing_raises(key: str) -> None:
+    """Catches: a typo in an override (``lm_haed.weight``) ignored, the routing unchanged."""
+    with pytest.raises(ValueError, match=rf"^{key} pattern 'lm_haed\.\*' matches no parameter"):
+        canzona.param_groups(_model(), **{key: ["blocks.0.*", "lm_haed.*"]})
+
+
+def test_the_model_s_parameters_instead_of_the_model_are_a_type_error() -> None:
+    with pytest.raises(TypeError, match=r"pass the model .*got generator"):
+        canzona.param_groups(_model().parameters())  # type: ignore[arg-type]
+
+
 def test_group_entries_and_empty_groups() -> None:
     model = _model()
     groups = canzona.param_groups(model, lr=0.02, adamw={"lr": 3e-4, "weight_decay": 0.0})

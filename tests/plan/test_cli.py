@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import canzona
 from canzona import cli
@@ -379,9 +380,11 @@ def test_calibrate_times_the_stack_an_owner_forms(
 ) -> None:
     """``--world W``: each shape timed on ``ceil(count / W)`` matrices, at most 8, as the
     runtime calibrates; without it one matrix per call. Catches: --world not passed on, the
-    stack not taken from the shape's own count, the cap of 8 missed, a floor for a ceiling."""
+    stack not taken from the shape's own count (matrices, a 3-D stack's each), the cap of 8
+    missed, a floor for a ceiling."""
     model = tmp_path / "model.json"
-    matrices = [{"name": f"a{i}", "shape": [16, 8]} for i in range(17)]
+    matrices = [{"name": f"a{i}", "shape": [16, 8]} for i in range(15)]
+    matrices += [{"name": "a_stack", "shape": [2, 16, 8]}]  # two more 16x8 matrices
     matrices += [{"name": f"b{i}", "shape": [8, 8]} for i in range(3)]
     model.write_text(json.dumps(matrices))
     table = tmp_path / "cost.json"
@@ -392,6 +395,37 @@ def test_calibrate_times_the_stack_an_owner_forms(
     assert (meta["world"], meta["stacks"]) == (world, stacks)
     body = json.loads(table.read_text())["models"]["0"]
     assert [row[:2] for row in body["table"]] == [[8, 8], [16, 8]]  # both shapes timed
+
+
+def test_calibrate_refuses_what_would_fail_after_the_timing_before_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Catches: an --out in a missing folder failing with a traceback once every shape was
+    timed, and a device this torch build lacks failing with torch's assertion."""
+    out = tmp_path / "new" / "folder" / "t.json"
+    argv = ["calibrate", "--model", "qwen3-0.6b", "--ns-dtype", "float32", "--budget", "0.5"]
+    assert cli.main([*argv, "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["models"]["0"]["table"]
+    if not torch.cuda.is_available():
+        other = tmp_path / "cuda.json"
+        assert cli.main([*argv, "--out", str(other), "--device", "cuda"]) == 2
+        assert "device 'cuda' is not available to this torch build" in capsys.readouterr().err
+        assert not other.exists()
+
+
+def test_a_plan_priced_by_a_table_reports_seconds(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Catches: --json labelling a measured plan's makespan and loads as FLOPs."""
+    table = tmp_path / "cost.json"
+    save_cost_table(table, MeasuredCost(base=MuonCost(), table=(), fit=(-20.0, 1.0)), {})
+    argv = ["plan", "--model", "qwen3-0.6b", "--world", "2", "--json"]
+    assert cli.main([*argv, "--cost", str(table)]) == 0
+    units = json.loads(capsys.readouterr().out)["units"]
+    assert units["makespan"] == units["lower_bound"] == "seconds (measured)"
+    assert units["loads"] == "seconds (measured) per rank"
+    assert cli.main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["units"]["loads"] == "FLOPs per rank"
 
 
 def test_calibrate_refuses_a_world_below_one(

@@ -5,10 +5,18 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from canzona.plan import GroupedCost, MatrixSpec, MuonCost, assign_owners, build_plan
+from canzona.plan import (
+    GroupedCost,
+    MatrixSpec,
+    MuonCost,
+    PlanConfig,
+    assign_owners,
+    build_plan,
+)
 from canzona.plan.measured import (
     MeasuredCost,
     batch_line,
@@ -201,6 +209,76 @@ def test_save_and_load(tmp_path: Path) -> None:
 def test_bad_seconds_are_refused() -> None:
     with pytest.raises(ValueError, match="finite and >= 0"):
         MeasuredCost(base=MuonCost(), table=(((8, 8), float("nan")),))
+
+
+@pytest.mark.parametrize("fit", [(math.nan, 1.0), (0.0, math.inf), (1.0,), (1.0, 2.0, 3.0)])
+def test_a_fit_that_is_not_two_finite_coefficients_is_refused(fit: tuple[float, ...]) -> None:
+    """Catches: a NaN fit accepted (LPT then never ends: NaN loads never equal themselves)."""
+    with pytest.raises(ValueError, match="fit must be two finite coefficients"):
+        MeasuredCost(base=MuonCost(), table=(), fit=fit)  # type: ignore[arg-type]
+
+
+def test_a_fit_that_predicts_no_finite_time_is_named() -> None:
+    cost = MeasuredCost(base=MuonCost(), table=(), fit=(1000.0, 1.0))
+    with pytest.raises(ValueError, match="predicts no finite time for 64x128"):
+        build_plan([MatrixSpec("w", (64, 128))], 2, optimizer=cost)
+
+
+def test_costs_that_are_not_finite_are_refused_before_the_greedy() -> None:
+    """Catches: a custom model's NaN or inf cost reaching LPT, which then never ends."""
+
+    class Broken(MuonCost):
+        def flops(self, spec: MatrixSpec) -> float:
+            return math.nan if spec.name == "b" else super().flops(spec)
+
+    specs = [MatrixSpec("a", (8, 8)), MatrixSpec("b", (8, 16)), MatrixSpec("c", (8, 8))]
+    with pytest.raises(ValueError, match=r"prices matrix 'b' \(8, 16\) at nan"):
+        assign_owners(specs, 2, optimizer=Broken())
+
+
+@pytest.mark.parametrize(
+    ("where", "value"), [("pieces", 2.5), ("class_fits", 64.9), ("table", 8.5), ("pieces", True)]
+)
+def test_the_loader_refuses_what_is_not_an_integer(tmp_path: Path, where: str, value: Any) -> None:
+    """Catches: ``int()`` truncating a piece size of 2.5 to 2 or a class of 64.9 to 64."""
+    cost = MeasuredCost(
+        base=MuonCost(),
+        table=(((8, 16), 1.5e-4),),
+        batches=(((8, 16), 5e-5, 1e-4),),
+        pieces=(((8, 16), 2),),
+        class_fits=(("side", 8, -21.0, 0.8),),
+    )
+    path = tmp_path / "table.json"
+    save_cost_table(path, GroupedCost({"0": cost}), {})
+    body = json.loads(path.read_text())
+    row = body["models"]["0"][where][0]
+    row[{"pieces": 2, "class_fits": 1, "table": 0}[where]] = value
+    path.write_text(json.dumps(body))
+    with pytest.raises(ValueError, match=f"cost table: expected an integer, got {value}"):
+        load_cost_table(path)
+
+
+def test_micro_groups_price_held_and_moved_matrices_apart_in_any_order() -> None:
+    """A held matrix moves nothing, so its call costs no transfer; one of the same shape
+    that moves does. Catches: their prices cached by shape alone, so that whichever came
+    first in the input priced both and the micro-groups changed with the input's order."""
+    cost = MeasuredCost(
+        base=MuonCost(),
+        table=(((64, 64), 2e-4), ((64, 128), 4e-4)),
+        batches=(((64, 64), 1e-4, 1e-4), ((64, 128), 1e-4, 3e-4)),
+        bytes_per_s=1e8,
+    )
+    held = {"m1": (2,), "m6": (2,)}
+    shapes = [(64, 128), (64, 64), (64, 64), (64, 128), (64, 64), (64, 128), (64, 128)]
+    specs = [
+        MatrixSpec(f"m{i}", shape, holders=held.get(f"m{i}")) for i, shape in enumerate(shapes)
+    ]
+    config = PlanConfig(capacity_mb=0.06)
+    plan = build_plan(specs, 3, config, optimizer=cost)
+    again = build_plan(specs[::-1], 3, config, optimizer=cost)
+    assert dict(again.assignment.owner) == dict(plan.assignment.owner)
+    assert [g.names for g in again.micro_groups] == [g.names for g in plan.micro_groups]
+    assert len(plan.micro_groups) > 1
 
 
 def test_shape_classes_side_then_aspect() -> None:

@@ -240,6 +240,59 @@ def test_a_closure_that_raises_on_one_rank_fails_the_step_everywhere(dist: Any) 
         assert unchanged and same
 
 
+def _value_set_between_steps(key: str, value: object, ranks: str) -> tuple[str, str, bool, bool]:
+    """A value that breaks the plan's cost model, set at the fourth step (one that rides
+    its check on the first gather) on every rank or on rank 1 only, restored after."""
+    shapes = {"square": SHAPES["square"], "odd": SHAPES["odd"]}
+    fulls = full_tensors(shapes)
+    grads = grad_steps(shapes, 5)
+    params = sharded_params(fulls, mesh((4,)), {n: (Shard(0),) for n in shapes})
+    kwargs: dict[str, Any] = {"lr": 0.01, "precondition_frequency": 2}
+    opt = canzona.Shampoo(params, start_preconditioning_step=1, **kwargs)
+    local = [(n, nn.Parameter(t.clone())) for n, t in fulls.items()]
+    ref = canzona.Shampoo(local, start_preconditioning_step=1, **kwargs)
+    outcome: tuple[str, str] = ("ok", "")
+    unchanged = False
+    for step, g in enumerate(grads):
+        set_grads(params, g)
+        if step != 3:
+            opt.step()
+            set_grads(local, g)
+            ref.step()  # the reference skips the failed step
+            continue
+        kept = opt.param_groups[0][key]
+        if ranks == "every rank" or tdist.get_rank() == 1:
+            opt.param_groups[0][key] = value
+        before = [p.to_local().clone() for _, p in params]
+        outcome = _outcome(opt.step)
+        locals_now = [p.to_local() for _, p in params]
+        unchanged = all(map(torch.equal, locals_now, before))
+        opt.param_groups[0][key] = kept
+    same = all(map(torch.equal, [full_of(p) for _, p in params], [q for _, q in local]))
+    return (*outcome, unchanged, same)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "ranks", "detail"),
+    [
+        ("precondition_frequency", 0, "rank 1", "precondition_frequency must be >= 1, got 0"),
+        ("max_precond_dim", None, "every rank", "max_precond_dim must be an integer, got None"),
+    ],
+)
+def test_a_value_the_plan_cannot_price_fails_the_step_everywhere(
+    dist: Any, key: str, value: object, ranks: str, detail: str
+) -> None:
+    """Catches: a group value read by the step's table (the plan's cost model) before the
+    hyper-parameter check, raised on its rank alone (the others waited in the first
+    gather) and, where every rank has it, as a bare error of the cost model."""
+    ranks_seen = "ranks [1]" if ranks == "rank 1" else "ranks [0, 1, 2, 3]"
+    out = dist(4).run(_value_set_between_steps, key, value, ranks, timeout=TIMEOUT)
+    for kind, msg, unchanged, same in out:
+        assert kind == "UpdateFailedError", msg
+        assert ranks_seen in msg and f"param group 0: {detail}" in msg, msg
+        assert unchanged and same
+
+
 def _reordered_on_one_rank() -> tuple[str, str]:
     """Two equal-shaped unnamed matrices; after a step rank 1 alone reverses them."""
     shapes = {"a": SHAPES["square"], "b": SHAPES["square"]}

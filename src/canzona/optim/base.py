@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-import operator
 from collections.abc import Callable, Hashable, Iterable
 from typing import Any, ClassVar
 
@@ -15,46 +14,40 @@ from torch.optim import Optimizer
 from canzona.optim.adamw_route import AdamWRouteMixin
 from canzona.optim.checkpoint import CheckpointMixin
 from canzona.optim.copies import CopyMixin
-from canzona.optim.group_values import plain_value
 from canzona.optim.owner_state import OwnerState
 from canzona.optim.prepare import GroupWork, SeenState, StepWork, build_work
+from canzona.optim.step_table import StepTableMixin
 from canzona.optim.transaction import Backup, StepTransaction
 from canzona.optim.validation import (
     check_adamw_names,
     check_algorithms,
     check_common,
     check_group,
-    check_hparams,
-    check_moves,
-    check_state_shapes,
     regrouped,
     watch_gradients,
 )
-from canzona.plan import GroupedCost, PlanConfig, cost_model
+from canzona.optim.value_types import typed_defaults
+from canzona.plan import PlanConfig
 from canzona.runtime import (
     ApplyBatch,
     ComputeBatch,
     Failure,
     Item,
     MatrixRuntime,
-    ParamRow,
     PipelineConfig,
     StepDeclined,
     StepStart,
     StepStats,
     StepTable,
     all_finite,
-    fingerprint,
     local_grads,
     read_gradients,
 )
 
 ADAMW = "adamw"
-_DTYPE = operator.attrgetter("dtype")
-_NOT_HYPER = ("params", "param_names")
 
 
-class MatrixOptimizer(AdamWRouteMixin, CopyMixin, CheckpointMixin, Optimizer):
+class MatrixOptimizer(StepTableMixin, AdamWRouteMixin, CopyMixin, CheckpointMixin, Optimizer):
     """Base of :class:`Muon`, :class:`Shampoo` and :class:`SOAP`.
 
     A step runs in three phases per matrix: *prepare* (element-wise, on each rank's
@@ -88,7 +81,8 @@ class MatrixOptimizer(AdamWRouteMixin, CopyMixin, CheckpointMixin, Optimizer):
         self.pipeline_config = pipeline or PipelineConfig()
         self.skipped_steps = 0
         self._reset(OwnerState(self._fresh_item_state, self._owner_specs))
-        defaults = {"algorithm": self.algorithm, **defaults}
+        defaults = typed_defaults({"algorithm": self.algorithm, **defaults}, type(self))
+        self._check_values(defaults)
         super().__init__(params, defaults)
 
     def _reset(self, owner: OwnerState) -> None:
@@ -132,11 +126,7 @@ class MatrixOptimizer(AdamWRouteMixin, CopyMixin, CheckpointMixin, Optimizer):
                 f"param group algorithm must be {self.algorithm!r} or {ADAMW!r}, got {algorithm!r}"
             )
         try:
-            self._check_common(
-                group["lr"], group["weight_decay"], group["adamw_betas"], group["adamw_eps"]
-            )
-            if algorithm != ADAMW:
-                self._validate_group(group)
+            self._check_values(group)
         except (ValueError, TypeError, KeyError) as exc:
             self.param_groups.pop()
             raise ValueError(f"param group {len(self.param_groups)}: {exc}") from exc
@@ -168,17 +158,6 @@ class MatrixOptimizer(AdamWRouteMixin, CopyMixin, CheckpointMixin, Optimizer):
             params += ps
             gids += [gid] * len(ps)
         return params, names, gids
-
-    def _hyper_fingerprint(self) -> str:
-        rows = tuple(
-            tuple(
-                (key, plain_value(value))
-                for key, value in sorted(group.items())
-                if key not in _NOT_HYPER
-            )
-            for group in self.param_groups
-        )
-        return fingerprint(rows)
 
     # ------------------------------------------------------------------ phases
     def _validate_group(self, group: dict[str, Any]) -> None:
@@ -230,15 +209,6 @@ class MatrixOptimizer(AdamWRouteMixin, CopyMixin, CheckpointMixin, Optimizer):
         """The phases of the owner math a calibration times, and their weights per step."""
         return (("step", 1.0),)
 
-    def _cost(self) -> GroupedCost | None:
-        """One cost model per matrix param group, from the group's hyper-parameters."""
-        models = {
-            str(gid): cost_model(self.cost_model, **self._cost_params(g))
-            for gid, g in enumerate(self.param_groups)
-            if g["algorithm"] != ADAMW
-        }
-        return GroupedCost(models, name=self.cost_model) if models else None
-
     def _config_repr(self) -> str:
         return type(self).__name__
 
@@ -271,65 +241,6 @@ class MatrixOptimizer(AdamWRouteMixin, CopyMixin, CheckpointMixin, Optimizer):
         return int(self.state[self._step_params[item.param]]["step"])
 
     # ------------------------------------------------------------------ table
-    def _step_table(self, params: list[Tensor], gids: list[int]) -> StepTable:
-        """The table of this step (rows rebuilt only when groups, params or dtypes change)."""
-        groups = self.param_groups
-        key = (
-            tuple(
-                (
-                    len(g["params"]),
-                    g["algorithm"],
-                    g.get("split"),
-                    bool(g.get("flatten")),
-                    self._row_signature(g),
-                    tuple(sorted(self._cost_params(g).items())) if g["algorithm"] != ADAMW else (),
-                )
-                for g in groups
-            ),
-            tuple(map(id, params)),
-            tuple(map(_DTYPE, params)),
-        )
-        if self._table is None or key != self._table_key:
-            matrix = [
-                i
-                for i, (p, gid) in enumerate(zip(params, gids, strict=True))
-                if groups[gid]["algorithm"] != ADAMW and p.numel() > 0
-            ]
-            rows = [
-                ParamRow(
-                    self._payload_dtype(params[i], groups[gids[i]]),
-                    self._direction_dtype(params[i], groups[gids[i]]),
-                    gids[i],
-                    groups[gids[i]].get("split"),
-                    bool(groups[gids[i]].get("flatten")) and params[i].ndim > 2,
-                )
-                for i in matrix
-            ]
-            self._table_version += 1
-            cost = self._cost()
-            self._table = StepTable(
-                matrix=tuple(matrix),
-                rows=tuple(rows),
-                hparams=(),
-                fingerprint="",
-                config=repr(
-                    (
-                        self._config_repr(),
-                        cost,
-                        [(g.get("split"), bool(g.get("flatten"))) for g in groups],
-                    )
-                ),
-                version=self._table_version,
-                cost=cost,
-                calibration=tuple(self._calibration_phases(g) for g in groups),
-            )
-            self._table_key = key
-            kinds = [self._owner.kind(p, groups[g]) for p, g in zip(params, gids, strict=True)]
-            self._moved = check_moves(params, self._flat()[1], kinds, self.state, self._kinds)
-            if self._moved is not None:
-                self._table_key = ()  # checked again at every step until resolved
-        return self._table.with_hparams(groups, self._hyper_fingerprint())
-
     # ------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -380,10 +291,10 @@ class MatrixOptimizer(AdamWRouteMixin, CopyMixin, CheckpointMixin, Optimizer):
             (self._algorithms, self._state_shapes), self._group_ids = records, groups
         if self._algorithms:
             check_algorithms(self.param_groups, self._algorithms, self.state, params, names, gids)
-        table = self._step_table(params, gids)
+        table, failure = self._table_or_failure(params, gids)
         raw = [p.grad for p in params]  # each gradient read once a step
         has_grad = [g is not None for g in raw]
-        failure = self._closure_failure or self._check_hparams(table.fingerprint)
+        failure = self._closure_failure or failure or self._check_hparams(table.fingerprint)
         if failure is None and self._moved is not None:
             failure = Failure("checking the param groups", self._moved)
         nonfinite = False
@@ -550,26 +461,6 @@ class MatrixOptimizer(AdamWRouteMixin, CopyMixin, CheckpointMixin, Optimizer):
                 if len(w.prepared) != len(grads):
                     grads = [grads[k] for k in w.prepared]
                 self._prepare_group(group, w, grads, txn)
-
-    def _check_hparams(self, fingerprint: str) -> Failure | None:
-        """The groups' hyper-parameters checked again when they changed since the last step.
-
-        A scheduler or the job may set any group entry between steps; a value the step
-        could not use would otherwise raise in the apply, after the vote, leaving part of
-        the step applied (and on a rank without local data, nothing raised at all). As a
-        failure of this rank it fails the step on every rank before anything changes.
-        """
-        if fingerprint == self._checked_hparams:
-            return None
-        error = check_hparams(self.param_groups, self._check_common, self._validate_group)
-        if error is None:
-            error = check_state_shapes(
-                self.param_groups, self.state, self._state_shape, self._state_shapes, type(self)
-            )
-        if error is not None:
-            return Failure("checking the param groups' hyper-parameters", error)
-        self._checked_hparams = fingerprint
-        return None
 
     def _state_shape(self, group: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
         """The group values that decide which owner-held state a matrix has, and its shapes."""

@@ -70,18 +70,25 @@ def calibrate_model(
         cache, seconds spent, the device.
 
     Raises:
-        ValueError: for an unknown optimizer or dtype, or a world below 1.
+        ValueError: for an unknown optimizer or dtype, a world below 1, or a device this
+            torch build does not have.
     """
     if ns_dtype not in _DTYPES:
         raise ValueError(f"ns_dtype must be one of {sorted(_DTYPES)}, got {ns_dtype!r}")
     if world is not None and (isinstance(world, bool) or not isinstance(world, int) or world < 1):
         raise ValueError(f"world must be a positive int or None, got {world!r}")
     dev = torch.device(device)
+    available = getattr(getattr(torch, dev.type, None), "is_available", None)
+    if dev.type != "cpu" and not (callable(available) and available()):
+        raise ValueError(f"device {device!r} is not available to this torch build")
+    out.parent.mkdir(parents=True, exist_ok=True)  # before the timing, not after it
     opt = _optimizer(optimizer, dev, _DTYPES[ns_dtype])
     params, _, gids = opt._flat()
     table = opt._step_table(params, gids)
     payload = table.row(0).payload_dtype
-    counts = Counter((s.m, s.n) for s in specs)
+    counts: Counter[tuple[int, int]] = Counter()
+    for s in specs:  # matrices, not specs: a 3-D stack is `batch` of them
+        counts[s.m, s.n] += s.batch
     shapes = sorted(counts)
     wanted = [
         runtime_calibrate.Shape(0, m, n, _stack(counts[m, n], world), payload, counts[m, n])

@@ -171,24 +171,9 @@ class Muon(MatrixOptimizer):
             "adjust_lr_fn": adjust_lr_fn,
             "scale": scale,
             "ns_dtype": ns_dtype,
-            "adamw_betas": tuple(adamw_betas),
+            "adamw_betas": adamw_betas,
             "adamw_eps": adamw_eps,
         }
-        self._start(params, defaults, plan=plan, pipeline=pipeline)
-
-    def _start(
-        self,
-        params: Iterable[Any],
-        defaults: dict[str, Any],
-        *,
-        plan: PlanConfig | None,
-        pipeline: PipelineConfig | None,
-    ) -> None:
-        """Validate the defaults, then set up the optimizer (shared with NorMuon)."""
-        self._check_common(
-            defaults["lr"], defaults["weight_decay"], defaults["adamw_betas"], defaults["adamw_eps"]
-        )
-        self._validate_group(defaults)
         super().__init__(params, defaults, plan=plan, pipeline=pipeline)
 
     def _validate_group(self, group: dict[str, Any]) -> None:

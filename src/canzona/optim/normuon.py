@@ -138,10 +138,11 @@ class NorMuon(Muon):
             "rms": rms,
             "scale": scale,
             "ns_dtype": ns_dtype,
-            "adamw_betas": tuple(adamw_betas),
+            "adamw_betas": adamw_betas,
             "adamw_eps": adamw_eps,
         }
-        self._start(params, defaults, plan=plan, pipeline=pipeline)
+        # MatrixOptimizer's constructor: Muon's takes Muon's arguments
+        super(Muon, self).__init__(params, defaults, plan=plan, pipeline=pipeline)
 
     def _validate_group(self, group: dict[str, Any]) -> None:
         super()._validate_group(group)

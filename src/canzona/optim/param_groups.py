@@ -69,10 +69,20 @@ def split_params(
         ``model.named_parameters()`` order.
 
     Raises:
-        ValueError: when a pattern forces a parameter that is not 2-D or 3-D to the
-            matrix algorithm.
+        TypeError: when ``model`` is not an ``nn.Module`` (e.g. ``model.parameters()``).
+        ValueError: when a pattern matches no parameter, or forces a parameter that is
+            not 2-D or 3-D to the matrix algorithm.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"pass the model (an nn.Module), not its parameters: got {type(model).__name__}"
+        )
     to_adamw, to_matrix = tuple(to_adamw), tuple(to_matrix)
+    names = [n for n, _ in model.named_parameters()]
+    for label, patterns in (("to_adamw", to_adamw), ("to_matrix", to_matrix)):
+        for pattern in patterns:
+            if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
+                raise ValueError(f"{label} pattern {pattern!r} matches no parameter of the model")
     # a Conv1d weight (out, in, k) is 3-D but one matrix's worth, not a stack of (in, k)
     special = _embedding_head_and_router_ids(model) | _convolution_weight_ids(model)
     matrix_params: NamedParams = []
@@ -144,10 +154,12 @@ def param_groups(
         :class:`canzona.Muon`, :class:`canzona.Shampoo` or :class:`canzona.SOAP`.
 
     Raises:
-        ValueError: when a pattern forces a parameter that is not 2-D or 3-D to the
-            matrix algorithm; for a split pattern that matches no parameter, matches a
-            parameter that is not a matrix, or whose blocks do not tile the parameter's
-            dimension (naming the pattern or the parameter).
+        TypeError: when ``model`` is not an ``nn.Module`` (e.g. ``model.parameters()``).
+        ValueError: when a ``to_adamw`` or ``to_matrix`` pattern matches no parameter or
+            forces a parameter that is not 2-D or 3-D to the matrix algorithm; for a split
+            pattern that matches no parameter, matches a parameter that is not a matrix,
+            or whose blocks do not tile the parameter's dimension (naming the pattern or
+            the parameter).
     """
     matrix_params, adamw_params = split_params(model, to_adamw=to_adamw, to_matrix=to_matrix)
     nd: NamedParams = []

@@ -111,10 +111,9 @@ class Shampoo(OwnerStateOptimizer):
         plan: PlanConfig | None = None,
         pipeline: PipelineConfig | None = None,
     ) -> None:
-        self._check_common(lr, weight_decay, adamw_betas, adamw_eps)
         defaults = {
             "lr": lr,
-            "betas": tuple(betas),
+            "betas": betas,
             "epsilon": epsilon,
             "weight_decay": weight_decay,
             "precondition_frequency": precondition_frequency,
@@ -125,10 +124,9 @@ class Shampoo(OwnerStateOptimizer):
             "grafting_epsilon": grafting_epsilon,
             "root_dtype": root_dtype,
             "bias_correction": bias_correction,
-            "adamw_betas": tuple(adamw_betas),
+            "adamw_betas": adamw_betas,
             "adamw_eps": adamw_eps,
         }
-        _hparams(defaults)  # validates
         super().__init__(params, defaults, plan=plan, pipeline=pipeline)
 
     def hparams(self, group: dict[str, Any]) -> Any:

@@ -86,10 +86,9 @@ class SOAP(OwnerStateOptimizer):
         plan: PlanConfig | None = None,
         pipeline: PipelineConfig | None = None,
     ) -> None:
-        self._check_common(lr, weight_decay, adamw_betas, adamw_eps)
         defaults = {
             "lr": lr,
-            "betas": tuple(betas),
+            "betas": betas,
             "shampoo_beta": shampoo_beta,
             "eps": eps,
             "weight_decay": weight_decay,
@@ -97,10 +96,9 @@ class SOAP(OwnerStateOptimizer):
             "max_precond_dim": max_precond_dim,
             "normalize_grads": normalize_grads,
             "correct_bias": correct_bias,
-            "adamw_betas": tuple(adamw_betas),
+            "adamw_betas": adamw_betas,
             "adamw_eps": adamw_eps,
         }
-        _hparams(defaults)  # validates
         super().__init__(params, defaults, plan=plan, pipeline=pipeline)
 
     def hparams(self, group: dict[str, Any]) -> Any:

@@ -233,20 +233,15 @@ def check_algorithms(
 
 
 def check_hparams(
-    groups: Sequence[dict[str, Any]],
-    common: Callable[..., None],
-    validate: Callable[[dict[str, Any]], None],
+    groups: Sequence[dict[str, Any]], check: Callable[[dict[str, Any]], None]
 ) -> ValueError | None:
     """The first param group whose values the optimizer cannot use, as an error naming it.
 
-    ``common`` checks the values every group has (``lr``, ``weight_decay``, the AdamW
-    route's), ``validate`` a matrix group's own.
+    ``check`` raises for a group's value (its type, its range).
     """
     for gid, group in enumerate(groups):
         try:
-            common(group["lr"], group["weight_decay"], group["adamw_betas"], group["adamw_eps"])
-            if group["algorithm"] != ADAMW:
-                validate(group)
+            check(group)
         except (ValueError, TypeError, KeyError) as exc:
             return ValueError(f"param group {gid}: {exc}")
     return None

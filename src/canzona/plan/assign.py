@@ -411,6 +411,12 @@ def assign_owners(
     model = resolve_cost_model(optimizer)
     flops = [model.flops(s) for s in specs]
     nbytes = [model.comm_bytes(s) for s in specs]
+    for s, f, b in zip(specs, flops, nbytes, strict=True):
+        if not (math.isfinite(f) and f >= 0 and math.isfinite(b) and b >= 0):
+            raise ValueError(
+                f"the cost model prices matrix {s.name!r} {s.shape} at {f!r} (work) and "
+                f"{b!r} bytes; both must be finite and >= 0"
+            )
     total = math.fsum(flops)
     bound = lower_bound(flops, num_ranks, pinned_ranks(specs))
     restricted = {s.name: s.ranks for s in specs if s.ranks is not None}

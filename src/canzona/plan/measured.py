@@ -177,6 +177,10 @@ class MeasuredCost:
             if not (isinstance(seconds, int | float) and seconds >= 0 and math.isfinite(seconds)):
                 raise ValueError(f"measured seconds must be finite and >= 0, got {seconds!r}")
             index[(int(m), int(n))] = float(seconds)
+        if len(self.fit) != 2 or not all(
+            isinstance(v, int | float) and math.isfinite(v) for v in self.fit
+        ):
+            raise ValueError(f"fit must be two finite coefficients (a, b), got {self.fit!r}")
         if not (self.bytes_per_s >= 0 and math.isfinite(self.bytes_per_s)):
             raise ValueError(f"bytes_per_s must be finite and >= 0, got {self.bytes_per_s!r}")
         share = self.transfer_share
@@ -217,7 +221,14 @@ class MeasuredCost:
             return measured
         work = self.base.flops(MatrixSpec("fit", (m, n)))
         a, b = next((self._fits[c] for c in shape_classes(m, n) if c in self._fits), self.fit)
-        return math.exp(a + b * math.log(work)) if work > 0 else 0.0
+        if work <= 0:
+            return 0.0
+        try:
+            return math.exp(a + b * math.log(work))
+        except OverflowError:
+            raise ValueError(
+                f"the fit log seconds = {a!r} + {b!r} log FLOPs predicts no finite time for {m}x{n}"
+            ) from None
 
     def batch_seconds(self, m: int, n: int, k: int) -> float:
         """The owner's time for one call on ``k`` stacked ``m x n`` matrices.
@@ -438,21 +449,35 @@ def save_cost_table(path: Path, cost: MeasuredCost | GroupedCost, meta: Mapping[
 
 def measured_from_params(base: CostModel, entry: Mapping[str, Any]) -> MeasuredCost:
     """A measured cost model from :meth:`MeasuredCost.params`' fields, priced over ``base``."""
+    fit = entry["fit"]
+    if len(fit) != 2:
+        raise ValueError(f"fit must be two coefficients (a, b), got {fit!r}")
     return MeasuredCost(
         base=base,
-        table=tuple(((int(m), int(n)), float(s)) for m, n, s in entry["table"]),
-        fit=(float(entry["fit"][0]), float(entry["fit"][1])),
+        table=tuple(((_whole(m), _whole(n)), float(s)) for m, n, s in entry["table"]),
+        fit=(float(fit[0]), float(fit[1])),
         class_fits=tuple(
-            (str(kind), int(value), float(a), float(b))
+            (str(kind), _whole(value), float(a), float(b))
             for kind, value, a, b in entry.get("class_fits", ())
         ),
         bytes_per_s=float(entry["bytes_per_s"]),
         transfer_share=float(entry.get("transfer_share", 1.0)),
         batches=tuple(
-            ((int(m), int(n)), float(f), float(g)) for m, n, f, g in entry.get("batches", ())
+            ((_whole(m), _whole(n)), float(f), float(g)) for m, n, f, g in entry.get("batches", ())
         ),
-        pieces=tuple(((int(m), int(n)), int(size)) for m, n, size in entry.get("pieces", ())),
+        pieces=tuple(
+            ((_whole(m), _whole(n)), _whole(size)) for m, n, size in entry.get("pieces", ())
+        ),
     )
+
+
+def _whole(value: Any) -> int:
+    """A table's integer (a side, a class, a piece size), refusing what is not one."""
+    if isinstance(value, bool) or not (
+        isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+    ):
+        raise ValueError(f"expected an integer, got {value!r}")
+    return int(value)
 
 
 def load_cost_table(path: Path, *, key: str = "0") -> MeasuredCost:
@@ -468,5 +493,5 @@ def load_cost_table(path: Path, *, key: str = "0") -> MeasuredCost:
         entry = body["models"][key]
         base = cost_model(entry["base"]["name"], **entry["base"]["params"])
         return measured_from_params(base, entry)
-    except (OSError, AttributeError, KeyError, TypeError, ValueError) as exc:
+    except (OSError, AttributeError, IndexError, KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"{str(path)!r} is not a canzona cost table: {exc}") from None

@@ -228,10 +228,11 @@ def _call_parts(
     """Per matrix, a call's fixed part and its own cost (no fixed part without measured costs)."""
     if not isinstance(model, MeasuredCost | GroupedCost):
         return [(0.0, f) for f in flops]
-    seen: dict[tuple[str | None, tuple[int, ...], int], tuple[float, float]] = {}
+    seen: dict[tuple[str | None, tuple[int, ...], int, bool], tuple[float, float]] = {}
     out = []
-    for s in specs:  # measured costs price a matrix by its key, shape and payload size alone
-        key = (s.cost_key, s.shape, s.itemsize)
+    for s in specs:  # measured costs price a matrix by its key, shape, payload size and
+        # whether ranks hold it (no transfer then) alone
+        key = (s.cost_key, s.shape, s.itemsize, s.holders is not None)
         parts = seen.get(key)
         if parts is None:
             parts = seen[key] = call_parts(model, s)

@@ -1,0 +1,184 @@
+"""The step's table: what a step reads of the param groups, built and checked once a change."""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Hashable
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from canzona.optim.group_values import plain_value
+from canzona.optim.owner_state import OwnerState
+from canzona.optim.validation import ADAMW, check_hparams, check_moves, check_state_shapes
+from canzona.optim.value_types import check_types
+from canzona.plan import GroupedCost, cost_model
+from canzona.runtime import Failure, ParamRow, StepTable, fingerprint
+
+_DTYPE = operator.attrgetter("dtype")
+_NOT_HYPER = ("params", "param_names")
+
+
+class StepTableMixin:
+    """The table of a :class:`~canzona.optim.base.MatrixOptimizer`'s step and its checks.
+
+    The rows (per matrix parameter: dtypes, param group, split) and the cost models are
+    rebuilt only when groups, parameters or dtypes change; the hyper-parameters are read
+    every step and checked again when their fingerprint changes.
+    """
+
+    # provided by MatrixOptimizer
+    cost_model: ClassVar[str]
+    param_groups: list[dict[str, Any]]
+    state: Any
+    _table: StepTable | None
+    _table_key: tuple[object, ...]
+    _table_version: int
+    _owner: OwnerState
+    _kinds: dict[int, Hashable]
+    _moved: ValueError | None
+    _checked_hparams: str
+    _state_shapes: dict[int, tuple[tuple[str, Any], ...]]
+
+    if TYPE_CHECKING:  # MatrixOptimizer's
+
+        def _flat(self) -> tuple[list[Tensor], list[str], list[int]]: ...
+
+        def _check_common(self, *values: Any) -> None: ...
+
+        def _validate_group(self, group: dict[str, Any]) -> None: ...
+
+        def _row_signature(self, group: dict[str, Any]) -> tuple[object, ...]: ...
+
+        def _cost_params(self, group: dict[str, Any]) -> dict[str, Any]: ...
+
+        def _payload_dtype(self, p: Tensor, group: dict[str, Any]) -> torch.dtype: ...
+
+        def _direction_dtype(self, p: Tensor, group: dict[str, Any]) -> torch.dtype: ...
+
+        def _calibration_phases(self, group: dict[str, Any]) -> tuple[tuple[str, float], ...]: ...
+
+        def _config_repr(self) -> str: ...
+
+        def _state_shape(self, group: dict[str, Any]) -> tuple[tuple[str, Any], ...]: ...
+
+    def _hyper_fingerprint(self) -> str:
+        rows = tuple(
+            tuple(
+                (key, plain_value(value))
+                for key, value in sorted(group.items())
+                if key not in _NOT_HYPER
+            )
+            for group in self.param_groups
+        )
+        return fingerprint(rows)
+
+    def _check_values(self, group: dict[str, Any]) -> None:
+        """Raise for a value of ``group`` the step cannot use: its type, then its range."""
+        check_types(group, type(self))
+        self._check_common(
+            group["lr"], group["weight_decay"], group["adamw_betas"], group["adamw_eps"]
+        )
+        if group["algorithm"] != ADAMW:
+            self._validate_group(group)
+
+    def _cost(self) -> GroupedCost | None:
+        """One cost model per matrix param group, from the group's hyper-parameters."""
+        models = {
+            str(gid): cost_model(self.cost_model, **self._cost_params(g))
+            for gid, g in enumerate(self.param_groups)
+            if g["algorithm"] != ADAMW
+        }
+        return GroupedCost(models, name=self.cost_model) if models else None
+
+    def _step_table(self, params: list[Tensor], gids: list[int]) -> StepTable:
+        """The table of this step (rows rebuilt only when groups, params or dtypes change)."""
+        groups = self.param_groups
+        key = (
+            tuple(
+                (
+                    len(g["params"]),
+                    g["algorithm"],
+                    g.get("split"),
+                    bool(g.get("flatten")),
+                    self._row_signature(g),
+                    tuple(sorted(self._cost_params(g).items())) if g["algorithm"] != ADAMW else (),
+                )
+                for g in groups
+            ),
+            tuple(map(id, params)),
+            tuple(map(_DTYPE, params)),
+        )
+        if self._table is None or key != self._table_key:
+            matrix = [
+                i
+                for i, (p, gid) in enumerate(zip(params, gids, strict=True))
+                if groups[gid]["algorithm"] != ADAMW and p.numel() > 0
+            ]
+            rows = [
+                ParamRow(
+                    self._payload_dtype(params[i], groups[gids[i]]),
+                    self._direction_dtype(params[i], groups[gids[i]]),
+                    gids[i],
+                    groups[gids[i]].get("split"),
+                    bool(groups[gids[i]].get("flatten")) and params[i].ndim > 2,
+                )
+                for i in matrix
+            ]
+            self._table_version += 1
+            cost = self._cost()
+            self._table = StepTable(
+                matrix=tuple(matrix),
+                rows=tuple(rows),
+                hparams=(),
+                fingerprint="",
+                config=repr(
+                    (
+                        self._config_repr(),
+                        cost,
+                        [(g.get("split"), bool(g.get("flatten"))) for g in groups],
+                    )
+                ),
+                version=self._table_version,
+                cost=cost,
+                calibration=tuple(self._calibration_phases(g) for g in groups),
+            )
+            self._table_key = key
+            kinds = [self._owner.kind(p, groups[g]) for p, g in zip(params, gids, strict=True)]
+            self._moved = check_moves(params, self._flat()[1], kinds, self.state, self._kinds)
+            if self._moved is not None:
+                self._table_key = ()  # checked again at every step until resolved
+        return self._table.with_hparams(groups, self._hyper_fingerprint())
+
+    def _table_or_failure(
+        self, params: list[Tensor], gids: list[int]
+    ) -> tuple[StepTable, Failure | None]:
+        """This step's table, or the last one and a failure naming a value that breaks it."""
+        try:
+            return self._step_table(params, gids), None
+        except (ValueError, TypeError, KeyError) as exc:
+            error = check_hparams(self.param_groups, self._check_values) or exc
+            last = self._table or StepTable((), (), (), "", "", version=-1)
+            failure = Failure("checking the param groups' hyper-parameters", error)
+            return last.with_hparams(self.param_groups, ""), failure
+
+    def _check_hparams(self, fingerprint: str) -> Failure | None:
+        """The groups' hyper-parameters checked again when they changed since the last step.
+
+        A scheduler or the job may set any group entry between steps; a value the step
+        could not use would otherwise raise in the apply, after the vote, leaving part of
+        the step applied (and on a rank without local data, nothing raised at all). As a
+        failure of this rank it fails the step on every rank before anything changes.
+        """
+        if fingerprint == self._checked_hparams:
+            return None
+        error = check_hparams(self.param_groups, self._check_values)
+        if error is None:
+            error = check_state_shapes(
+                self.param_groups, self.state, self._state_shape, self._state_shapes, type(self)
+            )
+        if error is not None:
+            return Failure("checking the param groups' hyper-parameters", error)
+        self._checked_hparams = fingerprint
+        return None
