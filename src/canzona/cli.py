@@ -44,6 +44,9 @@ class CliError(Exception):
     """A user error reported as one line on stderr."""
 
 
+_MATRIX_KEYS = {"name", "shape", "itemsize", "ranks"}
+
+
 def load_specs(path: Path) -> list[MatrixSpec]:
     """Read matrices from a JSON file.
 
@@ -65,6 +68,12 @@ def load_specs(path: Path) -> list[MatrixSpec]:
     for entry in data:
         if not isinstance(entry, dict) or "name" not in entry or "shape" not in entry:
             raise CliError(f"each matrix needs 'name' and 'shape', got {entry!r}")
+        unknown = sorted(set(entry) - _MATRIX_KEYS)
+        if unknown:  # a typo (item_size) would otherwise plan with the default silently
+            raise CliError(
+                f"matrix {entry['name']!r} has unknown keys {unknown}; a matrix takes "
+                f"{sorted(_MATRIX_KEYS)}"
+            )
         ranks = entry.get("ranks")
         try:
             specs.append(
@@ -80,11 +89,15 @@ def load_specs(path: Path) -> list[MatrixSpec]:
     return specs
 
 
-def _resolve_model(value: str, split: str, world: int | None) -> tuple[str, list[MatrixSpec]]:
+def _resolve_model(
+    value: str, split: str | None, world: int | None
+) -> tuple[str, list[MatrixSpec]]:
     if value in MODELS:
-        return value, model_specs(value, split=split, world=world)
+        return value, model_specs(value, split=split or "qkv", world=world)
     path = Path(value)
     if path.suffix == ".json" or path.exists():
+        if split is not None:  # a model file lists its matrices as they are split
+            raise CliError(f"--split applies to the built-in models, not to {value!r}")
         return path.stem, load_specs(path)
     raise CliError(f"unknown model {value!r}; choose one of {', '.join(MODELS)} or a JSON file")
 
@@ -159,9 +172,8 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--split",
         choices=SPLITS,
-        default="qkv",
-        help="catalogued models: fused qkv/gate_up as one matrix (none), q/k/v and gate/up "
-        "apart (qkv), or one matrix per attention head (heads)",
+        help="built-in models only: fused qkv/gate_up as one matrix (none), q/k/v and "
+        "gate/up apart (qkv, the default), or one matrix per attention head (heads)",
     )
     plan.add_argument(
         "--cost",
@@ -179,7 +191,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     cal.add_argument("--model", required=True, help=f"one of {', '.join(MODELS)}, or a JSON file")
     cal.add_argument("--optimizer", choices=OPTIMIZERS[:-1], default="muon")
-    cal.add_argument("--split", choices=SPLITS, default="qkv", help="as for canzona plan")
+    cal.add_argument("--split", choices=SPLITS, help="as for canzona plan")
     cal.add_argument("--out", type=Path, required=True, metavar="FILE.json")
     cal.add_argument("--device", default="cpu", help="torch device (cpu, cuda, ...)")
     cal.add_argument(

@@ -188,7 +188,14 @@ def test_bad_arguments_fail_with_one_line(args: list[str]) -> None:
 
 @pytest.mark.parametrize(
     "content",
-    ["{not json", "[]", '[{"name": "a"}]', '[{"name": "a", "shape": [0, 3]}]', '{"x": 1}'],
+    [
+        "{not json",
+        "[]",
+        '[{"name": "a"}]',
+        '[{"name": "a", "shape": [0, 3]}]',
+        '{"x": 1}',
+        '[{"name": "a", "shape": [4, 3], "item_size": 2}]',
+    ],
 )
 def test_bad_model_files(tmp_path: Path, content: str, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "bad.json"
@@ -283,6 +290,20 @@ def test_split_choices_change_the_matrices(capsys: pytest.CaptureFixture[str]) -
         )
         counts[split] = json.loads(capsys.readouterr().out)["matrices"]
     assert counts == {"none": 36 * 4, "qkv": 36 * 7, "heads": 36 * (32 + 8 + 8 + 32 + 3)}
+
+
+def test_a_split_for_a_model_file_is_refused_not_ignored(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A model file lists its matrices as they are: ``--split heads`` would change nothing."""
+    model = tmp_path / "model.json"
+    model.write_text('[{"name": "a", "shape": [8, 4]}]')
+    assert cli.main(["plan", "--model", str(model), "--world", "2"]) == 0
+    capsys.readouterr()
+    assert cli.main(["plan", "--model", str(model), "--world", "2", "--split", "heads"]) == 2
+    assert f"--split applies to the built-in models, not to {str(model)!r}" in (
+        capsys.readouterr().err
+    )
 
 
 def test_moe_experts_stay_on_their_ranks(capsys: pytest.CaptureFixture[str]) -> None:

@@ -182,6 +182,9 @@ def test_plan_config_validation() -> None:
     specs = [MatrixSpec("w", (8, 8))]
     one = build_plan(specs, 2, PlanConfig(alpha=1, capacity_mb=2))
     assert one.digest() == build_plan(specs, 2, PlanConfig(alpha=1.0, capacity_mb=2.0)).digest()
+    # and -0.0 is 0.0: one rank's computed -0.0 against another's 0.0 plans one digest
+    zero = build_plan(specs, 2, PlanConfig(alpha=0.0)).digest()
+    assert build_plan(specs, 2, PlanConfig(alpha=-0.0)).digest() == zero
     # a capacity below one byte still admits one byte (a matrix per owner per group)
     assert PlanConfig(capacity_mb=1e-9).capacity_bytes == 1
     assert len(build_plan(specs, 2, PlanConfig(capacity_mb=1e-9)).micro_groups) == 1

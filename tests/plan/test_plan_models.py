@@ -107,3 +107,10 @@ def test_routers_go_to_adamw() -> None:
     names = [s.name for s in adamw_specs("qwen3-30b-a3b")]
     assert "layers.0.mlp.gate" in names and "layers.47.mlp.gate" in names
     assert all(not s.name.endswith("mlp.gate") for s in model_specs("qwen3-30b-a3b"))
+
+
+@pytest.mark.parametrize("world", [0, -2, True])
+def test_a_world_below_one_is_named(world: int) -> None:
+    """Catches: ``world=0`` dividing by zero while placing the experts."""
+    with pytest.raises(ValueError, match=f"world must be a positive int or None, got {world}"):
+        model_specs("qwen3-30b-a3b", world=world)

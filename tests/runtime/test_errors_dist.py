@@ -189,11 +189,17 @@ def _hyper_mismatch(how: str) -> tuple[str, str]:
 @pytest.mark.parametrize("how", ["value", "tensor on one rank"])
 def test_hyper_parameter_mismatch_raises_everywhere(dist: Any, how: str) -> None:
     """Catches: a header without the hyper-parameter digest (the owner's learning rate would
-    silently apply to every rank's shard), and a tensor lr compared by its value alone
-    (each rank's shard then updated at its own rounding of the rate)."""
+    silently apply to every rank's shard), a tensor lr compared by its value alone (each
+    rank's shard then updated at its own rounding of the rate), and a message that does not
+    say which value differs."""
     out = dist(4).run(_hyper_mismatch, how, timeout=TIMEOUT)
     assert {kind for kind, _ in out} == {"PlanMismatchError"}
-    assert all("hyper-parameters" in msg for _, msg in out)
+    # the first difference names the group, the key and both values
+    if how == "value":
+        seen = "rank 1 has param group 0 lr=0.02, rank 0 has param group 0 lr=0.03"
+    else:
+        seen = "has param group 0 lr=0.0048828125, rank 1 has param group 0 lr=tensor(0.0048828125"
+    assert all("hyper-parameters" in msg and seen in msg for _, msg in out), out[0][1]
 
 
 def _closure_raises_on_one_rank() -> tuple[str, str, bool, bool]:

@@ -63,6 +63,41 @@ def test_matricised_weights_sharded_by_rows_match_torch_muon(dist: Any, world: i
         assert out == dict.fromkeys(SHAPES, True)
 
 
+OWNER_HELD: dict[str, dict[str, Any]] = {
+    "NorMuon": {"lr": 0.02, "beta2": 0.9},
+    "Shampoo": {"lr": 0.01, "precondition_frequency": 2, "start_preconditioning_step": 2},
+    "SOAP": {"lr": 0.01, "precondition_frequency": 2, "max_precond_dim": 10},
+}
+
+
+def _owner_held_case() -> dict[str, dict[str, bool]]:
+    """Each owner-held optimizer on the matricised weights, against itself on one process
+    on the matrices ``w.view(w.shape[0], -1)``."""
+    out = {}
+    for name, kwargs in OWNER_HELD.items():
+        cls = getattr(canzona, name)
+        params = sharded_params(_fulls(0), mesh(), {n: (Shard(0),) for n in SHAPES})
+        opt = cls([{"params": params, "flatten": True}], **kwargs)
+        local = {n: nn.Parameter(t.reshape(t.shape[0], -1).clone()) for n, t in _fulls(0).items()}
+        ref = cls(list(local.values()), **kwargs)
+        for s in range(4):
+            grads = _fulls(s + 1)
+            set_grads(params, grads)
+            set_grads(list(local.items()), {n: g.reshape(local[n].shape) for n, g in grads.items()})
+            opt.step()
+            ref.step()
+        want = {n: p.detach().reshape(SHAPES[n]) for n, p in local.items()}
+        out[name] = {n: bool(torch.equal(p.full_tensor(), want[n])) for n, p in params}
+    return out
+
+
+def test_matricised_weights_with_owner_held_state_match_one_process(dist: Any) -> None:
+    """NorMuon, Shampoo and SOAP (their state on the owner, shaped by the matrix): the
+    preconditioners of the ``(shape[0], rest)`` matrix, bitwise, through a refresh."""
+    for out in dist(2).run(_owner_held_case):
+        assert out == {name: dict.fromkeys(SHAPES, True) for name in OWNER_HELD}
+
+
 def _sharded_inner() -> str:
     params = sharded_params(_fulls(0), mesh(), {n: (Shard(1),) for n in SHAPES})
     opt = canzona.Muon([{"params": params, "flatten": True}], **KW)

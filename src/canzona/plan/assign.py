@@ -95,7 +95,11 @@ class Assignment:
 
     @property
     def makespan_ratio(self) -> float:
-        """Makespan over the lower bound (>= 1; 1.0 when both are zero)."""
+        """Makespan over the lower bound (1.0 when both are zero).
+
+        At least 1 for the strategies that keep pinned matrices on their holders, as the
+        bound does; ``round_robin`` and ``count`` ignore pins and may go below it.
+        """
         return 1.0 if self.lower_bound == 0 else self.makespan / self.lower_bound
 
 

@@ -63,7 +63,7 @@ class PlanConfig:
             raise ValueError(f"replica_dedup must be a bool, got {self.replica_dedup!r}")
         if self.cost not in COSTS:
             raise ValueError(f"cost must be one of {COSTS}, got {self.cost!r}")
-        object.__setattr__(self, "alpha", float(alpha))
+        object.__setattr__(self, "alpha", float(alpha) + 0.0)  # -0.0 is 0.0 (one digest)
         object.__setattr__(self, "capacity_mb", float(cap))
 
     @property

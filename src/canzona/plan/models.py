@@ -153,13 +153,15 @@ def catalogue(name: str, *, split: str = "qkv", world: int | None = None) -> lis
             rank that holds them (``MatrixSpec.holders``, pinned): they never travel.
 
     Raises:
-        ValueError: On an unknown model name or split.
+        ValueError: On an unknown model name or split, or a world below 1.
     """
     cfg = MODELS.get(name)
     if cfg is None:
         raise ValueError(f"unknown model, expected one of {sorted(MODELS)}, got {name!r}")
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    if world is not None and (isinstance(world, bool) or not isinstance(world, int) or world < 1):
+        raise ValueError(f"world must be a positive int or None, got {world!r}")
     entries = [CatalogueEntry(MatrixSpec("embed_tokens", (cfg.vocab, cfg.hidden)), adamw=True)]
     for i in range(cfg.layers):
         layer = f"layers.{i}"

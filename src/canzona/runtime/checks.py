@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-from collections.abc import Callable, Hashable, Sequence
-from typing import TYPE_CHECKING, NoReturn
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, NoReturn
 
+import torch
 import torch.distributed as dist
 
 from canzona.runtime.config import GradientMismatchError, PlanMismatchError, UpdateFailedError
@@ -39,6 +40,21 @@ def first_difference(lists: Sequence[Sequence[str]], a: int, b: int) -> str:
         if x != y:
             return f"entry {i}: rank {a} has {x}, rank {b} has {y}"
     return "no difference found in the parameter layouts (configuration differs)"
+
+
+def describe_groups(groups: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Each param group's hyper-parameters, one entry per value (a mismatch's description)."""
+    out = []
+    for gid, group in enumerate(groups):
+        for key, value in sorted(group.items()):
+            if key not in ("params", "param_names"):
+                shown = (
+                    f"tensor({value.item()!r}, dtype={value.dtype})"
+                    if isinstance(value, torch.Tensor) and value.numel() == 1
+                    else repr(value)
+                )
+                out.append(f"param group {gid} {key}={shown}")
+    return out
 
 
 def digest_chunks(hexdigest: str) -> list[int]:
@@ -109,6 +125,7 @@ def check_header(
     nonfinite: bool = False,
     failed: bool = False,
     describe: Callable[[], Sequence[str]] | None = None,
+    groups: Sequence[Mapping[str, Any]] = (),
 ) -> tuple[bool, bool, bool]:
     """Gather one small fixed-size header from every rank and compare.
 
@@ -118,8 +135,9 @@ def check_header(
     collective of a step's checks when everything agrees.
 
     ``describe`` gives this rank's configuration and parameter layouts as strings (what the
-    structure digest covers): when the parameter lists differ, one more all-gather of them
-    names the first difference.
+    structure digest covers), ``groups`` the param groups' values: when the parameter
+    lists or the hyper-parameters differ, one more all-gather of both names the first
+    difference.
 
     Returns:
         (any rank needs to (re)build its plan, any rank saw a non-finite gradient, any
@@ -154,7 +172,8 @@ def check_header(
         plan_slice = slice(1 + _CHUNKS, 1 + 2 * _CHUNKS)
         compared = [r[: plan_slice.start] + r[plan_slice.stop :] for r in compared]
     if len(set(compared)) != 1:
-        _raise_mismatch(rows, setup, describe, watchdog)
+        described = None if describe is None else (lambda: [*describe(), *describe_groups(groups)])
+        _raise_mismatch(rows, setup, described, watchdog)
     if len({tuple(r[len(values) : len(values) + _CHUNKS]) for r in gathered}) != 1:
         _raise_partial_gradients(names, has_grad, watchdog=watchdog)
     return setup, flagged, False
@@ -182,7 +201,8 @@ def _raise_mismatch(
     if a[0] != b[0]:
         what[0] += f" ({a[0]} vs {b[0]})"
     detail = ""
-    if describe is not None and a[layouts] != b[layouts]:
+    hparams = spans["the param groups' hyper-parameters"]
+    if describe is not None and (a[layouts] != b[layouts] or a[hparams] != b[hparams]):
         # every rank saw the same rows, so every rank gathers here (an error path only)
         full: list[list[str] | None] = [None] * watchdog.world
         dist.all_gather_object(full, list(describe()), group=watchdog.process_group)

@@ -429,6 +429,7 @@ class MatrixRuntime:
                 nonfinite=nonfinite,
                 failed=failed,
                 describe=lambda: [self._config_now, *(lo.structure() for lo in layouts)],
+                groups=table.hparams,
             )
             if failed:
                 return None, flagged, True
