@@ -7,6 +7,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from _optim_cases import (
@@ -160,17 +161,17 @@ def test_bad_hyper_parameters(name: str, kwargs: dict[str, Any], match: str) -> 
 WRONG_TYPES: list[tuple[str, str, Any, str]] = [
     ("muon", "lr", None, "lr must be a number or a 1-element tensor, got None"),
     ("muon", "lr", "0.5", "lr must be a number or a 1-element tensor, got '0.5' (str)"),
-    ("muon", "weight_decay", None, "weight_decay must be a number, got None"),
-    ("muon", "momentum", "0.9", "momentum must be a number, got '0.9'"),
-    ("muon", "eps", None, "eps must be a number, got None"),
+    ("muon", "weight_decay", None, "weight_decay must be a number or a 1-element tensor, got None"),
+    ("muon", "momentum", "0.9", "momentum must be a number or a 1-element tensor, got '0.9'"),
+    ("muon", "eps", None, "eps must be a number or a 1-element tensor, got None"),
     ("muon", "adamw_betas", None, "adamw_betas must be a sequence of numbers, got None"),
-    ("muon", "adamw_eps", None, "adamw_eps must be a number, got None"),
-    ("muon", "scale", True, "scale must be a number, got True (bool)"),
-    ("normuon", "beta2", None, "beta2 must be a number, got None"),
+    ("muon", "adamw_eps", None, "adamw_eps must be a number or a 1-element tensor, got None"),
+    ("muon", "scale", True, "scale must be a number or a 1-element tensor, got True (bool)"),
+    ("normuon", "beta2", None, "beta2 must be a number or a 1-element tensor, got None"),
     ("shampoo", "betas", (0.9, "0.99"), "betas must be a sequence of numbers"),
     ("shampoo", "precondition_frequency", 2.5, "precondition_frequency must be an integer"),
     ("shampoo", "max_precond_dim", None, "max_precond_dim must be an integer, got None"),
-    ("soap", "shampoo_beta", None, "shampoo_beta must be a number, got None"),
+    ("soap", "shampoo_beta", None, "shampoo_beta must be a number or a 1-element tensor, got None"),
     ("soap", "lr", True, "lr must be a number or a 1-element tensor, got True (bool)"),
 ]
 
@@ -199,6 +200,68 @@ def test_a_value_of_the_wrong_type_is_named_wherever_it_is_given(
     before = p.detach().clone()
     opt.param_groups[0][key] = value
     with pytest.raises(canzona.UpdateFailedError, match=re.escape(f"param group 0: {match}")):
+        opt.step()
+    assert torch.equal(p, before)
+
+
+TAKEN: list[tuple[str, str, Any, Any]] = [
+    ("muon", "adamw_betas", np.array([0.9, 0.95]), (0.9, 0.95)),
+    ("muon", "adamw_betas", (b for b in (0.9, 0.95)), (0.9, 0.95)),
+    ("shampoo", "betas", (torch.tensor(0.5), torch.tensor(0.999)), None),
+    ("muon", "momentum", torch.tensor(0.9), None),
+    ("muon", "weight_decay", 0, 0),
+    ("shampoo", "start_preconditioning_step", 1.0, 1),
+    ("shampoo", "precondition_frequency", np.int64(2), 2),
+    ("soap", "max_precond_dim", np.int32(3), 3),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "key", "value", "stored"),
+    TAKEN,
+    ids=[f"{n}-{k}-{i}" for i, (n, k, _, _) in enumerate(TAKEN)],
+)
+def test_values_the_constructors_took_before_the_type_checks_are_taken(
+    name: str, key: str, value: Any, stored: Any
+) -> None:
+    """Catches: the type checks refusing an array, a generator or tensors for a pair, a
+    tensor for a float, an integral float or a numpy integer for an integer (the last two
+    stored as ``int``: the cost model takes nothing else)."""
+    cls, defaults = OPTIMIZERS[name]
+    p = nn.Parameter(torch.randn(4, 4))
+    opt = cls([p], **{**defaults, key: value})
+    if stored is not None:
+        assert opt.defaults[key] == stored and type(opt.defaults[key]) is type(stored)
+    for _ in range(2):
+        p.grad = torch.randn(4, 4)
+        opt.step()
+    assert torch.isfinite(p).all()
+
+
+def test_a_value_the_step_table_cannot_read_fails_the_step() -> None:
+    """Catches: an error from building the step's table (here reading a string ns_dtype's
+    item size) raised bare, which on a mesh hangs the ranks that went on."""
+    p = nn.Parameter(torch.randn(4, 4))
+    opt = canzona.Muon([p], lr=0.02)
+    p.grad = torch.randn(4, 4)
+    opt.step()
+    before = p.detach().clone()
+    opt.param_groups[0]["ns_dtype"] = "bfloat16"
+    with pytest.raises(canzona.UpdateFailedError, match="param group 0: ns_dtype must be a"):
+        opt.step()
+    assert torch.equal(p, before)
+
+
+def test_a_numpy_value_changed_between_steps_is_checked_again() -> None:
+    """Catches: numpy scalars fingerprinted by their type alone, so that a new value (here
+    a negative learning rate) was never checked, nor compared across ranks."""
+    p = nn.Parameter(torch.randn(4, 4))
+    opt = canzona.Muon([p], lr=np.float32(0.02))
+    p.grad = torch.randn(4, 4)
+    opt.step()
+    before = p.detach().clone()
+    opt.param_groups[0]["lr"] = np.float32(-1.0)
+    with pytest.raises(canzona.UpdateFailedError, match=r"Invalid learning rate: -1\.0"):
         opt.step()
     assert torch.equal(p, before)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from typing import Any
 
@@ -62,9 +63,10 @@ _SCALARS = frozenset({float, int, bool, str, type(None), torch.dtype})
 def plain_value(value: Any) -> Any:
     """A process-independent view of a param-group value, for the cross-rank check.
 
-    Numbers, strings, dtypes and containers of them compare by value; a tensor by its
-    dtype and its value when it has one element; any other object only by its type (its
-    ``repr`` may hold a memory address that differs between processes).
+    Numbers (numpy's by their type too), strings, dtypes and containers of them compare by
+    value; a tensor or numpy array by its dtype and its value when it has one element (an
+    array: its values); any other object only by its type (its ``repr`` may hold a memory
+    address that differs between processes).
     """
     if type(value) in _SCALARS:
         return value
@@ -80,4 +82,8 @@ def plain_value(value: Any) -> Any:
         return tuple(sorted((str(k), plain_value(v)) for k, v in value.items()))
     if isinstance(value, Split):
         return value.describe()
+    if isinstance(value, numbers.Real):  # a numpy scalar: by its type (its rounding) and value
+        return (type(value).__qualname__, float(value))
+    if hasattr(value, "dtype") and hasattr(value, "tolist"):  # a numpy array: its values
+        return (type(value).__qualname__, str(value.dtype), plain_value(value.tolist()))
     return type(value).__qualname__

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fnmatch
+import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -70,8 +71,8 @@ def split_params(
 
     Raises:
         TypeError: when ``model`` is not an ``nn.Module`` (e.g. ``model.parameters()``).
-        ValueError: when a pattern matches no parameter, or forces a parameter that is
-            not 2-D or 3-D to the matrix algorithm.
+        ValueError: when a pattern forces a parameter that is not 2-D or 3-D to the
+            matrix algorithm (a pattern that matches nothing: a ``UserWarning``).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(
@@ -82,7 +83,13 @@ def split_params(
     for label, patterns in (("to_adamw", to_adamw), ("to_matrix", to_matrix)):
         for pattern in patterns:
             if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
-                raise ValueError(f"{label} pattern {pattern!r} matches no parameter of the model")
+                # a warning: a pipeline stage builds its groups from its own part of the model
+                warnings.warn(
+                    f"{label} pattern {pattern!r} matches no parameter of the model (a typo? "
+                    "with pipeline stages, it may match in another stage only)",
+                    UserWarning,
+                    stacklevel=3,
+                )
     # a Conv1d weight (out, in, k) is 3-D but one matrix's worth, not a stack of (in, k)
     special = _embedding_head_and_router_ids(model) | _convolution_weight_ids(model)
     matrix_params: NamedParams = []
@@ -155,8 +162,8 @@ def param_groups(
 
     Raises:
         TypeError: when ``model`` is not an ``nn.Module`` (e.g. ``model.parameters()``).
-        ValueError: when a ``to_adamw`` or ``to_matrix`` pattern matches no parameter or
-            forces a parameter that is not 2-D or 3-D to the matrix algorithm; for a split
+        ValueError: when a ``to_matrix`` pattern forces a parameter that is not 2-D or 3-D
+            to the matrix algorithm (one that matches nothing: a ``UserWarning``); for a split
             pattern that matches no parameter, matches a parameter that is not a matrix,
             or whose blocks do not tile the parameter's dimension (naming the pattern or
             the parameter).

@@ -157,7 +157,7 @@ class StepTableMixin:
         """This step's table, or the last one and a failure naming a value that breaks it."""
         try:
             return self._step_table(params, gids), None
-        except (ValueError, TypeError, KeyError) as exc:
+        except Exception as exc:  # any value the table cannot read: a failure, not a hang
             error = check_hparams(self.param_groups, self._check_values) or exc
             last = self._table or StepTable((), (), (), "", "", version=-1)
             failure = Failure("checking the param groups' hyper-parameters", error)

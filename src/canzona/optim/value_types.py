@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 import numbers
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from functools import cache
 from typing import Any
 
@@ -17,10 +17,16 @@ def _number(value: object) -> bool:
 
 #: What each annotation of an optimizer's signature takes (others are checked by range).
 _TAKES = {
-    "float": "a number",
-    "float | Tensor": "a number or a 1-element tensor",
-    "int": "an integer",
-    "tuple[float, float]": "a sequence of numbers",
+    "float": "number",
+    "float | Tensor": "number or tensor",
+    "int": "integer",
+    "tuple[float, float]": "sequence",
+}
+_SAID = {
+    "number": "a number or a 1-element tensor",
+    "number or tensor": "a number or a 1-element tensor",  # its size: checked by range
+    "integer": "an integer",
+    "sequence": "a sequence of numbers",
 }
 
 
@@ -35,30 +41,55 @@ def typed_keys(cls: type) -> Mapping[str, str]:
     return out
 
 
+def _number_like(value: object) -> bool:
+    """A number, or a one-element tensor (as torch.optim takes one for a float)."""
+    return _number(value) or (isinstance(value, torch.Tensor) and value.numel() == 1)
+
+
 def _fits(value: object, want: str) -> bool:
-    if want == "an integer":
-        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-    if want == "a sequence of numbers":
-        return isinstance(value, (tuple, list)) and all(_number(v) for v in value)
-    return _number(value) or (want != "a number" and isinstance(value, torch.Tensor))
+    if want == "number or tensor" and isinstance(value, torch.Tensor):
+        return True
+    if want == "integer":
+        return (isinstance(value, numbers.Integral) and not isinstance(value, bool)) or (
+            isinstance(value, float) and value.is_integer()
+        )
+    if want == "sequence":
+        if isinstance(value, str | bytes) or not isinstance(value, Iterable):
+            return False
+        return all(_number_like(v) for v in value)
+    return _number_like(value)
 
 
 def check_types(group: Mapping[str, Any], cls: type) -> None:
     """Raise ``TypeError`` naming the key and value where ``group`` has a number of another type.
 
     The types follow the annotations of ``cls``'s signature: ``float`` takes a real number
-    (``bool`` is none here, a string none anywhere), ``float | Tensor`` (``lr``, as in
-    torch.optim) also a tensor, ``int`` an integer, ``tuple[float, float]`` a sequence of
-    numbers. The ranges are checked after.
+    or a one-element tensor, as torch.optim does (``bool`` is no number here, a string
+    none anywhere), ``int`` an integer (or a float with an integral value),
+    ``tuple[float, float]`` a sequence of such numbers. The ranges are checked after.
     """
     for key, want in typed_keys(cls).items():
         if key in group and not _fits(group[key], want):
             value = group[key]
-            raise TypeError(f"{key} must be {want}, got {value!r} ({type(value).__name__})")
+            said = _SAID[want]
+            raise TypeError(f"{key} must be {said}, got {value!r} ({type(value).__name__})")
 
 
 def typed_defaults(defaults: Mapping[str, Any], cls: type) -> dict[str, Any]:
-    """``defaults`` checked by :func:`check_types`, with sequences of numbers as tuples."""
-    check_types(defaults, cls)
-    pairs = {k for k, want in typed_keys(cls).items() if want == "a sequence of numbers"}
-    return {k: tuple(v) if k in pairs else v for k, v in defaults.items()}
+    """``defaults`` checked by :func:`check_types`, sequences as tuples, integers as ints.
+
+    A sequence may be any iterable of numbers (a generator, an array, a tensor), as the
+    constructors took it before; an integer a numpy one or an integral float.
+    """
+    takes = typed_keys(cls)
+    out = dict(defaults)
+    for key, want in takes.items():
+        value = out.get(key)
+        sequence = isinstance(value, Iterable) and not isinstance(value, str | bytes)
+        if want == "sequence" and sequence:
+            out[key] = tuple(value)  # type: ignore[arg-type]  # a generator: read once
+    check_types(out, cls)
+    for key, want in takes.items():
+        if key in out and want == "integer":
+            out[key] = int(out[key])
+    return out
