@@ -11,7 +11,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from canzona.plan import CostModel, MatrixSpec
+from canzona.plan import CostModel, MatrixSpec, cost_model
+from canzona.plan.cost import NORMUON_ELEMENTWISE, MuonCost
 from canzona.plan.measured import load_cost_table
 from canzona.plan.models import MODELS, SPLITS, model_specs
 from canzona.plan.report import (
@@ -27,7 +28,7 @@ from canzona.plan.report import (
 
 __all__ = ["load_specs", "main", "plot_loads"]
 
-OPTIMIZERS = ("muon", "shampoo", "soap", "adamw")
+OPTIMIZERS = ("muon", "normuon", "shampoo", "soap", "adamw")
 
 #: File types ``--plot`` writes (matplotlib's Agg canvas), by extension.
 PLOT_FORMATS = ("png", "pdf", "svg", "svgz", "jpg", "jpeg", "eps", "ps", "tif", "tiff", "webp")
@@ -232,14 +233,14 @@ def _plan(args: argparse.Namespace) -> int:
         check_plot_path(args.plot)
     model, specs = _resolve_model(args.model, args.split, args.world)
     name = args.optimizer or "muon"
-    optimizer: str | CostModel = name
+    optimizer: str | CostModel = _closed_form(name)
     if args.cost is not None:
         try:
             table = load_cost_table(args.cost)
         except ValueError as exc:
             raise CliError(str(exc)) from None
         optimizer = table.for_world(args.world)  # its transfer share: this world's
-        timed = optimizer.base.name
+        timed = _timed_name(optimizer.base)
         if args.optimizer is not None and args.optimizer != timed:
             raise CliError(
                 f"--optimizer {args.optimizer} contradicts the cost table {str(args.cost)!r}, "
@@ -306,6 +307,20 @@ def _plan(args: argparse.Namespace) -> int:
     if args.plot is not None:
         print(f"plot written to {args.plot}")
     return 0
+
+
+def _closed_form(name: str) -> str | CostModel:
+    """The cost model ``--optimizer name`` plans with: NorMuon's is Muon's plus its rescale."""
+    if name == "normuon":
+        return cost_model("muon", extra_elementwise=NORMUON_ELEMENTWISE)
+    return name
+
+
+def _timed_name(base: CostModel) -> str:
+    """The optimizer a cost table timed, from its closed-form base model."""
+    if isinstance(base, MuonCost) and base.extra_elementwise == NORMUON_ELEMENTWISE:
+        return "normuon"
+    return base.name
 
 
 def _units(*, measured: bool) -> dict[str, str]:

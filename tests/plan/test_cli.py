@@ -460,3 +460,26 @@ def test_calibrate_refuses_a_world_below_one(
 
     with pytest.raises(ValueError, match="world must be a positive int or None, got True"):
         calibrate_model([], optimizer="muon", out=tmp_path / "t.json", world=True)
+
+
+def test_normuon_is_planned_and_calibrated_as_itself(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Catches: NorMuon missing from the command line (its plans priced as Muon's, without
+    the rescale's element-wise work) and a NorMuon table read back as Muon's."""
+    plain = ["plan", "--model", "qwen3-0.6b", "--world", "4", "--json"]
+    loads = {}
+    for name in ("muon", "normuon"):
+        assert cli.main([*plain, "--optimizer", name]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["optimizer"] == name
+        loads[name] = out["strategies"]["canzona"]["lower_bound"]
+    assert loads["normuon"] > loads["muon"]
+    table = tmp_path / "normuon.json"
+    argv = ["calibrate", "--model", "qwen3-0.6b", "--optimizer", "normuon", "--out", str(table)]
+    assert cli.main([*argv, "--ns-dtype", "float32", "--budget", "1"]) == 0
+    capsys.readouterr()
+    assert cli.main([*plain, "--cost", str(table)]) == 0
+    assert json.loads(capsys.readouterr().out)["optimizer"] == "normuon"
+    assert cli.main([*plain, "--cost", str(table), "--optimizer", "muon"]) == 2
+    assert "--optimizer muon contradicts the cost table" in capsys.readouterr().err

@@ -5,7 +5,9 @@ from __future__ import annotations
 from canzona.runtime.checks import (
     RIDE_READY,
     RIDE_WORDS,
+    describe_groups,
     digest_chunks,
+    first_difference,
     header_values,
     ranks_by_value,
     ride_agrees,
@@ -42,3 +44,17 @@ def test_a_riding_header_goes_on_only_when_equal_and_ready() -> None:
     assert ride_agrees([ready, ready])
     assert not ride_agrees([not_ready, not_ready])  # equal, but nobody prepared by the plan
     assert not ride_agrees([ready, ride_header([4, *header[1:]], True)])
+
+
+class _Hook:
+    """A param-group value the hyper-parameter check compares by its type alone."""
+
+
+def test_the_difference_named_is_the_value_not_an_objects_address() -> None:
+    """Catches: ``repr``s with memory addresses in the description, so that two ranks'
+    copies of an object sorted before ``lr`` were named as the difference instead of ``lr``."""
+    ranks = [describe_groups([{"hook": _Hook(), "lr": lr, "params": []}]) for lr in (0.1, 0.2)]
+    assert ranks[0][0] == ranks[1][0] and " at 0x" not in ranks[0][0]
+    assert first_difference(ranks, 0, 1) == (
+        "entry 1: rank 0 has param group 0 lr=0.1, rank 1 has param group 0 lr=0.2"
+    )

@@ -27,11 +27,13 @@ def _optimizer(name: str, device: torch.device, ns_dtype: torch.dtype) -> Any:
     p = nn.Parameter(torch.zeros(2, 2, device=device))
     if name == "muon":
         return canzona.Muon([p], ns_dtype=ns_dtype)
+    if name == "normuon":
+        return canzona.NorMuon([p], ns_dtype=ns_dtype)
     if name == "shampoo":
         return canzona.Shampoo([p])
     if name == "soap":
         return canzona.SOAP([p])
-    raise ValueError(f"canzona calibrate times muon, shampoo or soap, got {name!r}")
+    raise ValueError(f"canzona calibrate times muon, normuon, shampoo or soap, got {name!r}")
 
 
 def _stack(count: int, world: int | None) -> int:
@@ -94,7 +96,7 @@ def calibrate_model(
         runtime_calibrate.Shape(0, m, n, _stack(counts[m, n], world), payload, counts[m, n])
         for m, n in shapes
     ]
-    base = cost_model(optimizer, **opt._cost_params(opt.param_groups[0]))
+    base = cost_model(opt.cost_model, **opt._cost_params(opt.param_groups[0]))
     disk = None if cache is None else DiskCache(cache, runtime_calibrate.device_name(dev))
     held = disk.load() if disk is not None else {}
     cached = sum(runtime_calibrate.entry_key(s, table, dev) in held for s in wanted)

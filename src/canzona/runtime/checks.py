@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import re
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -42,8 +43,17 @@ def first_difference(lists: Sequence[Sequence[str]], a: int, b: int) -> str:
     return "no difference found in the parameter layouts (configuration differs)"
 
 
+#: A memory address in a ``repr`` (``<object at 0x7f...>``): different in every process.
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
 def describe_groups(groups: Sequence[Mapping[str, Any]]) -> list[str]:
-    """Each param group's hyper-parameters, one entry per value (a mismatch's description)."""
+    """Each param group's hyper-parameters, one entry per value (a mismatch's description).
+
+    Memory addresses are left out of the ``repr``s: the hyper-parameter check compares an
+    object it cannot read by its type, so two ranks' copies of it must not be named as the
+    difference.
+    """
     out = []
     for gid, group in enumerate(groups):
         for key, value in sorted(group.items()):
@@ -51,7 +61,7 @@ def describe_groups(groups: Sequence[Mapping[str, Any]]) -> list[str]:
                 shown = (
                     f"tensor({value.item()!r}, dtype={value.dtype})"
                     if isinstance(value, torch.Tensor) and value.numel() == 1
-                    else repr(value)
+                    else _ADDRESS.sub("", repr(value))
                 )
                 out.append(f"param group {gid} {key}={shown}")
     return out

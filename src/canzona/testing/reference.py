@@ -111,8 +111,8 @@ class ReferenceShampoo(_Reference):
         \hat X^{-1/4} = Q \max(\Lambda, \epsilon)^{-1/4} Q^\top,\
         Q \Lambda Q^\top = X / (1-\beta_2^s) + \epsilon I
 
-    where the roots are recomputed at the steps :math:`s \ge t_0` with
-    :math:`(s - t_0) \bmod f = 0`; the direction is :math:`P_t \|D_t\| / \|P_t\|` (grafting
+    where the roots are recomputed at the step :math:`s = t_0` and at the steps
+    :math:`s > t_0` with :math:`s \bmod f = 0`; the direction is :math:`P_t \|D_t\| / \|P_t\|` (grafting
     ``"adam"``) or :math:`P_t` for :math:`t \ge t_0`, else :math:`D_t` or :math:`M_t`; then
     :math:`\theta \leftarrow \theta(1 - \gamma\lambda) - \gamma \cdot \text{direction}`. Bias
     corrections only when ``bias_correction`` (the factors' only when :math:`\beta_2 < 1`).
