@@ -161,18 +161,21 @@ def test_bad_hyper_parameters(name: str, kwargs: dict[str, Any], match: str) -> 
 WRONG_TYPES: list[tuple[str, str, Any, str]] = [
     ("muon", "lr", None, "lr must be a number or a 1-element tensor, got None"),
     ("muon", "lr", "0.5", "lr must be a number or a 1-element tensor, got '0.5' (str)"),
-    ("muon", "weight_decay", None, "weight_decay must be a number or a 1-element tensor, got None"),
-    ("muon", "momentum", "0.9", "momentum must be a number or a 1-element tensor, got '0.9'"),
-    ("muon", "eps", None, "eps must be a number or a 1-element tensor, got None"),
+    ("muon", "weight_decay", None, "weight_decay must be a number or a 0-dim tensor, got None"),
+    ("muon", "momentum", "0.9", "momentum must be a number or a 0-dim tensor, got '0.9'"),
+    ("muon", "eps", None, "eps must be a number or a 0-dim tensor, got None"),
     ("muon", "adamw_betas", None, "adamw_betas must be a sequence of numbers, got None"),
-    ("muon", "adamw_eps", None, "adamw_eps must be a number or a 1-element tensor, got None"),
-    ("muon", "scale", True, "scale must be a number or a 1-element tensor, got True (bool)"),
-    ("normuon", "beta2", None, "beta2 must be a number or a 1-element tensor, got None"),
+    ("muon", "adamw_eps", None, "adamw_eps must be a number or a 0-dim tensor, got None"),
+    ("muon", "scale", True, "scale must be a number or a 0-dim tensor, got True (bool)"),
+    ("normuon", "beta2", None, "beta2 must be a number or a 0-dim tensor, got None"),
     ("shampoo", "betas", (0.9, "0.99"), "betas must be a sequence of numbers"),
     ("shampoo", "precondition_frequency", 2.5, "precondition_frequency must be an integer"),
     ("shampoo", "max_precond_dim", None, "max_precond_dim must be an integer, got None"),
-    ("soap", "shampoo_beta", None, "shampoo_beta must be a number or a 1-element tensor, got None"),
+    ("soap", "shampoo_beta", None, "shampoo_beta must be a number or a 0-dim tensor, got None"),
     ("soap", "lr", True, "lr must be a number or a 1-element tensor, got True (bool)"),
+    # a 1-element tensor that is not 0-dim: the AdamW update raised after the vote
+    ("muon", "adamw_eps", torch.tensor([1e-8]), "adamw_eps must be a number or a 0-dim tensor"),
+    ("shampoo", "betas", (torch.tensor([0.9]), 0.999), "betas must be a sequence of numbers"),
 ]
 
 

@@ -258,6 +258,46 @@ def test_adamw_group_is_torch_adamw(cls: type[torch.optim.Optimizer]) -> None:
             assert torch.equal(a, b), (kwargs, entries)
 
 
+@pytest.mark.parametrize("cls", [canzona.Muon, canzona.NorMuon, canzona.Shampoo, canzona.SOAP])
+@pytest.mark.parametrize("schedule", ["one_cycle", "cyclic"])
+def test_adamw_group_beta1_follows_a_cycled_momentum(
+    cls: type[torch.optim.Optimizer], schedule: str
+) -> None:
+    """Catches: an AdamW group that keeps ``adamw_betas[0]`` while ``OneCycleLR``/``CyclicLR``
+    cycle momentum (into ``momentum`` for Muon and NorMuon, ``betas[0]`` for Shampoo and
+    SOAP), where ``torch.optim.AdamW`` under the same scheduler cycles its beta1."""
+    gen = torch.Generator().manual_seed(1)
+    values = [torch.randn(7, generator=gen), torch.randn(3, 4, generator=gen)]
+    grads = [[torch.randn(v.shape, generator=gen) for v in values] for _ in range(6)]
+
+    def scheduler(opt: torch.optim.Optimizer) -> Any:
+        if schedule == "one_cycle":
+            return torch.optim.lr_scheduler.OneCycleLR(
+                opt, max_lr=0.01, total_steps=8, base_momentum=0.8, max_momentum=0.95
+            )
+        return torch.optim.lr_scheduler.CyclicLR(
+            opt, 1e-3, 1e-2, step_size_up=2, base_momentum=0.8, max_momentum=0.95
+        )
+
+    ours = [nn.Parameter(v.clone()) for v in values]
+    theirs = [nn.Parameter(v.clone()) for v in values]
+    matrix = nn.Parameter(torch.randn(4, 4, generator=gen))
+    groups = [{"params": [matrix]}, {"params": ours, "algorithm": "adamw"}]
+    opt = cls(groups, lr=1e-3, weight_decay=0.01, adamw_betas=(0.9, 0.95))
+    ref = torch.optim.AdamW(theirs, lr=1e-3, weight_decay=0.01, betas=(0.9, 0.95), foreach=False)
+    ours_s, theirs_s = scheduler(opt), scheduler(ref)
+    for step in grads:
+        matrix.grad = torch.ones_like(matrix)
+        for a, b, g in zip(ours, theirs, step, strict=True):
+            a.grad, b.grad = g.clone(), g.clone()
+        opt.step()
+        ref.step()
+        ours_s.step()
+        theirs_s.step()
+    for a, b in zip(ours, theirs, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_adamw_group_takes_any_shape() -> None:
     """Embeddings, 4-D convolution kernels and scalars go to AdamW without complaint."""
     params = [nn.Parameter(torch.randn(s)) for s in [(), (5,), (3, 3), (2, 3, 3, 3)]]

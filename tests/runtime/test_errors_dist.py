@@ -202,27 +202,32 @@ def test_hyper_parameter_mismatch_raises_everywhere(dist: Any, how: str) -> None
     assert all("hyper-parameters" in msg and seen in msg for _, msg in out), out[0][1]
 
 
-def _closure_raises_on_one_rank() -> tuple[str, str, bool, bool]:
-    """Rank 1's closure raises in the second step; every rank catches and steps on."""
+def _closure_raises_on_one_rank(check_every_step: bool) -> tuple[str, str, bool, bool]:
+    """Rank 1's closure raises in the third step; every rank catches and steps on."""
     shapes = {"square": SHAPES["square"], "odd": SHAPES["odd"]}
     fulls = full_tensors(shapes)
-    grads = grad_steps(shapes, 3)
+    grads = grad_steps(shapes, 4)
     params = sharded_params(fulls, mesh((4,)), {n: (Shard(0),) for n in shapes})
-    opt = canzona.Shampoo(params, lr=0.01, precondition_frequency=1, start_preconditioning_step=1)
+    kwargs: dict[str, Any] = {"lr": 0.01, "precondition_frequency": 1}
+    pipeline = canzona.PipelineConfig(check_every_step=check_every_step)
+    flops = canzona.PlanConfig(cost="flops")  # the failing step is a steady one
+    opt = canzona.Shampoo(
+        params, start_preconditioning_step=1, plan=flops, pipeline=pipeline, **kwargs
+    )
     local = [(n, nn.Parameter(t.clone())) for n, t in fulls.items()]
-    ref = canzona.Shampoo(local, lr=0.01, precondition_frequency=1, start_preconditioning_step=1)
+    ref = canzona.Shampoo(local, start_preconditioning_step=1, **kwargs)
     outcome: tuple[str, str] = ("ok", "")
     for step, g in enumerate(grads):
 
         def closure(step: int = step, g: dict[str, torch.Tensor] = g) -> None:
-            if step == 1 and tdist.get_rank() == 1:
+            if step == 2 and tdist.get_rank() == 1:
                 raise RuntimeError("the data loader broke")
             for n, p in params:  # each rank its own shard: no collective in the closure
                 p.grad = distribute_tensor(g[n], p.device_mesh, p.placements, src_data_rank=None)
 
         before = [p.to_local().clone() for _, p in params]
         result = _outcome(lambda closure=closure: opt.step(closure))
-        if step == 1:
+        if step == 2:
             outcome = result
             unchanged = all(
                 torch.equal(p.to_local(), b) for (_, p), b in zip(params, before, strict=True)
@@ -236,10 +241,15 @@ def _closure_raises_on_one_rank() -> tuple[str, str, bool, bool]:
     return (*outcome, unchanged, same)
 
 
-def test_a_closure_that_raises_on_one_rank_fails_the_step_everywhere(dist: Any) -> None:
+@pytest.mark.parametrize("check_every_step", [True, False])
+def test_a_closure_that_raises_on_one_rank_fails_the_step_everywhere(
+    dist: Any, check_every_step: bool
+) -> None:
     """Catches: the closure's exception raised on its rank only (the others went on into
-    the step and waited for it, or paired this step with that rank's next one)."""
-    for kind, msg, unchanged, same in dist(4).run(_closure_raises_on_one_rank, timeout=TIMEOUT):
+    the step and waited for it, or paired this step with that rank's next one); without
+    the per-step check, the failing rank voting before the pipeline (gloo aborted)."""
+    out = dist(4).run(_closure_raises_on_one_rank, check_every_step, timeout=TIMEOUT)
+    for kind, msg, unchanged, same in out:
         assert kind == "UpdateFailedError", msg
         assert "ranks [1]" in msg and "running the closure" in msg, msg
         assert "RuntimeError: the data loader broke" in msg, msg

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from torch import Tensor
@@ -31,11 +32,31 @@ def lr_value(value: float | Tensor) -> float | Tensor:
     return float(value)
 
 
+#: What torch's ``OneCycleLR`` and ``CyclicLR`` write into every param group when they cycle
+#: momentum (``cycle_momentum=True``).
+CYCLED_MOMENTUM = ("base_momentum", "max_momentum")
+
+
+def adamw_betas(group: Mapping[str, Any], defaults: Mapping[str, Any]) -> tuple[Any, Any]:
+    """An AdamW group's ``(beta1, beta2)``: its ``adamw_betas``, with a cycled momentum as beta1.
+
+    Where torch's ``OneCycleLR`` or ``CyclicLR`` cycles momentum, it writes the value into
+    ``betas[0]`` when the optimizer's defaults have ``betas`` (Shampoo, SOAP), else into
+    ``momentum`` (Muon, NorMuon), in every group; ``torch.optim.AdamW``'s beta1 would follow
+    it, so an AdamW group's does too. Otherwise the matrix algorithm's entries are ignored.
+    """
+    beta1, beta2 = group["adamw_betas"]
+    if all(k in group for k in CYCLED_MOMENTUM):
+        beta1 = group["betas"][0] if "betas" in defaults else group["momentum"]
+    return beta1, beta2
+
+
 class AdamWRouteMixin:
     """AdamW for the param groups with ``algorithm="adamw"`` (embeddings, norms, biases)."""
 
     state: Any
     param_groups: list[dict[str, Any]]
+    defaults: dict[str, Any]
 
     def _backup(self, tensors: list[Tensor]) -> Backup:
         raise NotImplementedError
@@ -49,7 +70,7 @@ class AdamWRouteMixin:
             w.cache["locals"] = [local_tensor(p) for p in w.params]
             w.cache["backup"] = self._backup(w.cache["exp_avgs"] + w.cache["exp_avg_sqs"])
         txn.save(w.cache["backup"])
-        betas = tuple(self.param_groups[w.gid]["adamw_betas"])
+        betas = adamw_betas(self.param_groups[w.gid], self.defaults)
         adamw_moments_(grads, w.cache["exp_avgs"], w.cache["exp_avg_sqs"], betas=betas)
 
     def _adamw_params(self, w: GroupWork) -> None:
@@ -67,7 +88,7 @@ class AdamWRouteMixin:
                 lists[2],
                 step,
                 lr=lr_value(group["lr"]),
-                betas=tuple(group["adamw_betas"]),
+                betas=adamw_betas(group, self.defaults),
                 eps=group["adamw_eps"],
                 weight_decay=group["weight_decay"],
             )

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import Tensor
 
+from canzona.optim.adamw_route import adamw_betas
 from canzona.optim.group_values import plain_value
 from canzona.optim.owner_state import OwnerState
 from canzona.optim.validation import ADAMW, check_hparams, check_moves, check_state_shapes
@@ -31,6 +32,7 @@ class StepTableMixin:
     # provided by MatrixOptimizer
     cost_model: ClassVar[str]
     param_groups: list[dict[str, Any]]
+    defaults: dict[str, Any]
     state: Any
     _table: StepTable | None
     _table_key: tuple[object, ...]
@@ -77,10 +79,10 @@ class StepTableMixin:
     def _check_values(self, group: dict[str, Any]) -> None:
         """Raise for a value of ``group`` the step cannot use: its type, then its range."""
         check_types(group, type(self))
-        self._check_common(
-            group["lr"], group["weight_decay"], group["adamw_betas"], group["adamw_eps"]
-        )
-        if group["algorithm"] != ADAMW:
+        adamw = group["algorithm"] == ADAMW
+        betas = adamw_betas(group, self.defaults) if adamw else group["adamw_betas"]
+        self._check_common(group["lr"], group["weight_decay"], betas, group["adamw_eps"])
+        if not adamw:
             self._validate_group(group)
 
     def _cost(self) -> GroupedCost | None:

@@ -23,7 +23,7 @@ _TAKES = {
     "tuple[float, float]": "sequence",
 }
 _SAID = {
-    "number": "a number or a 1-element tensor",
+    "number": "a number or a 0-dim tensor",
     "number or tensor": "a number or a 1-element tensor",  # its size: checked by range
     "integer": "an integer",
     "sequence": "a sequence of numbers",
@@ -42,8 +42,8 @@ def typed_keys(cls: type) -> Mapping[str, str]:
 
 
 def _number_like(value: object) -> bool:
-    """A number, or a one-element tensor (as torch.optim takes one for a float)."""
-    return _number(value) or (isinstance(value, torch.Tensor) and value.numel() == 1)
+    """A number, or a 0-dim tensor (the math broadcasts it as it would a float)."""
+    return _number(value) or (isinstance(value, torch.Tensor) and value.dim() == 0)
 
 
 def _fits(value: object, want: str) -> bool:
@@ -64,8 +64,9 @@ def check_types(group: Mapping[str, Any], cls: type) -> None:
     """Raise ``TypeError`` naming the key and value where ``group`` has a number of another type.
 
     The types follow the annotations of ``cls``'s signature: ``float`` takes a real number
-    or a one-element tensor, as torch.optim does (``bool`` is no number here, a string
-    none anywhere), ``int`` an integer (or a float with an integral value),
+    or a 0-dim tensor (``bool`` is no number here, a string none anywhere), ``float |
+    Tensor`` (the learning rate) also a one-element tensor, as torch.optim does, ``int`` an
+    integer (or a float with an integral value),
     ``tuple[float, float]`` a sequence of such numbers. The ranges are checked after.
     """
     for key, want in typed_keys(cls).items():

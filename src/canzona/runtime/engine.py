@@ -248,7 +248,6 @@ class MatrixRuntime:
             )
             if failed or (failure is not None and self.process_group is None):
                 raise_failures(failure, names, self.watchdog, self.process_group is not None)
-            # without a header (check_every_step=False) a failure reaches the others at the vote
             active = frozenset(compress(range(len(has_grad)), has_grad))
             if flagged:
                 self._forget_ride()
@@ -433,6 +432,8 @@ class MatrixRuntime:
             )
             if failed:
                 return None, flagged, True
+        else:  # no header: a failure stays this rank's until the vote (see begin_step)
+            failed = False
         if needs_setup:
             self._keep_home()
             try:

@@ -112,8 +112,9 @@ class ReferenceShampoo(_Reference):
         Q \Lambda Q^\top = X / (1-\beta_2^s) + \epsilon I
 
     where the roots are recomputed at the step :math:`s = t_0` and at the steps
-    :math:`s > t_0` with :math:`s \bmod f = 0`; the direction is :math:`P_t \|D_t\| / \|P_t\|` (grafting
-    ``"adam"``) or :math:`P_t` for :math:`t \ge t_0`, else :math:`D_t` or :math:`M_t`; then
+    :math:`s > t_0` with :math:`s \bmod f = 0`; the direction is
+    :math:`P_t \|D_t\| / \|P_t\|` (grafting ``"adam"``) or :math:`P_t` for
+    :math:`t \ge t_0`, else :math:`D_t` or :math:`M_t`; then
     :math:`\theta \leftarrow \theta(1 - \gamma\lambda) - \gamma \cdot \text{direction}`. Bias
     corrections only when ``bias_correction`` (the factors' only when :math:`\beta_2 < 1`).
     """
