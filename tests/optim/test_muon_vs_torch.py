@@ -221,6 +221,34 @@ def test_a_momentum_reset_between_steps_is_torchs(how: str) -> None:
     _assert_same(runs[0], runs[1], how)
 
 
+@pytest.mark.parametrize(("old", "new"), [((0, 4), (3, 4)), ((5, 6), (6, 5)), ((5, 6), (7, 6))])
+def test_a_parameter_given_another_shape_is_updated_at_it(
+    old: tuple[int, int], new: tuple[int, int]
+) -> None:
+    """``p.data`` replaced by a tensor of another shape and its state cleared, as torch.optim
+    allows. Catches: the step's table keyed without shapes (a matrix empty at the first step
+    never updated once filled; a new shape failing in the apply, after the decision)."""
+    gen = torch.Generator().manual_seed(9)
+    first, other = torch.randn(old, generator=gen), torch.randn(4, 4, generator=gen)
+    replaced = torch.randn(new, generator=gen)
+    grads = [(torch.randn(old, generator=gen), torch.randn(4, 4, generator=gen))]
+    grads += [(torch.randn(new, generator=gen), torch.randn(4, 4, generator=gen)) for _ in range(2)]
+    runs = []
+    for cls in (canzona.Muon, torch.optim.Muon):
+        params = [nn.Parameter(first.clone()), nn.Parameter(other.clone())]
+        opt = cls(params, lr=0.02)  # type: ignore[call-arg]
+        for t, step in enumerate(grads):
+            if t == 1:
+                params[0].data = replaced.clone()
+                opt.state.pop(params[0], None)
+            for p, g in zip(params, step, strict=True):
+                p.grad = g.clone()
+            opt.step()
+        runs.append(params)
+    assert not torch.equal(runs[0][0], replaced)
+    _assert_same(runs[0], runs[1], (old, new))
+
+
 @pytest.mark.parametrize("tensor_lr", [False, True])
 def test_step_lr_scheduler(tensor_lr: bool) -> None:
     values, grads = _start([(16, 16), (24, 8)], seed=3)

@@ -298,6 +298,26 @@ def test_adamw_group_beta1_follows_a_cycled_momentum(
         assert torch.equal(a, b)
 
 
+def test_adamw_group_takes_complex_parameters_as_torch_adamw() -> None:
+    """Catches: complex moments squared as complex numbers (``g * g``, not the real and
+    imaginary parts' squares as torch.optim.AdamW's ``view_as_real``): 3e-2 from torch."""
+    gen = torch.Generator().manual_seed(2)
+    values = [torch.randn(5, dtype=torch.complex64, generator=gen), torch.randn(3, 4)]
+    grads = [[torch.randn(v.shape, dtype=v.dtype, generator=gen) for v in values] for _ in range(4)]
+    ours = [nn.Parameter(v.clone()) for v in values]
+    theirs = [nn.Parameter(v.clone()) for v in values]
+    opt = canzona.Muon([{"params": ours, "algorithm": "adamw"}], lr=0.01, weight_decay=0.1)
+    ref = torch.optim.AdamW(theirs, lr=0.01, weight_decay=0.1, betas=(0.9, 0.95), foreach=False)
+    for step in grads:
+        for a, b, g in zip(ours, theirs, step, strict=True):
+            a.grad, b.grad = g.clone(), g.clone()
+        opt.step()
+        ref.step()
+    for a, b in zip(ours, theirs, strict=True):
+        assert torch.equal(a, b)
+        assert torch.equal(opt.state[a]["exp_avg_sq"], ref.state[b]["exp_avg_sq"])
+
+
 def test_adamw_group_takes_any_shape() -> None:
     """Embeddings, 4-D convolution kernels and scalars go to AdamW without complaint."""
     params = [nn.Parameter(torch.randn(s)) for s in [(), (5,), (3, 3), (2, 3, 3, 3)]]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from canzona.optim.prepare import GroupWork
@@ -51,6 +52,11 @@ def adamw_betas(group: Mapping[str, Any], defaults: Mapping[str, Any]) -> tuple[
     return beta1, beta2
 
 
+def real_view(t: Tensor) -> Tensor:
+    """A complex tensor as its real pairs (``torch.view_as_real``, as torch.optim.AdamW)."""
+    return torch.view_as_real(t) if t.is_complex() else t
+
+
 class AdamWRouteMixin:
     """AdamW for the param groups with ``algorithm="adamw"`` (embeddings, norms, biases)."""
 
@@ -65,12 +71,16 @@ class AdamWRouteMixin:
         """AdamW's moment updates of one group (before the vote; saved for a rollback)."""
         if "exp_avgs" not in w.cache:
             states = [self.state[p] for p in w.params]
-            w.cache["exp_avgs"] = [local_tensor(s["exp_avg"]) for s in states]
-            w.cache["exp_avg_sqs"] = [local_tensor(s["exp_avg_sq"]) for s in states]
-            w.cache["locals"] = [local_tensor(p) for p in w.params]
+            # complex parameters as real pairs: each second moment a real square
+            w.cache["exp_avgs"] = [real_view(local_tensor(s["exp_avg"])) for s in states]
+            w.cache["exp_avg_sqs"] = [real_view(local_tensor(s["exp_avg_sq"])) for s in states]
+            w.cache["locals"] = [real_view(local_tensor(p)) for p in w.params]
+            w.cache["complex"] = any(p.is_complex() for p in w.params)
             w.cache["backup"] = self._backup(w.cache["exp_avgs"] + w.cache["exp_avg_sqs"])
         txn.save(w.cache["backup"])
         betas = adamw_betas(self.param_groups[w.gid], self.defaults)
+        if w.cache["complex"]:
+            grads = [real_view(g) for g in grads]
         adamw_moments_(grads, w.cache["exp_avgs"], w.cache["exp_avg_sqs"], betas=betas)
 
     def _adamw_params(self, w: GroupWork) -> None:

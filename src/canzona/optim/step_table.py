@@ -15,7 +15,7 @@ from canzona.optim.owner_state import OwnerState
 from canzona.optim.validation import ADAMW, check_hparams, check_moves, check_state_shapes
 from canzona.optim.value_types import check_types
 from canzona.plan import GroupedCost, cost_model
-from canzona.runtime import Failure, ParamRow, StepTable, fingerprint
+from canzona.runtime import Failure, ParamRow, StepTable, fingerprint, shapes
 
 _DTYPE = operator.attrgetter("dtype")
 _NOT_HYPER = ("params", "param_names")
@@ -95,7 +95,7 @@ class StepTableMixin:
         return GroupedCost(models, name=self.cost_model) if models else None
 
     def _step_table(self, params: list[Tensor], gids: list[int]) -> StepTable:
-        """The table of this step (rows rebuilt only when groups, params or dtypes change)."""
+        """The table of this step (rebuilt only when groups, params, dtypes or shapes change)."""
         groups = self.param_groups
         key = (
             tuple(
@@ -111,6 +111,7 @@ class StepTableMixin:
             ),
             tuple(map(id, params)),
             tuple(map(_DTYPE, params)),
+            shapes(params),  # ``p.data`` replaced by another shape: another table
         )
         if self._table is None or key != self._table_key:
             matrix = [

@@ -25,6 +25,7 @@ from canzona.runtime.tensors import (
     param_mesh,
     process_group_of,
     read_gradients,
+    shapes,
     validate_param,
 )
 from canzona.runtime.topology import first_problem, positions_in
@@ -65,6 +66,7 @@ __all__ = [
     "positions_in",
     "process_group_of",
     "read_gradients",
+    "shapes",
     "snapshot",
     "validate_param",
 ]

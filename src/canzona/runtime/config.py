@@ -49,7 +49,9 @@ class PipelineConfig:
             In a steady step (with ``atomic``) it rides the first micro-group's gather
             and costs no collective; otherwise it is one small collective of its own.
             Disabling it saves that collective in the steps that are not steady but
-            turns mismatches into hangs or wrong results (with ``skip_nonfinite`` the
+            turns mismatches into hangs, aborts (gloo ends a process whose collective
+            sizes differ from its peers', e.g. a gradient missing on one rank only) or
+            wrong results (with ``skip_nonfinite`` the
             header gather still runs, since it carries the non-finite flag). The first
             step after a (re-)plan runs the check either way, so ranks built with
             different settings raise instead of pairing different collectives.

@@ -35,7 +35,7 @@ from canzona.runtime.routing import (
 )
 from canzona.runtime.statecomm import PlanRecord, Snapshot, snapshot
 from canzona.runtime.table import ApplyFn, ComputeFn, StepTable
-from canzona.runtime.tensors import process_group_of, tensor_device
+from canzona.runtime.tensors import process_group_of, shapes, tensor_device
 from canzona.runtime.topology import (
     ParamLayout,
     Topology,
@@ -102,7 +102,7 @@ class MatrixRuntime:
         self.world = 1
         self.digest = ""
         self._structure = ""
-        self._layout_key: tuple[tuple[int, ...], tuple[str, ...]] = ((), ())
+        self._layout_key: tuple[tuple[int, ...], tuple[str, ...], tuple[object, ...]] = ((),) * 3
         self._layouts: list[ParamLayout] = []
         self._unreadable: Failure | None = None
         self._layout_version = 0
@@ -182,10 +182,10 @@ class MatrixRuntime:
         )
 
     def layouts(self, names: Sequence[str], tensors: Sequence[torch.Tensor]) -> list[ParamLayout]:
-        """Storage layouts of the parameters (cached while the parameter list is unchanged)."""
+        """Storage layouts of the parameters (cached while the parameters and shapes stay)."""
         if len(names) != len(tensors):
             raise ValueError(f"{len(names)} names for {len(tensors)} parameters")
-        key = (tuple(map(id, tensors)), tuple(names))
+        key = (tuple(map(id, tensors)), tuple(names), shapes(tensors))
         if key != self._layout_key:
             self._resolve_group(tensors)
             self._layout_version += 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import operator
 from collections.abc import Sequence
 
 import torch
@@ -16,6 +17,14 @@ from canzona.runtime.layout import check_placements, fragment_for
 def fingerprint(value: object) -> str:
     """sha256 of a value's repr (used for hyper-parameters)."""
     return hashlib.sha256(repr(value).encode()).hexdigest()
+
+
+_SHAPE = operator.attrgetter("shape")
+
+
+def shapes(tensors: Sequence[torch.Tensor]) -> tuple[torch.Size, ...]:
+    """The tensors' (global) shapes: a parameter whose ``.data`` was replaced changes them."""
+    return tuple(map(_SHAPE, tensors))
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
