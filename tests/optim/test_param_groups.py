@@ -209,6 +209,24 @@ def test_groups_work_with_every_optimizer(cls: type[torch.optim.Optimizer], tied
 
 
 # ------------------------------------------------------------------ the AdamW route
+def _step_both(
+    opt: torch.optim.Optimizer,
+    ref: torch.optim.Optimizer,
+    ours: list[nn.Parameter],
+    theirs: list[nn.Parameter],
+    grads: list[list[torch.Tensor]],
+    schedulers: tuple[Any, ...] = (),
+) -> None:
+    """Step both optimizers on the same gradients (and their schedulers after)."""
+    for step in grads:
+        for a, b, g in zip(ours, theirs, step, strict=True):
+            a.grad, b.grad = g.clone(), g.clone()
+        opt.step()
+        ref.step()
+        for s in schedulers:
+            s.step()
+
+
 @pytest.mark.parametrize("cls", [canzona.Muon, canzona.Shampoo, canzona.SOAP])
 def test_adamw_group_is_torch_adamw(cls: type[torch.optim.Optimizer]) -> None:
     """``lr`` and ``weight_decay`` of the group, ``adamw_betas`` and ``adamw_eps`` of the
@@ -249,11 +267,7 @@ def test_adamw_group_is_torch_adamw(cls: type[torch.optim.Optimizer]) -> None:
         theirs = [nn.Parameter(v.clone()) for v in values]
         opt = cls([{"params": ours, "algorithm": "adamw", **entries}], **kwargs)
         ref = torch.optim.AdamW(theirs, foreach=False, **torch_kwargs)
-        for step in grads:
-            for a, b, g in zip(ours, theirs, step, strict=True):
-                a.grad, b.grad = g.clone(), g.clone()
-            opt.step()
-            ref.step()
+        _step_both(opt, ref, ours, theirs, grads)
         for a, b in zip(ours, theirs, strict=True):
             assert torch.equal(a, b), (kwargs, entries)
 
@@ -286,14 +300,8 @@ def test_adamw_group_beta1_follows_a_cycled_momentum(
     opt = cls(groups, lr=1e-3, weight_decay=0.01, adamw_betas=(0.9, 0.95))
     ref = torch.optim.AdamW(theirs, lr=1e-3, weight_decay=0.01, betas=(0.9, 0.95), foreach=False)
     ours_s, theirs_s = scheduler(opt), scheduler(ref)
-    for step in grads:
-        matrix.grad = torch.ones_like(matrix)
-        for a, b, g in zip(ours, theirs, step, strict=True):
-            a.grad, b.grad = g.clone(), g.clone()
-        opt.step()
-        ref.step()
-        ours_s.step()
-        theirs_s.step()
+    matrix.grad = torch.ones_like(matrix)  # the same gradient every step
+    _step_both(opt, ref, ours, theirs, grads, (ours_s, theirs_s))
     for a, b in zip(ours, theirs, strict=True):
         assert torch.equal(a, b)
 
@@ -308,11 +316,7 @@ def test_adamw_group_takes_complex_parameters_as_torch_adamw() -> None:
     theirs = [nn.Parameter(v.clone()) for v in values]
     opt = canzona.Muon([{"params": ours, "algorithm": "adamw"}], lr=0.01, weight_decay=0.1)
     ref = torch.optim.AdamW(theirs, lr=0.01, weight_decay=0.1, betas=(0.9, 0.95), foreach=False)
-    for step in grads:
-        for a, b, g in zip(ours, theirs, step, strict=True):
-            a.grad, b.grad = g.clone(), g.clone()
-        opt.step()
-        ref.step()
+    _step_both(opt, ref, ours, theirs, grads)
     for a, b in zip(ours, theirs, strict=True):
         assert torch.equal(a, b)
         assert torch.equal(opt.state[a]["exp_avg_sq"], ref.state[b]["exp_avg_sq"])
