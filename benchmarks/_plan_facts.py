@@ -51,11 +51,18 @@ def _closed_form(opt: torch.optim.Optimizer, optimizer: str) -> Any:
     return cost if cost is not None else cost_model(optimizer)
 
 
-def _seconds(cost: GroupedCost, key: str | None, m: int, n: int) -> float:
+def _own_seconds(cost: GroupedCost, key: str | None, m: int, n: int) -> float:
+    """One ``m x n`` matrix's own part of a stacked call (its line's price per matrix).
+
+    The call's fixed part is left out (without a batch line: its time alone). What the
+    matrix adds to any call it joins is at least this, so a bound built on it bounds the
+    stacked predictions too.
+    """
     model = cost.models.get(key) if key is not None else next(iter(cost.models.values()))
     if not isinstance(model, MeasuredCost):
         return math.nan
-    return model.seconds(m, n)
+    line = model._lines.get((m, n))
+    return model.seconds(m, n) if line is None else line[1]
 
 
 def _group_factor(loads: list[list[float]]) -> float:
@@ -87,8 +94,10 @@ def plan_facts(
     Returns:
         A JSON-friendly dict: ``plan_version``, ``calibration_s``, ``micro_groups``,
         ``makespan_ratio_flops``; with ``time_cost`` also ``predicted_s`` (per rank),
-        ``lower_bound_s``, ``makespan_ratio_time`` and ``group_factor`` (per-group
-        imbalance in predicted seconds); with ``pinned`` the ``pinned_bytes_sent`` per rank.
+        ``lower_bound_s`` (of the matrices' own parts of their calls, fixed parts left out:
+        no plan's stacked prediction goes below it), ``makespan_ratio_time`` and
+        ``group_factor`` (per-group imbalance in predicted seconds); with ``pinned`` the
+        ``pinned_bytes_sent`` per rank.
     """
     runtime = opt._runtime  # type: ignore[attr-defined]
     facts: dict[str, Any] = {
@@ -112,7 +121,7 @@ def plan_facts(
     bound = lower_bound(list(flops.values()), world, pins)
     facts["makespan_ratio_flops"] = max(flops_load) / bound if bound else 1.0
     if time_cost is not None:
-        secs = {s.name: s.batch * _seconds(time_cost, s.cost_key, s.m, s.n) for s in specs}
+        secs = {s.name: s.batch * _own_seconds(time_cost, s.cost_key, s.m, s.n) for s in specs}
         rounds = [g.names for g in plan.micro_groups]
         predicted = predict_seconds(specs, rounds, lambda n: ranks[n], time_cost, world)
         costs, where = list(secs.values()), list(pins)
@@ -120,7 +129,7 @@ def plan_facts(
         for it in runtime.items:  # matrices a single rank holds and updates: never planned
             if it.is_local:
                 key = str(opt._table.row(it.param).batch_key)  # type: ignore[attr-defined]
-                costs.append(_seconds(time_cost, key, it.m, it.n))
+                costs.append(_own_seconds(time_cost, key, it.m, it.n))
                 where.append(it.unit[0])
                 at = (it.unit[0], key, it.m, it.n)
                 local[at] = local.get(at, 0) + 1

@@ -32,7 +32,8 @@ from canzona.plan.measured import MeasuredCost
 from canzona.plan.models import model_specs
 from canzona.plan.report import compare_strategies
 
-from _report import DOC, RESULTS, ROOT, markdown_table, update_section, write_json
+from _report import DOC, QUICK_DOC, RESULTS, ROOT, markdown_table, update_section, write_json
+from _report import QUICK as QUICK_DIR
 
 FULL = {
     "models": ["qwen3-1.7b", "qwen3-8b", "qwen3-14b", "qwen3-32b", "qwen3-30b-a3b"],
@@ -471,10 +472,13 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--quick", action="store_true", help="small grid, < 30 s (default)")
     mode.add_argument("--full", action="store_true", help="the full grid")
     parser.add_argument("--no-docs", action="store_true", help="skip docs/benchmarks.md")
-    parser.add_argument("--out", type=Path, default=None, help="directory of the JSON file")
-    parser.add_argument("--doc", type=Path, default=DOC, help="Markdown file to update")
-    parser.add_argument("--plot", type=Path, default=None, help="PNG of per-rank loads")
+    parser.add_argument("--out", type=Path, help="directory of the JSON (full: benchmarks/results)")
+    parser.add_argument("--doc", type=Path, help="Markdown file (full: docs/benchmarks.md)")
+    parser.add_argument("--plot", type=Path, help="PNG of per-rank loads (full: under docs/img)")
     args = parser.parse_args(argv)
+    # only full mode writes the published files; quick mode writes under results/quick
+    args.doc = args.doc or (DOC if args.full else QUICK_DOC)
+    args.plot = args.plot or (PLOT_PATH if args.full else QUICK_DIR / PLOT_PATH.name)
     name = "full" if args.full else "quick"
     grid = FULL if args.full else QUICK
     start = time.perf_counter()
@@ -487,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['model']} per head @ {row['world']}, calls priced: "
             f"{row['build_plan_seconds']:.2f} s"
         )
-    plot = draw_plot(args.plot or PLOT_PATH)
+    plot = draw_plot(args.plot)
     payload: dict[str, Any] = {
         "mode": name,
         "date": time.strftime("%Y-%m-%d"),
@@ -504,7 +508,7 @@ def main(argv: list[str] | None = None) -> int:
         "bench_seconds": time.perf_counter() - start,
         "doc": str(args.doc),
     }
-    out_dir = args.out or RESULTS
+    out_dir = args.out or (RESULTS if args.full else QUICK_DIR)
     path = write_json(
         "plan_quality" if args.full else "plan_quality_quick", payload, out_dir=out_dir
     )

@@ -131,6 +131,16 @@ def test_step_latency_tiny(tmp_path: Path) -> None:
     assert {"hetero", "prediction", "calibration", "experts_bytes", "exactness"} <= kinds
     exact = [t for t in payload["targets"] if t["kind"] in ("experts_bytes", "exactness")]
     assert all(t["met"] for t in exact)
+    # a lower bound bounds: no plan's stacked prediction goes below it
+    for case in payload["cases"]:
+        for run in case["runs"].values():
+            plan = run.get("plan", {}) if isinstance(run, dict) else {}
+            if plan.get("lower_bound_s"):
+                assert plan["lower_bound_s"] <= max(plan["predicted_s"]) * (1 + 1e-9), plan
+    # only a missed target is excused by a lower bound that rules it out
+    for t in payload["targets"]:
+        if t["met"] is None and "floor" in t:
+            assert t["measured"] > t["target"], t
     section = _section(doc, "step_latency")
     assert "### Targets" in section and "replicated" in section
     assert f"commit `{saved['commit']}`" in section
