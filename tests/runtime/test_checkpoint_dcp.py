@@ -142,11 +142,15 @@ def _consolidated_round_trip(name: str, broadcast: bool) -> dict[str, Any]:
 
     With ``broadcast`` only rank 0 holds the state dicts it loads (the offloaded ones,
     empty elsewhere), with ``broadcast_from_rank0`` (model and optimizer loaded apart:
-    ``set_state_dict`` takes an empty model state dict for "optimizer only")."""
+    ``set_state_dict`` takes an empty model state dict for "optimizer only"). The fresh
+    optimizer declares the same blocks otherwise (``sizes=`` for ``size=``)."""
     cls, kw = OPTIMIZERS[name]
     split = {"up.weight": canzona.Split(dim=0, size=5)}
+    spelled = {"up.weight": canzona.Split(dim=0, sizes=(5, 5, 5, 5))}
 
-    def build() -> tuple[nn.Module, torch.optim.Optimizer]:
+    def build(
+        split: dict[str, canzona.Split] = split,
+    ) -> tuple[nn.Module, torch.optim.Optimizer]:
         model = _model("fsdp_tp")
         return model, getattr(canzona, cls)(canzona.param_groups(model, split=split), **kw)
 
@@ -160,7 +164,7 @@ def _consolidated_round_trip(name: str, broadcast: bool) -> dict[str, Any]:
     # a copy: loaded in the process that saved it, the state dict's tensors (step counters)
     # would be shared with the original optimizer's, as in torch.optim
     model_sd, optim_sd = copy.deepcopy(get_state_dict(model, opt, options=full))
-    resumed, resumed_opt = build()
+    resumed, resumed_opt = build(spelled)
     if broadcast:
         from_rank0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
         model_sd, optim_sd = copy.deepcopy(get_state_dict(model, opt, options=offload))
@@ -191,7 +195,9 @@ def test_a_consolidated_offloaded_state_dict_round_trips(
     """Catches: param-group values DCP's consolidation and offload refuse (``ns_dtype`` and
     ``root_dtype`` as torch.dtype objects, ``split`` as a Split raised "Unexpected value
     type"), values not read back as what they were (the split group losing its blocks), and
-    a rank-0-only state dict broadcast into owner-held state in the wrong places."""
+    a rank-0-only state dict broadcast into owner-held state in the wrong places, and a
+    split saved as a tuple whose structure differs between declarations of the same blocks
+    (the consolidated load copies leaf by leaf: ``KeyError: 'param_groups.1.split.2'``)."""
     outs = dist(4).run(_consolidated_round_trip, name, broadcast, timeout=TIMEOUT)
     assert set(outs[0]["kinds"]) <= {"bool", "float", "int", "str", "tuple", "list", "NoneType"}
     assert "str" in outs[0]["kinds"]  # the learning-rate adjustment's name, and dtypes

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import numbers
 from collections.abc import Sequence
 from typing import Any
@@ -12,7 +13,8 @@ from torch import Tensor
 from canzona.optim.adamw_route import scalar
 from canzona.plan import Split
 
-#: The first element of a saved :class:`~canzona.Split` (a tuple: DCP holds no objects).
+#: The prefix of a saved :class:`~canzona.Split` (a string: DCP holds no objects, and a
+#: consolidated state dict is copied leaf by leaf, so every Split saves as one leaf).
 SPLIT_TAG = "canzona.Split"
 
 
@@ -21,12 +23,17 @@ def saved_value(value: Any) -> Any:
 
     ``torch.distributed.checkpoint.state_dict.get_state_dict`` with ``full_state_dict`` or
     ``cpu_offload`` accepts tensors, numbers, strings, None and containers of them only: a
-    dtype becomes its name (``"torch.bfloat16"``), a Split a tagged tuple.
+    dtype becomes its name (``"torch.bfloat16"``), a Split one string
+    (``'canzona.Split {"dim": 0, "sizes": [8, 4, 4], "size": null}'``): a tuple of its fields
+    would have another structure for another declaration of the same blocks, which the
+    consolidated loads cannot match leaf by leaf.
     """
     if isinstance(value, torch.dtype):
         return str(value)
     if isinstance(value, Split):
-        return (SPLIT_TAG, value.dim, value.sizes, value.size)
+        sizes = None if value.sizes is None else list(value.sizes)
+        fields = {"dim": value.dim, "sizes": sizes, "size": value.size}
+        return f"{SPLIT_TAG} {json.dumps(fields)}"
     return value
 
 
@@ -39,6 +46,20 @@ def loaded_value(value: Any) -> Any:
     if isinstance(value, str) and value.startswith("torch."):
         dtype = getattr(torch, value.removeprefix("torch."), None)
         return dtype if isinstance(dtype, torch.dtype) else value
+    if isinstance(value, str) and value.startswith(f"{SPLIT_TAG} {{"):
+        try:
+            fields = json.loads(value.removeprefix(SPLIT_TAG))
+            sizes = fields["sizes"]
+            return Split(
+                dim=fields["dim"],
+                sizes=None if sizes is None else tuple(sizes),
+                size=fields["size"],
+            )
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise ValueError(
+                f"a saved split must be {SPLIT_TAG} and its fields, got {value!r}"
+            ) from exc
+    # the tagged tuple of earlier checkpoints
     if isinstance(value, Sequence) and not isinstance(value, str) and len(value) == 4:
         tag, dim, sizes, size = value
         if tag == SPLIT_TAG:
