@@ -15,18 +15,17 @@ def _number(value: object) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
-#: What each annotation of an optimizer's signature takes (others are checked by range).
+_NUMBER = "a number or a 0-dim tensor"
+_LR = "a number or a 1-element tensor"  # a tensor's size: checked by range
+_INTEGER = "an integer"
+_SEQUENCE = "a sequence of numbers"
+#: What each annotation of an optimizer's signature takes, as its errors say it (others are
+#: checked by range).
 _TAKES = {
-    "float": "number",
-    "float | Tensor": "number or tensor",
-    "int": "integer",
-    "tuple[float, float]": "sequence",
-}
-_SAID = {
-    "number": "a number or a 0-dim tensor",
-    "number or tensor": "a number or a 1-element tensor",  # its size: checked by range
-    "integer": "an integer",
-    "sequence": "a sequence of numbers",
+    "float": _NUMBER,
+    "float | Tensor": _LR,
+    "int": _INTEGER,
+    "tuple[float, float]": _SEQUENCE,
 }
 
 
@@ -47,13 +46,13 @@ def _number_like(value: object) -> bool:
 
 
 def _fits(value: object, want: str) -> bool:
-    if want == "number or tensor" and isinstance(value, torch.Tensor):
+    if want == _LR and isinstance(value, torch.Tensor):
         return True
-    if want == "integer":
+    if want == _INTEGER:
         return (isinstance(value, numbers.Integral) and not isinstance(value, bool)) or (
             isinstance(value, float) and value.is_integer()
         )
-    if want == "sequence":
+    if want == _SEQUENCE:
         if isinstance(value, str | bytes) or not isinstance(value, Iterable):
             return False
         return all(_number_like(v) for v in value)
@@ -72,8 +71,7 @@ def check_types(group: Mapping[str, Any], cls: type) -> None:
     for key, want in typed_keys(cls).items():
         if key in group and not _fits(group[key], want):
             value = group[key]
-            said = _SAID[want]
-            raise TypeError(f"{key} must be {said}, got {value!r} ({type(value).__name__})")
+            raise TypeError(f"{key} must be {want}, got {value!r} ({type(value).__name__})")
 
 
 def typed_defaults(defaults: Mapping[str, Any], cls: type) -> dict[str, Any]:
@@ -87,10 +85,10 @@ def typed_defaults(defaults: Mapping[str, Any], cls: type) -> dict[str, Any]:
     for key, want in takes.items():
         value = out.get(key)
         sequence = isinstance(value, Iterable) and not isinstance(value, str | bytes)
-        if want == "sequence" and sequence:
+        if want == _SEQUENCE and sequence:
             out[key] = tuple(value)  # type: ignore[arg-type]  # a generator: read once
     check_types(out, cls)
     for key, want in takes.items():
-        if key in out and want == "integer":
+        if key in out and want == _INTEGER:
             out[key] = int(out[key])
     return out
