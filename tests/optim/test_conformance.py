@@ -31,6 +31,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.optim.lr_scheduler import LambdaLR, StepLR
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
 
 import canzona
 
@@ -872,3 +876,58 @@ def test_zero_gradients_at_lr_zero_change_nothing(name: str) -> None:
     for n, p in params.items():
         assert torch.isfinite(p).all(), n
         assert not torch.equal(p.detach(), values[n]), n
+
+
+def test_step_hooks_fire_once_per_step_in_torchs_order(name: str) -> None:
+    """Catches: a ``step`` that bypasses torch.optim's hook wrapper (a subclass overriding it
+    undecorated), so the global and per-optimizer step hooks, and the state-dict hooks that
+    checkpointing libraries register, stop firing or fire twice."""
+    params, opt = make(name)
+    calls: list[str] = []
+    handles = [
+        register_optimizer_step_pre_hook(
+            lambda o, a, k: calls.append("global pre") if o is opt else None
+        ),
+        opt.register_step_pre_hook(lambda o, a, k: calls.append(f"pre {len(a)} {a[0] is o}")),
+        opt.register_step_post_hook(lambda o, a, k: calls.append("post")),
+        register_optimizer_step_post_hook(
+            lambda o, a, k: calls.append("global post") if o is opt else None
+        ),
+        opt.register_state_dict_post_hook(lambda o, sd: calls.append("state_dict") or sd),
+        opt.register_load_state_dict_post_hook(lambda o: calls.append("load_state_dict")),
+    ]
+    try:
+        train(params, opt, gradients(steps=2))
+        opt.load_state_dict(opt.state_dict())
+    finally:
+        for handle in handles:
+            handle.remove()
+    step = ["global pre", "pre 1 True", "post", "global post"]  # args: (optimizer,)
+    assert calls == [*step, *step, "state_dict", "load_state_dict"]
+
+
+def test_grad_scaler_skips_an_overflowing_step_and_unscales_the_others(name: str) -> None:
+    """Catches: ``torch.amp.GradScaler`` stepping on an inf gradient (parameters or state
+    changed), or its unscaled gradients not being what the step reads: with the scaler the
+    steps equal those of the same optimizer given the unscaled gradients."""
+    grads = gradients(steps=3)
+    params, opt = make(name)
+    ref_params, ref = make(name)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    for i, g in enumerate(grads):
+        scaler.scale(torch.ones(()))  # what scaling the loss does to the scaler
+        for n, p in params.items():
+            p.grad = g[n] * scaler.get_scale()
+        if i == 1:
+            params["square"].grad[0, 0] = float("inf")
+        before = (snapshot(params), copy.deepcopy(opt.state_dict()))
+        scaler.step(opt)
+        scaler.update()
+        if i == 1:
+            assert_params_equal(params, before[0])
+            assert_state_dicts_equal(opt.state_dict(), before[1])
+            assert scaler.get_scale() == 512.0
+            continue
+        set_grads(ref_params, g)
+        ref.step()
+        assert_params_equal(params, snapshot(ref_params))

@@ -636,6 +636,32 @@ def test_a_parameter_twice_in_one_group_is_refused(name: str, algorithm: str) ->
         cls([group], **kwargs)
 
 
+@pytest.mark.parametrize("name", ["shampoo", "soap"])
+def test_a_split_changed_after_the_state_names_the_difference_briefly(name: str) -> None:
+    """Catches: a group's ``split`` changed in place after its blocks' state was created,
+    refused with a message that listed every state entry with its shape twice (8 KB for
+    five blocks) and never said what differs; now the counts and the first difference,
+    nothing changed, and setting the split back lets the step continue."""
+    cls, kwargs = OPTIMIZERS[name]
+    torch.manual_seed(0)
+    p = nn.Parameter(torch.randn(20, 8))
+    opt = cls([{"params": [("w", p)], "split": canzona.Split(dim=0, size=4)}], **kwargs)
+    p.grad = torch.randn(20, 8)
+    opt.step()
+    before = p.detach().clone()
+    opt.param_groups[0]["split"] = canzona.Split(dim=0, size=5)
+    with pytest.raises(canzona.UpdateFailedError) as info:
+        opt.step()
+    message = str(info.value)
+    assert "30 owner-held state entries, now 24; no longer 'exp_avg#4'" in message, message
+    assert re.search(r"'[^']*#0[^']*' was \(\(4, 8\), torch.float32, 0\), now \(\(5, 8\)", message)
+    assert "split" in message and len(message) < 1000, message
+    assert torch.equal(p.detach(), before)
+    opt.param_groups[0]["split"] = canzona.Split(dim=0, size=4)
+    opt.step()
+    assert not torch.equal(p.detach(), before)
+
+
 @pytest.mark.parametrize(
     ("name", "change", "named"),
     [

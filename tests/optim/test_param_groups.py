@@ -646,3 +646,29 @@ def test_raw_group_split_that_is_not_a_split_raises() -> None:
             "the split of the param group of 'qkv_proj.weight' must be a canzona.Split, "
             f"got {value!r}"
         ) in msg
+
+
+def test_a_split_flattened_weight_is_checked_without_a_collective() -> None:
+    """Catches: the split check of a flattened weight reading its matrix width from
+    ``p[0]``, which gathers a sharded DTensor (one collective in ``param_groups`` and one in
+    the constructor, even when the declaration is wrong). One process on a fake world-2
+    process group counts the collectives."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+    from torch.distributed.tensor.debug import CommDebugMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        conv = nn.Conv2d(2, 8, 3, bias=False)
+        mesh = init_device_mesh("cpu", (2,))
+        conv.weight = nn.Parameter(distribute_tensor(conv.weight.detach(), mesh, [Shard(0)]))
+        model = nn.Sequential(conv)
+        with CommDebugMode() as comm:
+            canzona.param_groups(model, flatten=True, split={"0.weight": canzona.Split(1, size=6)})
+            group = {"params": [("conv", conv.weight)], "flatten": True}
+            with pytest.raises(ValueError, match="18 elements, not a multiple of Split size 7"):
+                canzona.SOAP([{**group, "split": canzona.Split(dim=1, size=7)}])
+        assert comm.get_total_counts() == 0
+    finally:
+        dist.destroy_process_group()

@@ -111,6 +111,32 @@ def test_the_plan_costs_each_groups_own_hyper_parameters(dist: Any) -> None:
         assert models["1"]["params"] == {"precondition_frequency": 7, "max_precond_dim": 16}
 
 
+def _ns_dtype_changed() -> dict[str, Any]:
+    values = full_tensors(SHAPES)
+    layout = {n: (Shard(0),) for n in SHAPES}
+    out: dict[str, Any] = {}
+    for name, first in (("changed", torch.bfloat16), ("fresh", torch.float32)):
+        params = sharded_params(values, mesh((2,)), layout)
+        opt = canzona.Muon(params, lr=0.02, ns_dtype=first, plan=plan(cost="flops"))
+        for i, grads in enumerate(grad_steps(SHAPES, 2)):
+            if name == "changed" and i == 1:
+                out["before"] = opt._runtime.digest
+                opt.param_groups[0]["ns_dtype"] = torch.float32
+            set_grads(params, grads)
+            opt.step()
+        out[name] = (opt._runtime.digest, sorted({s.itemsize for s in opt._runtime.plan.specs}))
+    return out
+
+
+def test_a_new_payload_dtype_plans_again(dist: Any) -> None:
+    """Catches: ``ns_dtype`` set between steps kept the plan made for the old payload (its
+    bytes and timings, and its digest): the table took the new dtype, the structure did not."""
+    for o in dist(2).run(_ns_dtype_changed):
+        assert o["changed"] == o["fresh"]
+        assert o["changed"][1] == [4]
+        assert o["before"] != o["fresh"][0]
+
+
 def test_calibration_cache_key_names_the_device() -> None:
     assert calibrate_module.device_name(torch.device("cpu")).startswith("cpu:")
 

@@ -44,6 +44,29 @@ def test_entry_keys_cover_a_groups_settings_but_not_its_learning_rate() -> None:
     assert entry_key(Shape(0, 8, 8, 2, torch.float32), _table(canzona.Shampoo), CPU) != base
 
 
+def test_entry_keys_count_a_scaling_number_by_its_range_not_its_value() -> None:
+    """Catches: timings keyed by every number of the group, so a momentum, weight decay or
+    ``betas`` that a scheduler moves (OneCycleLR's cycled momentum) timed every shape again
+    at each re-plan and missed the disk cache on resume; and a key that lost the branches
+    the math takes on such a number (``momentum`` 0, Shampoo's ``beta2 == 1``)."""
+    shape = Shape(0, 8, 8, 1, torch.float32)
+
+    def key(cls: type, **kw: Any) -> str:
+        return entry_key(shape, _table(cls, **kw), CPU)
+
+    muon = key(canzona.Muon, momentum=0.95, weight_decay=0.1, eps=1e-7)
+    assert key(canzona.Muon, momentum=0.85, weight_decay=0.2, eps=1e-6) == muon
+    assert key(canzona.Muon, momentum=torch.tensor(0.9), weight_decay=0.1, eps=1e-7) == muon
+    assert key(canzona.Muon, momentum=0.0, weight_decay=0.1, eps=1e-7) != muon
+    assert key(canzona.Muon, momentum=0.95, weight_decay=0.0, eps=1e-7) != muon
+    assert key(canzona.Muon, momentum=0.95, weight_decay=0.1, eps=1e-7, ns_steps=3) != muon
+    shampoo = key(canzona.Shampoo, betas=(0.9, 0.999))
+    assert key(canzona.Shampoo, betas=(0.85, 0.99)) == shampoo
+    assert key(canzona.Shampoo, betas=(0.9, 1.0)) != shampoo
+    assert key(canzona.Shampoo, betas=(0.0, 0.999)) != shampoo
+    assert key(canzona.SOAP, shampoo_beta=0.5) != key(canzona.SOAP, shampoo_beta=-1.0)
+
+
 def test_entry_keys_tell_optimizer_classes_apart() -> None:
     """Catches: timings keyed without the optimizer's configuration: a subclass with its own
     math and the same settings would reuse its parent's timings."""
@@ -141,7 +164,7 @@ def _jobs_with_a_disk_cache(directory: str) -> dict[str, Any]:
     cache_module.DiskCache.store = store_spy  # type: ignore[method-assign]
     timed, tables = [], []
     try:
-        for kw in ({}, {}, {"eps": 1e-6}):
+        for kw in ({}, {}, {"ns_steps": 3}):
             calibrate_module._CACHE.clear()  # a new process
             before = sum(c is not None for c in calls)
             opt = canzona.Muon(
@@ -168,7 +191,7 @@ def _jobs_with_a_disk_cache(directory: str) -> dict[str, Any]:
 def test_a_later_job_reuses_the_agreed_timings(dist: Any, tmp_path: Path) -> None:
     """Catches: a disk cache that is not read (the second job times again), that is written
     by every rank, that returns other numbers than the agreed ones, or whose key ignores a
-    group's settings (the third job, with another ``eps``, would time nothing)."""
+    group's settings (the third job, with another ``ns_steps``, would time nothing)."""
     out = dist(2).run(_jobs_with_a_disk_cache, str(tmp_path))
     for rank, o in enumerate(out):
         first, second, third = o["timed"]

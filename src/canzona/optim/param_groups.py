@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fnmatch
+import math
 import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -236,8 +237,9 @@ def _split_groups(
             if chosen is None:
                 plain.append((name, p))
                 continue
-            # a flattened weight is its (shape[0], rest) matrix
-            m, n = (p.shape[0], p[0].numel()) if p.ndim > 3 else p.shape[-2:]
+            # a flattened weight is its (shape[0], rest) matrix, from the shape (indexing a
+            # DTensor would gather it)
+            m, n = (p.shape[0], math.prod(p.shape[1:])) if p.ndim > 3 else p.shape[-2:]
             chosen.shapes(m, n, name=f"parameter {name!r}")
             blocks.setdefault(chosen, []).append((name, p))
         out.append((plain, list(blocks.items())))

@@ -141,6 +141,8 @@ class StepTableMixin:
                         self._config_repr(),
                         cost,
                         [(g.get("split"), bool(g.get("flatten"))) for g in groups],
+                        # what travels prices the plan's bytes and its timings
+                        sorted({(r.batch_key, str(r.payload_dtype)) for r in rows}),
                     )
                 ),
                 version=self._table_version,

@@ -92,7 +92,8 @@ def check_group(group: dict[str, Any], owner: str, taken: Set[str], offset: int)
         if torch.is_complex(p):
             raise ValueError(f"parameter {label!r}: complex dtype {p.dtype} is not supported")
         if split is not None:
-            m, n = (p.shape[0], p[0].numel()) if flatten and p.ndim > 2 else p.shape[-2:]
+            # from the shape: indexing a DTensor would gather it
+            m, n = (p.shape[0], math.prod(p.shape[1:])) if flatten and p.ndim > 2 else p.shape[-2:]
             split.shapes(m, n, name=f"parameter {label!r}")
 
 
@@ -165,6 +166,27 @@ def regrouped(
     ]
 
 
+def _kind_difference(before: Hashable, now: Hashable) -> str:
+    """What differs between two kinds of state (``(algorithm, *sorted (key, spec))``), briefly."""
+    if not (isinstance(before, tuple) and isinstance(now, tuple) and before and now):
+        return f"{before!r}, now {now!r}"
+    if before[0] != now[0]:
+        return f"algorithm {before[0]!r}, now {now[0]!r}"
+    old, new = dict(before[1:]), dict(now[1:])
+    gone = [k for k in old if k not in new]
+    added = [k for k in new if k not in old]
+    changed = [k for k in old if k in new and old[k] != new[k]]
+    parts = [f"{len(old)} owner-held state entries, now {len(new)}"]
+    if gone:
+        parts.append(f"no longer {gone[0]!r}" + (f" and {len(gone) - 1} more" if gone[1:] else ""))
+    if added:
+        parts.append(f"new {added[0]!r}" + (f" and {len(added) - 1} more" if added[1:] else ""))
+    if changed:
+        k = changed[0]
+        parts.append(f"{k!r} was {old[k]!r}, now {new[k]!r}")
+    return "; ".join(parts)
+
+
 def check_moves(
     params: Sequence[torch.Tensor],
     names: Sequence[str],
@@ -188,7 +210,8 @@ def check_moves(
         if before is not None and before != kind and "step" in state.get(p, {}):
             return ValueError(
                 f"parameter {name!r} has state of another param group than the one it is in "
-                f"now ({before!r}, now {kind!r}): its state cannot be used there; clear "
+                f"now ({_kind_difference(before, kind)}): its group's algorithm, split, "
+                "flatten or max_precond_dim changed, or it moved to another group; clear "
                 "optimizer.state for it (it starts afresh) or keep it in a group like the old"
             )
     seen.clear()

@@ -107,9 +107,32 @@ def device_name(device: torch.device) -> str:
     return f"{device.type}:{_cpu_model()}:{torch.get_num_threads()} threads"
 
 
+def _timed_form(value: object) -> object:
+    """What of a setting can change the owner math's operations, so its time.
+
+    A float (or a 0-dim floating tensor) only scales the math, except where the math
+    branches on it, always against 0 or 1 (``momentum > 0``, ``beta2 == 1``): its range
+    among ``nan, < 0, 0, (0, 1), 1, > 1`` keeps every such branch apart, and a momentum,
+    weight decay or ``betas`` that a scheduler moves (OneCycleLR's cycled momentum) times
+    nothing again. Everything else (integers such as ``ns_steps``, dtypes, strings) counts
+    by its value.
+    """
+    if isinstance(value, torch.Tensor) and value.ndim == 0 and value.is_floating_point():
+        value = float(value)
+    if isinstance(value, float):
+        if value != value or value in (0.0, 1.0):
+            return repr(value)
+        return "<0" if value < 0 else "(0,1)" if value < 1 else ">1"
+    if isinstance(value, tuple | list):
+        return tuple(_timed_form(v) for v in value)
+    return repr(value)
+
+
 def group_settings(hparams: Mapping[str, Any]) -> str:
     """A param group's settings that may change its owner math (sorted, as text)."""
-    return repr(sorted((k, repr(v)) for k, v in hparams.items() if k not in UNTIMED_SETTINGS))
+    return repr(
+        sorted((k, _timed_form(v)) for k, v in hparams.items() if k not in UNTIMED_SETTINGS)
+    )
 
 
 def _key_fields(shape: Shape, table: StepTable, device: torch.device) -> tuple[object, ...]:
