@@ -931,3 +931,22 @@ def test_grad_scaler_skips_an_overflowing_step_and_unscales_the_others(name: str
         set_grads(ref_params, g)
         ref.step()
         assert_params_equal(params, snapshot(ref_params))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_owner_held_placeholders_carry_their_states_dtype(name: str, dtype: torch.dtype) -> None:
+    """Catches: ``optimizer.state`` listing owner-held keys as empty tensors of the default
+    dtype while ``state_dict()`` holds them in another (a float64 parameter's float64
+    factors): tools that read dtypes from ``optimizer.state`` were misled."""
+    values = {n: v.to(dtype) for n, v in initial().items()}
+    params, opt = make(name, values)
+    train(params, opt, [{n: g.to(dtype) for n, g in grads.items()} for grads in gradients(steps=1)])
+    saved = opt.state_dict()["state"]
+    ids = {id(p): i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
+    checked = 0
+    for p, entry in opt.state.items():
+        for key, value in entry.items():
+            if value.numel() == 0 and key != "step":
+                assert value.dtype == saved[ids[id(p)]][key].dtype, (key, value.dtype)
+                checked += 1
+    assert (checked > 0) == (name != "muon")  # Muon keeps no owner-held state

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import warnings
 from pathlib import Path
 from typing import Any
@@ -127,6 +128,7 @@ def test_disk_cache_round_trip_and_bad_files(tmp_path: Path) -> None:
         json.dumps({"format": FORMAT + 1, "entries": {}}),
         "[1, 2]",
         json.dumps(old),
+        '{"format": 2, "entries": {"a": ' + "[" * 100_000 + "]" * 100_000 + "}}",  # too deep
     ):
         cache.path.write_text(text)
         with pytest.warns(RuntimeWarning, match="is not a cache file"):
@@ -143,6 +145,33 @@ def test_disk_cache_write_failure_only_warns(tmp_path: Path) -> None:
     cache = DiskCache(blocker / "dir", "cpu:test")  # a directory under a regular file
     with pytest.warns(RuntimeWarning, match="could not write the calibration cache"):
         cache.store({"k": (1.0, -1.0, -1.0)})
+
+
+def test_disk_cache_keeps_the_files_permissions_and_finite_json(tmp_path: Path) -> None:
+    """Catches: each write leaving the file readable by its writer alone (the temporary
+    file's 0600 replaced it, so a cache shared by a team stopped serving the others), a
+    bad file warned about twice per write, and a non-finite timing written as ``NaN``
+    (not JSON)."""
+    cache = DiskCache(tmp_path, "cpu:test")
+    umask = os.umask(0o022)
+    try:
+        cache.store({"k": (1.0, -1.0, -1.0)})
+    finally:
+        os.umask(umask)
+    assert cache.path.stat().st_mode & 0o777 == 0o644  # a new file: 0666 under the umask
+    cache.path.chmod(0o664)
+    cache.store({"inf": (float("inf"), -1.0, -1.0), "k2": (2.0, -1.0, -1.0)})
+    assert cache.path.stat().st_mode & 0o777 == 0o664  # the file's own, kept
+    assert json.loads(cache.path.read_text(), parse_constant=pytest.fail)["entries"] == {
+        "k": [1.0, -1.0, -1.0],
+        "k2": [2.0, -1.0, -1.0],
+    }
+    cache.path.write_text("{not json")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cache.store({"k": (1.0, -1.0, -1.0)})
+    assert caught == []  # the reader warned when it read the file
+    assert set(cache.load()) == {"k"}
 
 
 def _jobs_with_a_disk_cache(directory: str) -> dict[str, Any]:
@@ -207,9 +236,11 @@ def test_a_later_job_reuses_the_agreed_timings(dist: Any, tmp_path: Path) -> Non
 
 def test_calibration_cache_setting_is_checked() -> None:
     assert canzona.PipelineConfig(calibration_cache=Path("x")).calibration_cache == Path("x")
-    for bad in ("", 3, True):
+    for bad in ("", 3, True, "/tmp/a\0b"):
         with pytest.raises(ValueError, match="calibration_cache must be a directory path"):
             canzona.PipelineConfig(calibration_cache=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="process_group must be a ProcessGroup or None, got 42"):
+        canzona.PipelineConfig(process_group=42)  # type: ignore[arg-type]
 
 
 class _FakeClock:

@@ -194,8 +194,8 @@ class OwnerState:
         are listed on every rank so that code that walks ``optimizer.state`` (e.g. DCP's
         flattened optimizer state dicts) sees the same structure as ``state_dict()``.
         """
-        for key in self.specs(p, group):
-            state[key] = torch.empty(0)
+        for key, (_, dtype, _) in self.specs(p, group).items():
+            state[key] = torch.empty(0, dtype=dtype)  # the dtype state_dict() gives it
 
     def entries(
         self, params: Sequence[Tensor], groups: Sequence[dict[str, Any]], stepped: set[int]

@@ -158,8 +158,10 @@ def param_groups(
         **matrix: Extra entries of the matrix groups (e.g. ``lr=0.02``).
 
     Returns:
-        Up to two param groups (empty groups are left out), ready for
-        :class:`canzona.Muon`, :class:`canzona.Shampoo` or :class:`canzona.SOAP`.
+        The param groups (empty groups are left out): the matrices, the AdamW group, and
+        one more per ``split`` declaration and for ``flatten``'s weights; ready for
+        :class:`canzona.Muon`, :class:`canzona.NorMuon`, :class:`canzona.Shampoo` or
+        :class:`canzona.SOAP`.
 
     Raises:
         TypeError: when ``model`` is not an ``nn.Module`` (e.g. ``model.parameters()``).

@@ -6,6 +6,7 @@ import itertools
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, SupportsIndex
 
 __all__ = ["Split"]
 
@@ -43,6 +44,15 @@ class Split:
     dim: int
     sizes: tuple[int, ...] | None = None
     size: int | None = None
+
+    if TYPE_CHECKING:  # what the constructor takes; the fields hold plain ints after it
+
+        def __init__(
+            self,
+            dim: SupportsIndex,
+            sizes: Sequence[SupportsIndex] | None = None,
+            size: SupportsIndex | None = None,
+        ) -> None: ...
 
     def __post_init__(self) -> None:
         dim = _as_int(self.dim)

@@ -37,6 +37,16 @@ def _entry(value: Any) -> Entry | None:
     return seconds, (second if second >= 0 else -1.0), (third if third >= 0 else -1.0)
 
 
+def _file_mode(path: Path) -> int:
+    """The permissions of the file at ``path``, or of a new file under the umask."""
+    try:
+        return path.stat().st_mode & 0o777
+    except (OSError, ValueError):
+        umask = os.umask(0o022)
+        os.umask(umask)
+        return 0o666 & ~umask
+
+
 @dataclass(frozen=True, slots=True)
 class DiskCache:
     """A calibration's agreed timings in one JSON file per device and torch build.
@@ -62,19 +72,20 @@ class DiskCache:
         tag = hashlib.sha256(f"{self.device}|{torch.__version__}".encode()).hexdigest()[:16]
         return self.directory / f"calibration-{tag}.json"
 
-    def load(self) -> dict[str, Entry]:
+    def load(self, *, warn: bool = True) -> dict[str, Entry]:
         """The stored entries (empty when the file is missing or unusable)."""
         try:
             text = self.path.read_text(encoding="utf-8")
         except (FileNotFoundError, NotADirectoryError):
             return {}
-        except (OSError, UnicodeDecodeError) as exc:
-            warnings.warn(
-                f"canzona: calibration cache {str(self.path)!r} is not readable ({exc}); "
-                "timing instead",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+        except (OSError, ValueError) as exc:  # ValueError: not UTF-8, a NUL in the path
+            if warn:
+                warnings.warn(
+                    f"canzona: calibration cache {str(self.path)!r} is not readable ({exc}); "
+                    "timing instead",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
             return {}
         try:
             data = json.loads(text)
@@ -84,13 +95,14 @@ class DiskCache:
             raw = data["entries"]
             if not isinstance(raw, dict):
                 raise ValueError(f"entries must be an object, got {type(raw).__name__}")
-        except (ValueError, KeyError) as exc:
-            warnings.warn(
-                f"canzona: calibration cache {str(self.path)!r} is not a cache file of "
-                f"format {FORMAT} ({exc}); timing instead",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+        except (ValueError, KeyError, RecursionError) as exc:  # RecursionError: deep nesting
+            if warn:
+                warnings.warn(
+                    f"canzona: calibration cache {str(self.path)!r} is not a cache file of "
+                    f"format {FORMAT} ({type(exc).__name__}: {exc}); timing instead",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
             return {}
         out: dict[str, Entry] = {}
         for key, value in raw.items():
@@ -101,8 +113,8 @@ class DiskCache:
 
     def store(self, entries: Mapping[str, Entry]) -> None:
         """Merge ``entries`` into the file (atomic replace; an error only warns)."""
-        merged = self.load()
-        merged.update(entries)
+        merged = self.load(warn=False)  # its reader has warned already
+        merged.update((k, e) for k, v in entries.items() if (e := _entry(v)) is not None)
         data = {
             "format": FORMAT,
             "device": self.device,
@@ -114,10 +126,12 @@ class DiskCache:
             self.directory.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".calibration-", suffix=".tmp")
             with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(data, f, indent=1)
+                if hasattr(os, "fchmod"):  # mkstemp's 0600 would lock out a shared cache
+                    os.fchmod(f.fileno(), _file_mode(self.path))
+                json.dump(data, f, indent=1, allow_nan=False)
             os.replace(tmp, self.path)
             tmp = None
-        except OSError as exc:
+        except (OSError, ValueError) as exc:
             warnings.warn(
                 f"canzona: could not write the calibration cache {str(self.path)!r} ({exc})",
                 RuntimeWarning,

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
+
+import torch.distributed as dist
 
 
 class PlanMismatchError(RuntimeError):
@@ -121,7 +122,7 @@ class PipelineConfig:
     depth: int = 1
     timeout_s: float = 600.0
     check_every_step: bool = True
-    process_group: Any = None
+    process_group: dist.ProcessGroup | None = None
     progress_markers: bool = True
     skip_nonfinite: bool = False
     atomic: bool = True
@@ -151,8 +152,13 @@ class PipelineConfig:
         if isinstance(reprice, bool) or not isinstance(reprice, int) or reprice < 0:
             raise ValueError(f"reprice_steps must be an int >= 0, got {reprice!r}")
         cache = self.calibration_cache
-        if cache is not None and (not isinstance(cache, str | os.PathLike) or not str(cache)):
+        if cache is not None and (
+            not isinstance(cache, str | os.PathLike) or not str(cache) or "\0" in str(cache)
+        ):
             raise ValueError(f"calibration_cache must be a directory path or None, got {cache!r}")
+        group = self.process_group
+        if group is not None and not isinstance(group, getattr(dist, "ProcessGroup", ())):
+            raise ValueError(f"process_group must be a ProcessGroup or None, got {group!r}")
 
     @property
     def collective_settings(self) -> tuple[bool, int, int, int, bool, bool, bool]:
