@@ -384,10 +384,10 @@ def test_calibrate_reuses_its_cache(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert cli.main([*argv, "--out", str(first), "--cache", str(cache)]) == 0
     out = capsys.readouterr().out
     rows = json.loads(first.read_text())["models"]["0"]["table"]
-    assert f", {len(rows)} timed (0 from the cache) in " in out
+    assert f", {len(rows)} with timings ({len(rows)} timed now, 0 from the cache) in " in out
     assert len(list(cache.iterdir())) == 1  # one file for this device and torch build
     assert cli.main([*argv, "--out", str(second), "--cache", str(cache)]) == 0
-    assert f"({len(rows)} from the cache)" in capsys.readouterr().out
+    assert f"(0 timed now, {len(rows)} from the cache)" in capsys.readouterr().out
     again = json.loads(second.read_text())["models"]["0"]["table"]
     assert all(row in again for row in rows)  # the stored seconds, not new timings
 

@@ -186,7 +186,7 @@ def test_singular_values_land_in_the_quintic_band(
 ) -> None:
     # Input with singular values spread over [1, 10]. Five steps of the quintic
     # p(s) = 3.4445 s - 4.7750 s^3 + 2.0315 s^5 leave every singular value oscillating in about
-    # [0.68, 1.14] (measured; torch's docstring says "roughly 0.5-1.5"); the band asserted adds
+    # [0.68, 1.13] (measured; torch's docstring says "roughly 0.5-1.5"); the band asserted adds
     # margin for bf16 rounding. The spread (max / min) drops from 10 to under 2.
     m, n = shape
     k = min(m, n)
