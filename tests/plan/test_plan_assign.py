@@ -396,3 +396,27 @@ def test_lpt_refreshes_a_heap_that_another_eligibility_set_made_stale() -> None:
     ]
     a = assign_owners(specs, 4, strategy="numel")
     assert a.owner == {"a": 0, "b": 1, "c": 2}
+
+
+def test_round_robin_deals_restricted_matrices_from_the_first_eligible_rank() -> None:
+    """Catches: the deal skipping the rank it starts at when that rank is eligible: four
+    matrices restricted to ranks 0 and 1 of four went 1, 0, 0, 0."""
+    specs = [MatrixSpec(f"w{i}", (8, 8), ranks=(0, 1)) for i in range(4)]
+    a = assign_owners(specs, 4, strategy="round_robin")
+    assert [a.owner[s.name] for s in specs] == [0, 1, 0, 1]
+
+
+def test_refinement_swaps_toward_half_the_gap() -> None:
+    """Catches: the swap search aiming at a partner that closes the whole gap between the
+    two ranks instead of half of it (a worse swap is found: makespan 17, not 16)."""
+    costs = [9.0, 5.0, 3.0, 8.0, 6.0]
+    owners = refine_owners(costs, [None] * 5, [0, 1, 1, 0, 1], 2)
+    assert objective(costs, owners, 2) == (16.0, 1)
+
+
+def test_equal_costs_go_by_bytes_then_name() -> None:
+    """Catches: the greedy order's tie-break on bytes reversed (``(-cost, -bytes, name)``
+    is the documented order): the larger payload is placed first, on rank 0."""
+    specs = [MatrixSpec("x", (8, 8), itemsize=2), MatrixSpec("y", (8, 8), itemsize=4)]
+    for refine in (False, True):
+        assert dict(assign_owners(specs, 2, refine=refine).owner) == {"x": 1, "y": 0}

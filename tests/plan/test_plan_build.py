@@ -187,6 +187,9 @@ def test_plan_config_validation() -> None:
     assert build_plan(specs, 2, PlanConfig(alpha=-0.0)).digest() == zero
     # a capacity below one byte still admits one byte (a matrix per owner per group)
     assert PlanConfig(capacity_mb=1e-9).capacity_bytes == 1
+    # fractions of a MiB count (not truncated to whole MiB first)
+    assert PlanConfig(capacity_mb=1.5).capacity_bytes == 3 * MIB // 2
+    assert PlanConfig(capacity_mb=0.25).capacity_bytes == MIB // 4
     assert len(build_plan(specs, 2, PlanConfig(capacity_mb=1e-9)).micro_groups) == 1
     for kwargs, match in [
         ({"strategy": "lpt"}, "strategy"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -143,3 +144,51 @@ def test_a_tight_capacity_keeps_the_plain_assignment() -> None:
     plain = assign_owners(specs, 2, optimizer=cost, refine=False)
     tight = assign_owners(specs, 2, optimizer=cost, capacity_bytes=2 * 128 * 128 * 4)
     assert tight.owner == plain.owner
+
+
+def test_a_stack_holds_what_a_micro_group_can_hold_not_one_more() -> None:
+    """Catches: the pass assuming one more matrix per call than a micro-group's capacity
+    holds: it gathered three 128x128 matrices on one rank, which then cost two calls
+    anyway (1.05 ms on the busiest rank instead of 0.7)."""
+    shapes = ((128, 128), (256, 128))
+    cost = MeasuredCost(
+        base=MuonCost(),
+        table=tuple((s, 0.35e-3) for s in shapes),
+        batches=((shapes[0], 0.3e-3, 0.2e-3), (shapes[1], 0.3e-3, 0.4e-3)),
+    )
+    specs = [MatrixSpec(f"a{i}", (128, 128)) for i in range(3)] + [MatrixSpec("b0", (256, 128))]
+    a = assign_owners(specs, 2, optimizer=cost, capacity_bytes=2 * 128 * 128 * 4)
+    assert [a.owner[s.name] for s in specs] == [1, 0, 1, 0]
+    assert max(a.loads) == pytest.approx(0.7e-3)
+
+
+def test_gathering_that_keeps_the_makespan_still_saves_calls() -> None:
+    """Catches: options compared on the makespan alone, not then on the calls: two
+    matrices of one class on two idle ranks were left apart (3 calls, not 2)."""
+    calls = CallCosts(
+        costs=[10.0, 1.0, 1.0], fixed=[2.0] * 3, classes=["x", "a", "a"], stack=[99] * 3
+    )
+    owners = consolidate_owners(calls, [None] * 3, [0, 1, 2], 3)
+    assert owners[1] == owners[2] and owners[0] == 0
+    assert rank_loads(calls, owners, 3)[0] == 12.0
+
+
+def test_the_potential_takes_the_first_unchanged_leader() -> None:
+    """Catches: the potential of an option read from the wrong one of the ranks it leaves
+    unchanged (four ranks or more): options that did not lower the makespan were taken and
+    the result kept a call more (4 calls instead of 3)."""
+    fixed = {"a": 2.0, "b": 1.0, "c": 3.0}
+    classes = ["c", "a", "a", "b"]
+    calls = CallCosts(
+        costs=[5.0, 2.0, 2.0, 3.0],
+        fixed=[fixed[k] for k in classes],
+        classes=classes,
+        stack=[99] * 4,
+    )
+    owners = consolidate_owners(calls, [None] * 4, [1, 0, 3, 2], 4)
+    loads = rank_loads(calls, owners, 4)
+    assert (max(loads), loads.count(max(loads)), len(set(zip(owners, classes, strict=True)))) == (
+        8.0,
+        1,
+        3,
+    )

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from canzona.plan import MatrixSpec, assign_owners
+from canzona.plan import MatrixSpec, MuonCost, assign_owners
+from canzona.plan.measured import MeasuredCost
 
 
 def _experts(per_rank: int, ranks: int) -> list[MatrixSpec]:
@@ -56,3 +57,29 @@ def test_a_pinned_matrix_never_leaves_its_holders() -> None:
     assert set(a.owner.values()) == {0} and a.comm_bytes == (0, 0)
     with pytest.raises(ValueError, match="pinned needs holders"):
         MatrixSpec("w", (4, 4), pinned=True)
+
+
+def _stacked_cost() -> MeasuredCost:
+    """A measured cost whose calls have a fixed part: the consolidation pass runs."""
+    shapes = ((128, 128), (256, 128))
+    return MeasuredCost(
+        base=MuonCost(),
+        table=tuple((s, 0.35e-3) for s in shapes),
+        batches=tuple((s, 0.3e-3, 0.2e-3) for s in shapes),
+    )
+
+
+@pytest.mark.parametrize("pinned", [True, False])
+def test_held_matrices_stay_on_their_holders_when_calls_are_priced(pinned: bool) -> None:
+    """Catches: the pass that gathers same-shape matrices on fewer owners (it runs with
+    measured costs only) moving a matrix off its holder: pinned experts left their ranks,
+    and held ones moved bytes where staying costs nothing and finishes no later."""
+    specs = [
+        MatrixSpec("e0", (128, 128), holders=(0,), pinned=pinned),
+        MatrixSpec("e1", (128, 128), holders=(1,), pinned=pinned),
+        MatrixSpec("f0", (256, 128)),
+        MatrixSpec("f1", (256, 128)),
+    ]
+    a = assign_owners(specs, 2, optimizer=_stacked_cost())
+    assert (a.owner["e0"], a.owner["e1"]) == (0, 1)
+    assert a.comm_bytes == (131072, 131072)  # one f each, nothing for the experts

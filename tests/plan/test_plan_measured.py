@@ -306,6 +306,8 @@ def test_an_untimed_shape_is_priced_by_its_class_first() -> None:
     assert cost.seconds(*thin) == pytest.approx(1e-9 * base.flops(MatrixSpec("s", thin)))
     square = (256, 256)  # no side-256 class: the square aspect class's rate
     assert cost.seconds(*square) == pytest.approx(4e-9 * base.flops(MatrixSpec("s", square)))
+    both = (32, 32)  # side 32 and square: the more specific class, the side, prices it
+    assert cost.seconds(*both) == pytest.approx(1e-9 * base.flops(MatrixSpec("s", both)))
     other = (48, 200)  # neither class: the fit over every shape
     a, b = cost.fit
     want = math.exp(a + b * math.log(base.flops(MatrixSpec("s", other))))

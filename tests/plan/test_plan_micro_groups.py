@@ -381,3 +381,13 @@ def test_a_class_too_big_for_any_group_does_not_wait_for_an_empty_one() -> None:
     # deferred, the 8x32s would leave m2 alone in the first group: three groups, so the
     # cost-order grouping {m0, m1}, {m2, m3} would be used instead
     assert [set(g.names) for g in groups] == [{"m0", "m2"}, {"m1", "m3"}]
+
+
+def test_replicated_groups_count_a_restricted_matrix_next_to_the_others() -> None:
+    """Catches: a replicated group's capacity check leaving out what a restricted matrix
+    adds on its ranks when an unrestricted one joins: rank 0 held 880 B under an 800 B cap."""
+    specs = [MatrixSpec("r0", (12, 10), ranks=(0,)), MatrixSpec("c", (10, 10))]
+    a = assign_owners(specs, 2, strategy="replicated")
+    groups = micro_groups(specs, a, capacity_bytes=800)
+    assert [g.names for g in groups] == [("r0",), ("c",)]
+    assert all(max(g.rank_bytes) <= 800 for g in groups)
