@@ -950,3 +950,52 @@ def test_owner_held_placeholders_carry_their_states_dtype(name: str, dtype: torc
                 assert value.dtype == saved[ids[id(p)]][key].dtype, (key, value.dtype)
                 checked += 1
     assert (checked > 0) == (name != "muon")  # Muon keeps no owner-held state
+
+
+def test_parameters_that_start_later_are_stepped_by_their_own_counts(name: str) -> None:
+    """Catches: one step count taken for a batch of same-shape matrices (SOAP skipped the
+    whole batch on its first one's first step, or bias-corrected the others by its count),
+    and for an AdamW group (every parameter bias-corrected by the first one's count): a
+    matrix and a bias that get their first gradient a step late must step as they would
+    in an optimizer of their own, bitwise."""
+    shapes = {"a": (6, 6), "b": (6, 6), "bias": (5,), "late_bias": (5,)}
+    values, grads = initial(shapes), gradients(shapes, steps=4)
+    late = ("b", "late_bias")
+    together, opt = make(name, values)
+    apart = {n: make(name, {n: values[n]}) for n in shapes}
+    for i, step in enumerate(grads):
+        set_grads(together, step)
+        for n in late:
+            together[n].grad = None if i == 0 else together[n].grad
+        opt.step()
+        for n, (params, alone) in apart.items():
+            if i == 0 and n in late:
+                continue
+            set_grads(params, {n: step[n]})
+            alone.step()
+    for n, (params, _) in apart.items():
+        assert torch.equal(together[n].detach(), params[n].detach()), n
+
+
+def test_loaded_owner_held_state_takes_the_optimizers_dtype(name: str) -> None:
+    """Catches: owner-held state (Shampoo's and SOAP's factors, NorMuon's second moments)
+    kept in a loaded state dict's dtype (a float64 checkpoint into a float32 model: twice
+    the memory and float64 arithmetic, while ``state_dict()`` still showed float32), where
+    torch.optim casts floating state to the parameter's: the steps after loading a float64
+    copy of a state dict equal those after loading the state dict itself, bitwise."""
+    grads = gradients(steps=5)
+    params, opt = make(name)
+    train(params, opt, grads[:3])
+    saved = opt.state_dict()
+    widened = copy.deepcopy(saved)
+    for entry in widened["state"].values():
+        for key, value in entry.items():
+            if key != "step" and value.is_floating_point():
+                entry[key] = value.double()
+    runs = []
+    for sd in (saved, widened):
+        again, fresh = make(name, snapshot(params))
+        fresh.load_state_dict(copy.deepcopy(sd))
+        train(again, fresh, grads[3:])
+        runs.append(snapshot(again))
+    assert_params_equal(parameters(runs[1]), runs[0])

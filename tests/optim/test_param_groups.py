@@ -672,3 +672,25 @@ def test_a_split_flattened_weight_is_checked_without_a_collective() -> None:
         assert comm.get_total_counts() == 0
     finally:
         dist.destroy_process_group()
+
+
+def test_adamw_group_counts_each_parameters_own_steps() -> None:
+    """Catches: an AdamW group bias-corrected by one step count for all its parameters: a
+    bias with no gradient at the first step (a newly unfrozen one) must step as in
+    ``torch.optim.AdamW``, which counts per parameter."""
+    gen = torch.Generator().manual_seed(1)
+    values = [torch.randn(7, generator=gen), torch.randn(5, generator=gen)]
+    ours = [nn.Parameter(v.clone()) for v in values]
+    theirs = [nn.Parameter(v.clone()) for v in values]
+    w = nn.Parameter(torch.randn(8, 8, generator=gen))
+    opt = canzona.Muon([{"params": [w]}, {"params": ours, "algorithm": "adamw"}], lr=0.01)
+    ref = torch.optim.AdamW(theirs, lr=0.01, weight_decay=0.1, betas=(0.9, 0.95), foreach=False)
+    for step in range(3):
+        w.grad = torch.randn(8, 8, generator=gen)
+        for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+            g = torch.randn(a.shape, generator=gen)
+            a.grad, b.grad = (None, None) if i == 0 and step == 0 else (g.clone(), g.clone())
+        opt.step()
+        ref.step()
+    for a, b in zip(ours, theirs, strict=True):
+        assert torch.equal(a.detach(), b.detach())
