@@ -43,6 +43,8 @@ def test_a_riding_header_goes_on_only_when_equal_and_ready() -> None:
     assert len(ready) == RIDE_WORDS and ready[RIDE_READY] == 1 and not_ready[RIDE_READY] == 0
     assert ride_agrees([ready, ready])
     assert not ride_agrees([not_ready, not_ready])  # equal, but nobody prepared by the plan
+    assert not ride_agrees([ready, not_ready])  # one rank computed nothing: not the others
+    assert not ride_agrees([not_ready, ready])
     assert not ride_agrees([ready, ride_header([4, *header[1:]], True)])
 
 

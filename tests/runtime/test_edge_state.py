@@ -43,6 +43,10 @@ def _layout(kind: str) -> tuple[dict[str, tuple[int, ...]], Any, dict[str, Any]]
     if kind == "experts":  # 3 experts over 4 ranks: one rank holds none
         shapes = {"stack": SHAPES["stack"], "tiny": SHAPES["tiny"]}
         return shapes, mesh((4,)), {"stack": (Shard(0),), "tiny": (Shard(0),)}
+    if kind == "experts_uneven":  # 11 experts over 4 ranks: 3, 3, 3 and 2, the last
+        # rank's at positions 0 and 1 of its shard while 9 % 2 == 1
+        shapes = {"stack": (11, 4, 6), "square": SHAPES["square"]}
+        return shapes, mesh((4,)), {"stack": (Shard(0),), "square": (Shard(1),)}
     if kind == "experts2d":  # 3 experts split over both dims of a 2x2 mesh, or by columns
         shapes = {"stack": SHAPES["stack"], "wide_stack": (5, 4, 9)}
         pl = {"stack": (Shard(0), Shard(0)), "wide_stack": (Shard(0), Shard(2))}
@@ -113,6 +117,7 @@ RESUME_CASES = [
     ("experts", {}, {"strategy": "round_robin"}),
     ("experts", {"strategy": "replicated"}, {}),
     ("experts2d", {"replica_dedup": False}, {"strategy": "numel"}),
+    ("experts_uneven", {}, {"strategy": "round_robin"}),
     ("submeshes", {}, {"strategy": "count"}),
     ("split", {}, {"strategy": "round_robin"}),
     ("float64", {"strategy": "replicated"}, {}),

@@ -550,3 +550,39 @@ def test_a_retired_schedule_keeps_its_buffers_when_another_schedule_runs() -> No
     opt.step()
     assert len(opt._runtime._pipelines) == 2  # type: ignore[attr-defined]
     assert all(b.tensor.untyped_storage().nbytes() > 0 for b in first.schedule.buffers)
+
+
+def _permuted_mesh() -> dict[str, bool]:
+    """A 2x2 mesh whose ranks are not in row-major order: [[0, 2], [1, 3]]."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
+
+    shapes = {"square": (16, 16), "tall": (24, 8), "wide": (8, 24)}
+    fulls = full_tensors(shapes)
+    grads = grad_steps(shapes, 3)
+    want = reference_muon(fulls, grads, lr=0.02, weight_decay=0.1, momentum=0.9)
+    dm = DeviceMesh("cpu", torch.tensor([[0, 2], [1, 3]]), mesh_dim_names=("a", "b"))
+    row, col = dm.get_coordinate()  # type: ignore[misc]
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.chunk(2, 0)[row].chunk(2, 1)[col].clone()
+
+    placements = [Shard(0), Shard(1)]
+    params = [
+        (n, torch.nn.Parameter(DTensor.from_local(local(t), dm, placements, run_check=False)))
+        for n, t in fulls.items()
+    ]
+    opt = canzona.Muon([p for _, p in params], lr=0.02, weight_decay=0.1, momentum=0.9)
+    for g in grads:
+        for n, p in params:
+            p.grad = DTensor.from_local(local(g[n]), dm, placements, run_check=False)
+        opt.step()
+    return {n: torch.equal(p.to_local(), local(want[n])) for n, p in params}
+
+
+def test_a_mesh_of_permuted_ranks(dist: Any) -> None:
+    """Catches: the layout reading a mesh's ranks in sorted order instead of their places
+    (a mesh ``[[0, 2], [1, 3]]`` taken for ``[[0, 1], [2, 3]]``): every matrix assembled from
+    the wrong ranks' shards. Bitwise ``torch.optim.Muon``."""
+    for out in dist(4).run(_permuted_mesh):
+        assert all(out.values()), out

@@ -9,19 +9,24 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
+from torch import nn
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
 import canzona
 
 from _cases import (
+    OWNER_KW,
     SHAPES,
     assert_bitwise,
     compare,
+    full_of,
     full_tensors,
     grad_steps,
     local_optimizer,
     plan,
     run_steps,
+    set_grads,
     sharded_params,
     strategies,
 )
@@ -116,3 +121,48 @@ def test_hsdp_world4_experts_split_over_the_shard_dim(dist: Any, name: str) -> N
     placements = {n: (Replicate(), Shard(0)) for n in ("square", "stack")}
     placements["odd"] = (Replicate(), Shard(1))
     assert_bitwise(dist(4).run(_case, name, (2, 2), placements, dedup=False), ONE_DEVICE)
+
+
+def _mixed_dtypes(name: str, strategy: str, placement: str) -> dict[str, bool]:
+    """A float64 matrix next to float32 ones (one micro-group, one param group)."""
+    cls = getattr(canzona, name)
+    shapes = {"a": (12, 8), "b": (12, 8), "c": (8, 12)}
+    fulls = full_tensors(shapes)
+    grads = grad_steps(shapes, 3)
+    fulls["a"] = fulls["a"].double()
+    for g in grads:
+        g["a"] = g["a"].double()
+    params = [(n, nn.Parameter(t.clone())) for n, t in fulls.items()]
+    ref = cls([p for _, p in params], **OWNER_KW[name])
+    for g in grads:
+        set_grads(params, g)
+        ref.step()
+    want = {n: full_of(p) for n, p in params}
+    pl: tuple[Placement, ...] = (Shard(0),) if placement == "rows" else (Replicate(),)
+    params = sharded_params(fulls, mesh((2,)), {n: pl for n in shapes})
+    opt = cls([p for _, p in params], **OWNER_KW[name], plan=plan(strategy=strategy))
+    for g in grads:
+        set_grads(params, g)
+        opt.step()
+    got = {n: full_of(p) for n, p in params}
+    assert all(p.dtype == (torch.float64 if n == "a" else torch.float32) for n, p in got.items())
+    return {n: eq for n, (eq, _) in compare(got, want).items()}
+
+
+@pytest.mark.parametrize(
+    ("name", "strategy", "placement"),
+    [
+        ("Shampoo", "round_robin", "rows"),
+        ("NorMuon", "round_robin", "rows"),
+        ("NorMuon", "replicated", "whole"),
+    ],
+)
+def test_mixed_dtypes_in_one_group_stay_bitwise(
+    dist: Any, name: str, strategy: str, placement: str
+) -> None:
+    """Catches: a direction that travelled in a micro-group's common dtype (float64 next to
+    a float32 matrix) applied without its cast back (the float32 parameters updated in
+    float64), and matrices kept on their rank merged into one run across direction dtypes
+    (NorMuon batches float64 and float32 payloads together): bitwise one device."""
+    for out in dist(2).run(_mixed_dtypes, name, strategy, placement):
+        assert all(out.values()), out
