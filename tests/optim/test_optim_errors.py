@@ -701,3 +701,57 @@ def test_a_value_that_shapes_existing_state_cannot_change(
     fresh.param_groups[0].update(saved)  # before the first step: no state to keep
     fresh.param_groups[0]["params"][0].grad = torch.randn(16, 8)
     fresh.step()
+
+
+@pytest.mark.parametrize("edit", ["max_precond_dim", "algorithm"])
+def test_a_loaded_optimizer_still_refuses_an_edit_its_state_cannot_take(edit: str) -> None:
+    """Catches: ``load_state_dict`` leaving the records of each group's state (its algorithm,
+    the values that shape its state) keyed by the groups it replaced, so that after any
+    load a state-shaping edit was no longer refused and the step ran on state built for
+    the old values; and a load of state saved with other state-shaping values taken for
+    an edit (a wrong refusal)."""
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(8, 8, generator=gen) for _ in range(3)]
+    p = nn.Parameter(torch.randn(8, 8, generator=gen))
+    opt = canzona.Shampoo([p], lr=0.01)
+    p.grad = grads[0].clone()
+    opt.step()
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    opt.param_groups[0][edit] = {"max_precond_dim": 4, "algorithm": "adamw"}[edit]
+    p.grad = grads[1].clone()
+    error, message = {
+        "max_precond_dim": (canzona.UpdateFailedError, "max_precond_dim from 8192 to 4 after"),
+        "algorithm": (ValueError, r"has 'shampoo' state .* keeps its algorithm"),
+    }[edit]
+    with pytest.raises(error, match=message):
+        opt.step()
+    # state saved with grafting="none" loads into an optimizer that stepped with "adam"
+    a, b = (nn.Parameter(torch.ones(8, 8)) for _ in range(2))
+    src = canzona.Shampoo([a], lr=0.01, grafting="none")
+    dst = canzona.Shampoo([b], lr=0.01)
+    for g in grads[:2]:
+        a.grad, b.grad = g.clone(), g.clone()
+        src.step()
+        dst.step()
+    dst.load_state_dict(copy.deepcopy(src.state_dict()))
+    with torch.no_grad():
+        b.copy_(a)
+    a.grad, b.grad = grads[2].clone(), grads[2].clone()
+    src.step()
+    dst.step()
+    assert torch.equal(a.detach(), b.detach())
+
+
+def test_a_copied_optimizer_refuses_a_new_algorithm_for_stepped_state() -> None:
+    """Catches: a deepcopy forgetting which algorithm each group's state belongs to: a
+    stepped group switched to ``"adamw"`` in the copy failed with ``KeyError: 'exp_avg'``
+    instead of the refusal that names the group."""
+    p = nn.Parameter(torch.randn(8, 8))
+    opt = canzona.Muon([p], lr=0.02)
+    p.grad = torch.randn(8, 8)
+    opt.step()
+    copied = copy.deepcopy(opt)
+    copied.param_groups[0]["algorithm"] = "adamw"
+    copied.param_groups[0]["params"][0].grad = torch.randn(8, 8)
+    with pytest.raises(ValueError, match=r"has 'muon' state .* keeps its algorithm"):
+        copied.step()

@@ -177,13 +177,16 @@ def _consolidated_round_trip(name: str, broadcast: bool) -> dict[str, Any]:
         )
     for m, o in ((model, opt), (resumed, resumed_opt)):
         _train(m, o, range(3, 5))
+    # gathered once, on every rank alike (collectives), before any comparison stops early
+    got, want = _fulls(resumed), _fulls(model)
+    got_state, want_state = _state_fulls(resumed_opt), _state_fulls(opt)
     return {
         "kinds": kinds,
         "split": resumed_opt.param_groups[1]["split"] == split["up.weight"],
-        "params": _fulls(resumed).keys() == _fulls(model).keys()
-        and all(torch.equal(v, _fulls(model)[n]) for n, v in _fulls(resumed).items()),
-        "state": _state_fulls(resumed_opt).keys() == _state_fulls(opt).keys()
-        and all(torch.equal(v, _state_fulls(opt)[k]) for k, v in _state_fulls(resumed_opt).items()),
+        "params": got.keys() == want.keys()
+        and all(torch.equal(v, want[n]) for n, v in got.items()),
+        "state": got_state.keys() == want_state.keys()
+        and all(torch.equal(v, want_state[k]) for k, v in got_state.items()),
     }
 
 
