@@ -694,3 +694,15 @@ def test_adamw_group_counts_each_parameters_own_steps() -> None:
         ref.step()
     for a, b in zip(ours, theirs, strict=True):
         assert torch.equal(a.detach(), b.detach())
+
+
+def test_a_split_of_a_flattened_conv1d_is_checked_on_its_matrix() -> None:
+    """Catches: ``param_groups`` checking a split of a flattened ``Conv1d`` weight
+    ``(out, in, k)`` against ``(in, k)`` (the rule it kept for N-D weights above 3-D)
+    while the optimizer splits its ``(out, in·k)`` matrix: a valid split refused, a wrong
+    one let through to the constructor."""
+    model = nn.Sequential(nn.Conv1d(4, 8, 3, bias=False))
+    groups = canzona.param_groups(model, flatten=True, split={"0.weight": canzona.Split(1, size=6)})
+    canzona.Muon(groups)
+    with pytest.raises(ValueError, match=r"'0\.weight': dimension 1 of the matrix has 12 elements"):
+        canzona.param_groups(model, flatten=True, split={"0.weight": canzona.Split(1, size=5)})

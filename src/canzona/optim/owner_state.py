@@ -36,7 +36,10 @@ def is_stack(p: Tensor, group: dict[str, Any]) -> bool:
 
 
 def matrix_shape(p: Tensor, group: dict[str, Any]) -> tuple[int, int]:
-    """Rows and columns of one matrix of ``p`` (a matricised weight: first dim by the rest)."""
+    """Rows and columns of one matrix of ``p`` (a matricised weight: first dim by the rest).
+
+    From the shape alone: indexing a sharded DTensor would gather it.
+    """
     if group.get("flatten") and p.ndim > 2:
         return p.shape[0], math.prod(p.shape[1:])
     return p.shape[-2], p.shape[-1]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import fnmatch
-import math
 import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -12,6 +11,7 @@ import torch
 from torch import nn
 from torch.nn.modules.conv import _ConvNd
 
+from canzona.optim.owner_state import matrix_shape
 from canzona.plan import Split
 
 HEAD_NAMES = ("lm_head", "output")
@@ -231,7 +231,7 @@ def _split_groups(
     """Per kind (matrices and stacks, flattened weights): unsplit parameters, split ones."""
     _check_patterns(model, split, {n for kind in kinds for n, _ in kind})
     out: list[Blocks] = []
-    for kind in kinds:
+    for kind, flatten in zip(kinds, (False, True), strict=True):
         plain: NamedParams = []
         blocks: dict[Split, NamedParams] = {}
         for name, p in kind:
@@ -239,10 +239,7 @@ def _split_groups(
             if chosen is None:
                 plain.append((name, p))
                 continue
-            # a flattened weight is its (shape[0], rest) matrix, from the shape (indexing a
-            # DTensor would gather it)
-            m, n = (p.shape[0], math.prod(p.shape[1:])) if p.ndim > 3 else p.shape[-2:]
-            chosen.shapes(m, n, name=f"parameter {name!r}")
+            chosen.shapes(*matrix_shape(p, {"flatten": flatten}), name=f"parameter {name!r}")
             blocks.setdefault(chosen, []).append((name, p))
         out.append((plain, list(blocks.items())))
     return out[0], out[1]

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from canzona.optim.owner_state import matrix_shape
 from canzona.plan import Split
 from canzona.runtime import validate_param
 
@@ -92,9 +93,7 @@ def check_group(group: dict[str, Any], owner: str, taken: Set[str], offset: int)
         if torch.is_complex(p):
             raise ValueError(f"parameter {label!r}: complex dtype {p.dtype} is not supported")
         if split is not None:
-            # from the shape: indexing a DTensor would gather it
-            m, n = (p.shape[0], math.prod(p.shape[1:])) if flatten and p.ndim > 2 else p.shape[-2:]
-            split.shapes(m, n, name=f"parameter {label!r}")
+            split.shapes(*matrix_shape(p, group), name=f"parameter {label!r}")
 
 
 def _shown(labels: list[str]) -> str:
