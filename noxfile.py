@@ -17,9 +17,9 @@ nox.options.reuse_existing_virtualenvs = True
 THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
-def _install(session: nox.Session, extras: str) -> None:
+def _install(session: nox.Session, extras: str, *, editable: bool = False) -> None:
     session.install(TORCH)
-    session.install(f".[{extras}]")
+    session.install(*(["-e"] if editable else []), f".[{extras}]")
 
 
 # TorchTitan's optimizer container and models without its training stack, so that the
@@ -89,9 +89,10 @@ def bench(session: nox.Session) -> None:
     """Benchmarks in quick mode (``nox -s bench -- --full`` for the full grid).
 
     TorchTitan's DistMuon is a peer of the step-latency and overhead benchmarks; it and the
-    other peers are installed with ``--no-deps`` (torch stays pinned).
+    other peers are installed with ``--no-deps`` (torch stays pinned). canzona is installed
+    editable: the benchmarks run the checkout's ``src/``, the code their results name.
     """
-    _install(session, "test,plot")
+    _install(session, "test,plot", editable=True)
     session.install("--no-deps", *TORCHTITAN, *PEERS)
     mode = "--full" if "--full" in session.posargs else "--quick"
     session.run("python", "benchmarks/run_all.py", mode, env=THREAD_ENV)

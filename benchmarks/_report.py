@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as _dt
+import importlib.util
 import json
 import os
 import platform
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src"
 RESULTS = ROOT / "benchmarks" / "results"
 DOC = ROOT / "docs" / "benchmarks.md"
 QUICK = RESULTS / "quick"
@@ -44,13 +46,15 @@ def git_commit() -> str:
     """The commit the benchmark runs on: ``git rev-parse --short HEAD``.
 
     With ``-dirty`` when ``src/`` differs from that commit (modified, staged or untracked
-    files), so that a number is never attributed to code it was not measured on;
-    ``"unknown"`` outside a git checkout (unless ``CANZONA_BENCH_COMMIT`` names the commit
-    a copy of the tree was taken from). Read-only: no index refresh is written.
+    files), and ``-installed`` when the ``canzona`` this process imports is a copy whose files
+    differ from ``src/`` (a stale non-editable install), so that a number is never attributed
+    to code it was not measured on; ``"unknown"`` outside a git checkout (unless
+    ``CANZONA_BENCH_COMMIT`` names the commit a copy of the tree was taken from). Read-only:
+    no index refresh is written.
     """
     named = os.environ.get("CANZONA_BENCH_COMMIT")  # a copy of the tree without .git
     if named:
-        return named
+        return named + ("" if imported_is_src() else "-installed")
     git = ["git", "--no-optional-locks"]
     try:
         sha = subprocess.run(
@@ -72,18 +76,46 @@ def git_commit() -> str:
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
-    return sha + ("-dirty" if changed or untracked else "")
+    return (
+        sha
+        + ("-dirty" if changed or untracked else "")
+        + ("" if imported_is_src() else "-installed")
+    )
+
+
+def imported_is_src() -> bool:
+    """Whether ``import canzona`` here runs the files of this checkout's ``src/canzona``.
+
+    True when it resolves into ``src/`` (``PYTHONPATH=src``, an editable install) or into a
+    copy whose Python files are the same, byte for byte (a fresh non-editable install).
+    """
+    spec = importlib.util.find_spec("canzona")
+    if spec is None or spec.origin is None:
+        return False
+    here, mine = Path(spec.origin).resolve().parent, SRC / "canzona"
+    if here == mine.resolve():
+        return True
+
+    def files(top: Path) -> dict[str, bytes]:
+        return {str(f.relative_to(top)): f.read_bytes() for f in sorted(top.rglob("*.py"))}
+
+    return files(here) == files(mine)
+
+
+#: The commit when this process started, before it imported and ran the code it measures:
+#: a commit or an edit of ``src/`` during a long run does not relabel its numbers.
+STARTED_ON = git_commit()
 
 
 def commit_of(payload: dict[str, Any]) -> str:
-    """The commit a results payload names (set by :func:`write_json`), or the current one."""
-    return str(payload.get("commit") or git_commit())
+    """The commit a results payload names (set by :func:`write_json`), else :data:`STARTED_ON`."""
+    return str(payload.get("commit") or STARTED_ON)
 
 
 def write_json(name: str, payload: dict[str, Any], *, out_dir: Path | None = None) -> Path:
     """Write ``payload`` to ``benchmarks/results/<name>.json`` (or ``out_dir``).
 
-    The file also records the machine and the commit (:func:`git_commit`; the payload's own
+    The file also records the machine and the commit (:data:`STARTED_ON`; the payload's own
     ``"commit"`` when it has one), and ``payload["commit"]`` is set to it, so that the
     Markdown rendered from the same payload names the same commit.
     """

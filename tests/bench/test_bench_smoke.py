@@ -22,7 +22,7 @@ pytest.importorskip("torch")
 
 STRATEGIES = ("replicated", "round_robin", "count", "numel", "canzona", "canzona_no_overlap")
 DEPTH = ("canzona_one_group", "canzona_depth2", "canzona_depth3", "canzona_not_atomic")
-COMMIT = re.compile(r"^([0-9a-f]{4,40}(-dirty)?|unknown)$")
+COMMIT = re.compile(r"^([0-9a-f]{4,40}(-dirty)?(-installed)?|unknown)$")
 
 
 def _section(doc: Path, name: str) -> str:
@@ -404,3 +404,37 @@ def test_results_record_their_commit(tmp_path: Path) -> None:
     saved = json.loads(path.read_text())
     assert COMMIT.match(saved["commit"]) and saved["commit"] == payload["commit"]
     assert list(saved)[:2] == ["machine", "commit"] and saved["x"] == 1
+
+
+def test_results_name_the_commit_the_run_started_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a commit or an edit of src/ during an hour-long run must not relabel its numbers
+    import _report
+
+    monkeypatch.setattr(_report, "git_commit", lambda: "0000000-dirty")
+    payload: dict[str, Any] = {}
+    _report.write_json("probe", payload, out_dir=tmp_path)
+    assert payload["commit"] == _report.STARTED_ON != "0000000-dirty"
+
+
+def test_a_stale_installed_copy_is_named_in_the_commit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import importlib.machinery
+    import shutil
+
+    import _report
+
+    copy = tmp_path / "site" / "canzona"
+    shutil.copytree(_report.SRC / "canzona", copy, ignore=shutil.ignore_patterns("__pycache__"))
+    spec = importlib.machinery.ModuleSpec("canzona", None, origin=str(copy / "__init__.py"))
+    monkeypatch.setattr(_report.importlib.util, "find_spec", lambda name: spec)
+    monkeypatch.setenv("CANZONA_BENCH_COMMIT", "abc1234")
+    assert _report.imported_is_src() and _report.git_commit() == "abc1234"  # the same files
+    with (copy / "plan" / "__init__.py").open("a") as f:
+        f.write("# edited after the install\n")
+    assert not _report.imported_is_src()
+    assert _report.git_commit() == "abc1234-installed"
+    monkeypatch.delenv("CANZONA_BENCH_COMMIT")
+    assert _report.git_commit().endswith("-installed")
