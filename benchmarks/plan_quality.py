@@ -146,7 +146,8 @@ def split_table(mode: str) -> list[dict[str, Any]]:
     Per-head blocks (128 x 5120) next to MLP matrices (25600 x 5120) differ 40x in FLOPs per
     element: balancing element counts (``numel``) or matrix counts (``count``) leaves ranks
     far apart where FLOP-aware LPT does not. MoE experts are placed per rank (expert
-    parallelism) and stay there under ``canzona`` and ``numel``.
+    parallelism) and stay there under ``canzona`` and ``numel`` where the world divides the
+    experts per layer; otherwise no rank holds an expert whole and they travel.
     """
     rows = []
     for model in SPLIT_MODELS[mode]:
@@ -419,7 +420,8 @@ def render(payload: dict[str, Any]) -> str:
             "gate/up apart, `heads` one matrix per attention head (`canzona.Split`). Each "
             "baseline's makespan / lower bound, with its ratio to `canzona`'s; MoE experts "
             "are placed per rank (expert parallelism) and stay there under `canzona` and "
-            "`numel`.",
+            "`numel` where the world divides the experts per layer (otherwise no rank holds "
+            "an expert whole and they travel, as `canzona plan` warns).",
             "",
             markdown_table(
                 [

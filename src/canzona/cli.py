@@ -13,7 +13,7 @@ from typing import Any, NoReturn
 
 from canzona.plan import CostModel, MatrixSpec, cost_model
 from canzona.plan.cost import NORMUON_ELEMENTWISE, MuonCost
-from canzona.plan.measured import load_cost_table
+from canzona.plan.measured import MeasuredCost, load_cost_meta, load_cost_table
 from canzona.plan.models import MODELS, SPLITS, model_specs
 from canzona.plan.report import (
     UNITS,
@@ -222,9 +222,21 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: The most ranks a plan is made for (planning cost and memory grow with the world).
+MAX_WORLD = 1 << 20
+
+
+def _check_world(world: int | None) -> None:
+    if world is not None and not 1 <= world <= MAX_WORLD:
+        raise CliError(f"--world must be in [1, {MAX_WORLD}], got {world}")
+
+
+def _warn(command: str, message: str) -> None:
+    print(f"canzona {command}: warning: {message}", file=sys.stderr)
+
+
 def _plan(args: argparse.Namespace) -> int:
-    if args.world < 1:
-        raise CliError(f"--world must be >= 1, got {args.world}")
+    _check_world(args.world)
     if not 0 <= args.alpha <= 1:
         raise CliError(f"--alpha must be in [0, 1], got {args.alpha}")
     if not 0 < args.capacity_mb < float("inf"):
@@ -236,9 +248,10 @@ def _plan(args: argparse.Namespace) -> int:
     optimizer: str | CostModel = _closed_form(name)
     if args.cost is not None:
         try:
-            table = load_cost_table(args.cost)
+            table, meta = load_cost_table(args.cost), load_cost_meta(args.cost)
         except ValueError as exc:
             raise CliError(str(exc)) from None
+        _check_table(args.cost, table, meta, specs, args.world)
         optimizer = table.for_world(args.world)  # its transfer share: this world's
         timed = _timed_name(optimizer.base)
         if args.optimizer is not None and args.optimizer != timed:
@@ -248,11 +261,19 @@ def _plan(args: argparse.Namespace) -> int:
             )
         name = timed
     if args.world > len(specs):
-        print(
-            f"canzona plan: warning: {args.world} ranks for {len(specs)} matrices: at most "
+        _warn(
+            "plan",
+            f"{args.world} ranks for {len(specs)} matrices: at most "
             f"{len(specs)} ranks own a matrix, the other {args.world - len(specs)} own nothing "
             "(and only take part in the collectives)",
-            file=sys.stderr,
+        )
+    experts = MODELS[model].experts if model in MODELS else 0
+    if experts and (args.world > experts or experts % args.world):
+        _warn(
+            "plan",
+            f"{model}'s {experts} experts per layer do not spread evenly over {args.world} "
+            "ranks: no rank holds an expert whole, so the experts are not pinned and travel "
+            "to their owners like the other matrices",
         )
     try:
         runs = compare_strategies(
@@ -309,6 +330,28 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_table(
+    path: Path, table: MeasuredCost, meta: Mapping[str, Any], specs: list[MatrixSpec], world: int
+) -> None:
+    """Warn when a cost table was timed for another plan than this one."""
+    timed_for = meta.get("world")
+    if isinstance(timed_for, int) and timed_for != world:
+        _warn(
+            "plan",
+            f"the cost table {str(path)!r} timed each shape on the stack an owner forms at "
+            f"world {timed_for}, not {world} (canzona calibrate --world {world} times this "
+            "plan's stacks)",
+        )
+    timed = {(int(shape[0]), int(shape[1])) for shape, _ in table.table}
+    shapes = {(s.shape[-2], s.shape[-1]) for s in specs}
+    if not timed & shapes:
+        _warn(
+            "plan",
+            f"the cost table {str(path)!r} timed none of the model's {len(shapes)} distinct "
+            "shapes: every price is predicted from its fit",
+        )
+
+
 def _closed_form(name: str) -> str | CostModel:
     """The cost model ``--optimizer name`` plans with: NorMuon's is Muon's plus its rescale."""
     if name == "normuon":
@@ -333,8 +376,10 @@ def _units(*, measured: bool) -> dict[str, str]:
 def _calibrate(args: argparse.Namespace) -> int:
     if not args.budget > 0:
         raise CliError(f"--budget must be positive, got {args.budget}")
-    if args.world is not None and args.world < 1:
-        raise CliError(f"--world must be >= 1, got {args.world}")
+    _check_world(args.world)
+    existing = next(p for p in args.out.parents if p.exists())  # the folder it goes in
+    if args.out.is_dir() or not existing.is_dir():
+        raise CliError(f"cannot write the cost table to {str(args.out)!r}: not a file path")
     _, specs = _resolve_model(args.model, args.split, None)
     from canzona.optim.calibration import calibrate_model  # torch: only for this command
 
@@ -351,6 +396,8 @@ def _calibrate(args: argparse.Namespace) -> int:
         )
     except (ValueError, RuntimeError) as exc:
         raise CliError(str(exc)) from None
+    except OSError as exc:
+        raise CliError(f"cannot write the cost table to {str(args.out)!r}: {exc}") from None
     print(
         f"{args.model}: {summary['shapes']} distinct shapes, {summary['timed']} with timings "
         f"({summary['timed'] - summary['cached']} timed now, {summary['cached']} from the "

@@ -151,13 +151,59 @@ def test_model_files_carry_payload_sizes_and_eligible_ranks(tmp_path: Path) -> N
         ("--alpha", "1.5", "--alpha must be in [0, 1], got 1.5"),
         ("--capacity-mb", "0", "--capacity-mb must be positive, got 0.0"),
         ("--capacity-mb", "inf", "--capacity-mb must be positive, got inf"),
+        ("--world", "0", "--world must be in [1, 1048576], got 0"),
+        # not an OverflowError or MemoryError from the planner after a warning
+        ("--world", str(10**20), f"--world must be in [1, 1048576], got {10**20}"),
     ],
 )
 def test_bad_numbers_are_named_with_their_flag(
     flag: str, value: str, message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert cli.main(["plan", "--model", "qwen3-8b", "--world", "8", flag, value]) != 0
+    argv = ["plan", "--model", "qwen3-8b", "--world", "8", flag, value]
+    assert cli.main(argv) != 0
     assert capsys.readouterr().err.strip() == f"canzona plan: error: {message}"
+
+
+def test_the_documented_bounds_of_alpha_are_accepted(capsys: pytest.CaptureFixture[str]) -> None:
+    """Catches: ``--alpha 0`` (bytes only) or ``1`` refused by a strict comparison."""
+    for alpha in ("0", "1"):
+        argv = ["plan", "--model", "qwen3-0.6b", "--world", "4", "--alpha", alpha, "--json"]
+        assert cli.main(argv) == 0
+        assert json.loads(capsys.readouterr().out)["alpha"] == float(alpha)
+
+
+def test_the_text_report_shows_canzonas_bytes_and_loads(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Catches: the header's total counting elements instead of bytes, and the histogram
+    drawn from another strategy's loads (shapes whose FLOPs and sizes disagree)."""
+    from canzona.plan.report import compare_strategies, load_histogram
+
+    entries = [{"name": f"a{i}", "shape": [128, 128]} for i in range(7)]
+    entries += [{"name": f"b{i}", "shape": [2048, 16]} for i in range(5)]
+    path = tmp_path / "model.json"
+    path.write_text(json.dumps(entries))
+    specs = cli.load_specs(path)
+    assert cli.main(["plan", "--model", str(path), "--world", "3"]) == 0
+    out = capsys.readouterr().out
+    total = format_bytes(sum(s.nbytes for s in specs))
+    assert total == "1.1 MiB" != format_bytes(sum(s.numel for s in specs))
+    assert out.startswith(f"model: 12 matrices ({total}), world 3, optimizer muon")
+    runs = compare_strategies(specs, 3, optimizer="muon", alpha=1.0, capacity_mb=512.0)
+    mine, other = (load_histogram(runs[n].plan.assignment.loads) for n in ("canzona", "numel"))
+    assert mine != other  # the two strategies' histograms tell them apart
+    assert mine in out.split("canzona per-rank load / mean load (3 ranks):\n", 1)[1]
+
+
+def test_calibrate_defaults() -> None:
+    """Catches: another default timing budget or Newton-Schulz dtype (Muon's bf16)."""
+    args = cli._parser().parse_args(["calibrate", "--model", "m", "--out", "t.json"])
+    assert (args.budget, args.ns_dtype, args.optimizer, args.world) == (
+        60.0,
+        "bfloat16",
+        "muon",
+        None,
+    )
 
 
 @pytest.mark.parametrize(
@@ -348,9 +394,13 @@ def test_cost_table_from_calibrate(tmp_path: Path, capsys: pytest.CaptureFixture
     assert cli.main(["plan", "--model", "qwen3-0.6b", "--world", "4", "--cost", str(table)]) == 0
     assert f"optimizer muon (measured costs: {table})" in capsys.readouterr().out
     bad = tmp_path / "bad.json"
-    bad.write_text("[]")
-    assert cli.main(["plan", "--model", "qwen3-0.6b", "--world", "4", "--cost", str(bad)]) == 2
-    assert "not a canzona cost table" in capsys.readouterr().err
+    for content, why in (
+        ("[]", "it holds a JSON list, not an object"),
+        ('{"format": 1, "models": {}}', "no field '0'"),
+    ):
+        bad.write_text(content)
+        assert cli.main(["plan", "--model", "qwen3-0.6b", "--world", "4", "--cost", str(bad)]) == 2
+        assert f"{str(bad)!r} is not a canzona cost table: {why}" in capsys.readouterr().err
 
 
 def test_a_table_plans_with_the_transfer_share_of_the_world_planned(
@@ -454,7 +504,7 @@ def test_calibrate_refuses_a_world_below_one(
 ) -> None:
     argv = ["calibrate", "--model", "qwen3-0.6b", "--out", str(tmp_path / "t.json")]
     assert cli.main([*argv, "--world", "0"]) == 2
-    assert "--world must be >= 1, got 0" in capsys.readouterr().err
+    assert "--world must be in [1, 1048576], got 0" in capsys.readouterr().err
     assert not (tmp_path / "t.json").exists()
     from canzona.optim.calibration import calibrate_model
 
@@ -483,3 +533,104 @@ def test_normuon_is_planned_and_calibrated_as_itself(
     assert json.loads(capsys.readouterr().out)["optimizer"] == "normuon"
     assert cli.main([*plain, "--cost", str(table), "--optimizer", "muon"]) == 2
     assert "--optimizer muon contradicts the cost table" in capsys.readouterr().err
+
+
+def test_calibrate_refuses_an_out_it_cannot_write_before_timing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Catches: ``--out`` naming a folder, or a path under a file, failing with a traceback
+    after the whole timing budget."""
+    import canzona.optim.calibration as calibration
+
+    def never(*args: object, **kwargs: object) -> None:
+        raise AssertionError("timed before checking --out")
+
+    monkeypatch.setattr(calibration, "calibrate_model", never)
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    for out in (tmp_path, a_file / "t.json", a_file / "sub" / "t.json"):
+        argv = ["calibrate", "--model", "qwen3-0.6b", "--out", str(out)]
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == (
+            f"canzona calibrate: error: cannot write the cost table to {str(out)!r}: "
+            "not a file path"
+        )
+
+
+def test_calibrate_passes_its_split_and_dtype_on(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Catches: ``--split`` or ``--ns-dtype`` not reaching the calibration (the table would
+    time other shapes, or in another dtype, than the plan it is for)."""
+    stacks = {}
+    for split in ("none", "heads"):
+        table = tmp_path / f"{split}.json"
+        argv = ["calibrate", "--model", "qwen3-0.6b", "--split", split, "--out", str(table)]
+        assert cli.main([*argv, "--ns-dtype", "float32", "--budget", "0.2"]) == 0
+        meta = json.loads(table.read_text())["meta"]
+        assert meta["ns_dtype"] == "float32"
+        stacks[split] = {(m, n) for m, n, _ in meta["stacks"]}
+    for split, shapes in stacks.items():
+        assert shapes == {s.shape for s in model_specs("qwen3-0.6b", split=split)}
+    assert stacks["none"] != stacks["heads"]
+
+
+def test_plan_warns_when_the_table_was_timed_for_another_plan(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Catches: a table timed on world 8's stacks, or on none of the model's shapes, used for
+    another plan without a word."""
+    fit = (math.log(1e-12), 1.0)
+    model = MeasuredCost(base=MuonCost(), table=(((999, 999), 1e-3),), fit=fit)
+    table = tmp_path / "t.json"
+    save_cost_table(table, GroupedCost({"0": model}), {"world": 8})
+    argv = ["plan", "--model", "qwen3-0.6b", "--cost", str(table), "--json"]
+    assert cli.main([*argv, "--world", "64"]) == 0
+    err = capsys.readouterr().err
+    assert (
+        f"warning: the cost table {str(table)!r} timed each shape on the stack an owner forms "
+        "at world 8, not 64"
+    ) in err
+    assert f"the cost table {str(table)!r} timed none of the model's" in err
+    assert cli.main([*argv, "--world", "8"]) == 0
+    assert "world 8, not" not in capsys.readouterr().err
+    specs = model_specs("qwen3-0.6b")
+    timed = MeasuredCost(base=MuonCost(), table=((specs[0].shape, 1e-3),), fit=fit)
+    save_cost_table(table, GroupedCost({"0": timed}), {"world": None})
+    assert cli.main([*argv, "--world", "64"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize(("world", "warned"), [(8, False), (48, True), (256, True)])
+def test_plan_says_when_experts_cannot_stay_on_their_ranks(
+    world: int, warned: bool, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Catches: 128 experts over 48 or 256 ranks planned as traveling matrices without a word
+    (no rank holds an expert whole there)."""
+    assert cli.main(["plan", "--model", "qwen3-30b-a3b", "--world", str(world), "--json"]) == 0
+    err = capsys.readouterr().err
+    message = (
+        f"qwen3-30b-a3b's 128 experts per layer do not spread evenly over {world} ranks: "
+        "no rank holds an expert whole"
+    )
+    assert (message in err) is warned
+
+
+def test_calibrate_times_in_the_dtype_asked_for(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Catches: ``--ns-dtype`` (default Muon's bf16) not passed on to the calibration."""
+    import canzona.optim.calibration as calibration
+
+    seen: list[object] = []
+
+    def record(specs: object, **kwargs: object) -> dict[str, object]:
+        seen.append(kwargs["ns_dtype"])
+        return {"shapes": 1, "timed": 1, "cached": 0, "seconds": 0.0, "device": "cpu"}
+
+    monkeypatch.setattr(calibration, "calibrate_model", record)
+    argv = ["calibrate", "--model", "qwen3-0.6b", "--out", str(tmp_path / "t.json")]
+    assert cli.main(argv) == 0
+    assert cli.main([*argv, "--ns-dtype", "float32"]) == 0
+    assert seen == ["bfloat16", "float32"]

@@ -7,10 +7,12 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from canzona.plan.cost import CostModel, GroupedCost, cost_model, cost_model_params
 from canzona.plan.spec import MatrixSpec
+
+_T = TypeVar("_T")
 
 __all__ = [
     "TABLE_FORMAT",
@@ -18,6 +20,7 @@ __all__ = [
     "batch_line",
     "class_fits",
     "fit_loglog",
+    "load_cost_meta",
     "load_cost_table",
     "owner_transfer_share",
     "piece_size",
@@ -486,12 +489,41 @@ def load_cost_table(path: Path, *, key: str = "0") -> MeasuredCost:
     Raises:
         ValueError: naming the file, for anything that is not such a table.
     """
+    return _read_table(path, lambda body: _model_of(body, key))
+
+
+def load_cost_meta(path: Path) -> dict[str, Any]:
+    """What :func:`save_cost_table` recorded about a table's timing (``{}`` when nothing).
+
+    Raises:
+        ValueError: naming the file, for anything that is not such a table.
+    """
+
+    def meta(body: dict[str, Any]) -> dict[str, Any]:
+        found = body.get("meta", {})
+        if not isinstance(found, dict):
+            raise TypeError(f"its 'meta' is a {type(found).__name__}, not an object")
+        return found
+
+    return _read_table(path, meta)
+
+
+def _model_of(body: dict[str, Any], key: str) -> MeasuredCost:
+    entry = body["models"][key]
+    base = cost_model(entry["base"]["name"], **entry["base"]["params"])
+    return measured_from_params(base, entry)
+
+
+def _read_table(path: Path, read: Callable[[dict[str, Any]], _T]) -> _T:
+    """``read`` of the JSON object in ``path``; any failure a ValueError naming the file."""
     try:
         body = json.loads(path.read_text())
+        if not isinstance(body, dict):
+            raise TypeError(f"it holds a JSON {type(body).__name__}, not an object")
         if body.get("format") != TABLE_FORMAT:
             raise ValueError(f"format {body.get('format')!r}, expected {TABLE_FORMAT}")
-        entry = body["models"][key]
-        base = cost_model(entry["base"]["name"], **entry["base"]["params"])
-        return measured_from_params(base, entry)
-    except (OSError, AttributeError, IndexError, KeyError, TypeError, ValueError) as exc:
+        return read(body)
+    except KeyError as exc:
+        raise ValueError(f"{str(path)!r} is not a canzona cost table: no field {exc}") from None
+    except (OSError, AttributeError, IndexError, TypeError, ValueError) as exc:
         raise ValueError(f"{str(path)!r} is not a canzona cost table: {exc}") from None
