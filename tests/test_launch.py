@@ -61,3 +61,57 @@ def _sleeps(progress: Any) -> int:
 def test_a_deadline_stops_every_rank() -> None:
     with pytest.raises(RankFailure, match="rank 0 did not finish in time\nrank 1 did not finish"):
         run_ranks(2, _sleeps, timeout_s=1.0)
+
+
+@pytest.mark.parametrize("world", [0, -2, 1.5, True])
+def test_a_world_that_is_not_a_positive_int_is_refused(world: Any) -> None:
+    """Catches: ``run_ranks(0, job)`` returning ``[]`` as if the job had run."""
+    with pytest.raises(ValueError, match=f"world must be a positive int, got {world!r}"):
+        run_ranks(world, _ok)
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc")
+def test_a_run_leaves_no_file_descriptor_open() -> None:
+    """Catches: the parent's pipe ends left open (one descriptor lost per rank per run)."""
+    run_ranks(2, _ok)  # the first run may open what torch keeps for good
+    before = _open_fds()
+    for _ in range(2):
+        run_ranks(2, _ok)
+    assert _open_fds() == before
+
+
+def _sleeps_and_reports(progress: Any) -> int:
+    progress({"pid": os.getpid()})
+    time.sleep(60)
+    return 0
+
+
+def test_a_failure_is_reported_within_the_grace_period_and_the_ranks_are_gone() -> None:
+    """Catches: a longer grace period than ``FAILURE_GRACE_S`` (rank 0 sleeps a minute), and
+    a rank left running after the failure is reported."""
+    start = time.monotonic()
+    with pytest.raises(RankFailure, match="rank 1 failed"):
+        run_ranks(2, _fail_on_rank_1)
+    assert time.monotonic() - start < 15.0
+    pids: list[int] = []
+    with pytest.raises(RankFailure, match="did not finish in time"):
+        run_ranks(2, _sleeps_and_reports, lambda p: pids.append(p["pid"]), timeout_s=3.0)
+    assert len(pids) == 2
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_ranks_are_not_forked_from_a_process_in_a_process_group() -> None:
+    from canzona.launch import prepare_parent
+
+    dist.init_process_group("fake", rank=0, world_size=1)
+    try:
+        with pytest.raises(RuntimeError, match="without a default process group"):
+            prepare_parent()
+    finally:
+        dist.destroy_process_group()

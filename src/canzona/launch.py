@@ -157,8 +157,13 @@ def run_ranks(
     Raises:
         RankFailure: If a rank raised, died, or the deadline passed, with every failing
             rank's account (the others get ``FAILURE_GRACE_S`` to report); every rank is
-            stopped first.
+            stopped first. A rank that dies while a process it started still runs is seen
+            only through its peers' failure or the deadline (that process holds the rank's
+            end of the pipe open).
+        ValueError: If ``world`` is not a positive int.
     """
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise ValueError(f"world must be a positive int, got {world!r}")
     prepare_parent()
     _loopback()
     ctx = mp.get_context("fork")

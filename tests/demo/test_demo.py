@@ -192,6 +192,12 @@ def test_unwritable_plot_is_a_one_line_error_before_training(
     assert captured.out == ""
     assert captured.err.startswith("canzona demo: error: --plot: cannot create")
     assert len(captured.err.splitlines()) == 1
+    # a refused run makes no folder: the plot's folders come with the plot
+    plot = tmp_path / "new" / "sub" / "loss.png"
+    argv = ["--plot", str(plot), "--optimizer", "soap", "--ns-coefficients", "polar_express"]
+    assert main(argv) == 2
+    assert "--ns-coefficients applies to muon and normuon" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()
 
 
 def test_help_exits_0(capsys: pytest.CaptureFixture[str]) -> None:

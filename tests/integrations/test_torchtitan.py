@@ -127,6 +127,7 @@ def test_unknown_names_list_the_valid_ones() -> None:
         ("layers.0.attention.wo.weight", False),
         ("layers.1.feed_forward.w2.weight", False),
         ("layers.1.moe.experts.w1", False),
+        ("layers.0.moe.shared_output.weight", False),  # "output." inside a name
     ],
 )
 def test_adamw_pattern_on_torchtitan_names(fqn: str, adamw: bool) -> None:

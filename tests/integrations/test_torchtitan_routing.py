@@ -249,3 +249,92 @@ def test_docs_job_config_parses_and_trains(tmp_path: Path, monkeypatch: pytest.M
     assert [type(o) for o in container.optimizers] == [canzona.Muon]
     losses = train(model, container, batches())
     assert losses[-1] < losses[0]
+
+
+def _routed(opt: object) -> dict[str, dict[str, list[str]]]:
+    return {
+        type(inner).__name__: {
+            g.get("algorithm", "torch"): g["param_names"] for g in inner.param_groups
+        }
+        for inner in opt.optimizers  # type: ignore[attr-defined]
+    }
+
+
+@requires_torchtitan
+def test_shape_routing_leaves_frozen_parameters_out_and_takes_the_adamw_pattern() -> None:
+    """Catches: a frozen parameter trained (TorchTitan leaves it out), and the documented
+    ``adamw_pattern=`` replaced by the default one."""
+    model = _Plain()
+    model.emb.weight.requires_grad_(False)
+    opt = canzona_optimizers("muon", lr=0.02, adamw_lr=1e-3).build(model_parts=[model])
+    names = [n for groups in _routed(opt).values() for ns in groups.values() for n in ns]
+    assert "emb.weight" not in names and "body.0.weight" in names
+    config = canzona_optimizers("muon", lr=0.02, adamw_lr=1e-3, adamw_pattern=r"^body\.0\.")
+    routed = _routed(config.build(model_parts=[_Plain()]))["Muon"]
+    assert routed["muon"] == ["body.2.weight"]
+    assert "body.0.weight" in routed["adamw"]  # a matrix: there by the pattern only
+
+
+@requires_torchtitan
+def test_shape_routing_keeps_torchtitans_own_groups_and_their_settings() -> None:
+    """Catches: a TorchTitan optimizer's group losing ``implementation``'s foreach, its
+    pattern that matches nothing passing silently (TorchTitan raises), and the parameters of
+    a second AdamW group moved into the first (taking its lr)."""
+    from torchtitan.components.optimizer import ParamGroupConfig
+
+    from canzona.integrations.torchtitan import CanzonaOptimizersContainer
+
+    def build(groups: list[object]) -> object:
+        config = CanzonaOptimizersContainer.Config(
+            param_groups=groups, route_by_shape=True, implementation="foreach"
+        )
+        return config.build(model_parts=[_Plain()])
+
+    muon = [
+        ParamGroupConfig(pattern=r"^body\.0\.", optimizer_name="canzona.Muon", optimizer_kwargs={}),
+        ParamGroupConfig(
+            pattern=r"^body\.1\.weight$",
+            optimizer_name="canzona.Muon",
+            optimizer_kwargs={**ADAMW, "lr": 0.5},
+        ),
+        ParamGroupConfig(
+            pattern=r"^body\.1\.bias$",
+            optimizer_name="canzona.Muon",
+            optimizer_kwargs={**ADAMW, "lr": 0.25},
+        ),
+        ParamGroupConfig(pattern=r".*", optimizer_name="canzona.Muon", optimizer_kwargs={}),
+    ]
+    opt = build([ParamGroupConfig(pattern=r"^emb\.", optimizer_name="AdamW"), *muon])
+    adamw, inner = opt.optimizers  # type: ignore[attr-defined]
+    assert [g["param_names"] for g in adamw.param_groups] == [["emb.weight"]]
+    assert adamw.param_groups[0]["foreach"] is True
+    lrs = {g["lr"]: g["param_names"] for g in inner.param_groups if g["algorithm"] == "adamw"}
+    assert lrs[0.5][0] == "body.1.weight" and "body.1.bias" not in lrs[0.5]
+    assert lrs[0.25] == ["body.1.bias"]
+    nowhere = ParamGroupConfig(pattern=r"^embedding\.", optimizer_name="AdamW")
+    with pytest.raises(ValueError, match=r"pattern '\^embedding\\\.' matched no parameters"):
+        build([nowhere, *muon])
+
+
+@requires_torchtitan
+def test_a_split_pattern_that_matches_only_vectors_is_named() -> None:
+    """Catches: a split declared on parameters that are all routed to AdamW (1-D) accepted."""
+    config = canzona_optimizers(
+        "muon", lr=0.02, adamw_lr=1e-3, split={r"^body\.1\.": canzona.Split(0, size=4)}
+    )
+    with pytest.raises(ValueError, match=r"split pattern '\^body\\\.1\\\.' matched no matrix"):
+        config.build(model_parts=[_Plain()])
+
+
+@requires_torchtitan
+def test_wrapped_modules_keep_their_canonical_names() -> None:
+    """Catches: ``param_names`` taken from the wrapped module's own names (activation
+    checkpointing inserts ``_checkpoint_wrapped_module``), which checkpoints key by."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    model = _Plain()
+    model.body = checkpoint_wrapper(model.body)  # type: ignore[assignment]
+    opt = canzona_optimizers("muon", lr=0.02, adamw_lr=1e-3).build(model_parts=[model])
+    routed = _routed(opt)["Muon"]
+    assert routed["muon"] == ["body.0.weight", "body.2.weight"]
+    assert not any("_checkpoint_wrapped_module" in n for ns in routed.values() for n in ns)

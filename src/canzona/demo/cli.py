@@ -119,11 +119,12 @@ def _check_plot(path: Path | None) -> None:
         import matplotlib  # noqa: F401
     except ImportError:
         raise _UsageError("--plot needs matplotlib: pip install 'canzona[plot]'") from None
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise _UsageError(f"--plot: cannot create {str(path.parent)!r}: {exc.strerror}") from None
-    if path.is_dir() or not os.access(path.parent, os.W_OK):
+    # the folders it needs are made when the plot is written, never for a run that fails
+    existing = next(p for p in path.parents if p.exists())
+    if not existing.is_dir():
+        where = f"{str(path.parent)!r}: {str(existing)!r} is a file"
+        raise _UsageError(f"--plot: cannot create {where}")
+    if path.is_dir() or not os.access(existing, os.W_OK):
         raise _UsageError(f"--plot: cannot write {str(path)!r}")
 
 
@@ -144,6 +145,7 @@ def plot_losses(result: dict[str, Any], path: Path, title: str) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
