@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+
 import pytest
 import torch
 
 import canzona
+from canzona.demo.cli import summary_lines
 from canzona.demo.data import Corpus, generate_text, shard_rows
 from canzona.demo.model import DecoderConfig, QwenDecoder
+from canzona.demo.train import DemoSettings, RunResult, _schedule
 
 
 def test_corpus_is_deterministic_ascii_with_every_kind_of_line() -> None:
@@ -56,3 +61,75 @@ def test_config_and_length_are_checked() -> None:
     model = QwenDecoder(DecoderConfig(n_layers=1, max_seq_len=8))
     with pytest.raises(ValueError, match="exceeds max_seq_len"):
         model(torch.zeros(1, 9, dtype=torch.long))
+
+
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (lambda: DemoSettings(world=2, batch_size=3), "batch_size 3 must split over 2 ranks"),
+        (lambda: DemoSettings(seq_len=10**6), "seq_len 1000000 exceeds max_seq_len"),
+        (lambda: DemoSettings(timing_steps=-1), "timing_steps must be >= 0, got -1"),
+        (lambda: generate_text(0), "num_bytes must be positive, got 0"),
+        (lambda: Corpus(1000, eval_fraction=1.0), r"eval_fraction must be in \(0, 1\), got 1.0"),
+        (lambda: DecoderConfig(head_dim=7), "head_dim must be even"),
+    ],
+)
+def test_bad_demo_values_are_named_before_any_rank_starts(
+    build: Callable[[], object], message: str
+) -> None:
+    """Catches: a bad setting let through to fail later, inside the ranks, with another error."""
+    with pytest.raises(ValueError, match=message):
+        build()
+
+
+def test_a_sequence_of_exactly_max_seq_len_tokens_runs() -> None:
+    model = QwenDecoder(DecoderConfig(n_layers=1, max_seq_len=8))
+    assert model(torch.zeros(1, 8, dtype=torch.long)).shape == (1, 8, model.cfg.vocab_size)
+
+
+def test_output_projections_start_smaller_with_depth() -> None:
+    """Catches: the residual branches' outputs (o_proj, down_proj) initialised like the rest."""
+    torch.manual_seed(0)
+    cfg = DecoderConfig(n_layers=8)
+    model = QwenDecoder(cfg)
+    layer = model.layers[0]
+    for linear, scaled in ((layer.self_attn.o_proj, True), (layer.mlp.up_proj, False)):
+        expected = linear.in_features**-0.5 / (math.sqrt(2 * cfg.n_layers) if scaled else 1)
+        assert float(linear.weight.detach().std()) == pytest.approx(expected, rel=0.05)
+
+
+def test_the_learning_rate_warms_up_then_decays_to_a_tenth() -> None:
+    factor = _schedule(80)  # warm-up over the first 10% of the steps
+    assert [factor(0), factor(7), factor(8)] == [1 / 8, 1.0, 1.0]
+    assert factor(79) == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi * 71 / 72)))
+    assert 0.1 < factor(79) < factor(44) < 1.0
+
+
+def _run(label: str, start: float, end: float) -> RunResult:
+    return RunResult(
+        label=label, losses=[start, end], eval_start=start, eval_end=end, step_s=[], optimizer_s=[]
+    )
+
+
+def test_the_summary_reports_the_runs_the_timings_and_the_plan() -> None:
+    """Catches: the AdamW verdict or the step ratio turned around, and the balance ratio
+    taken from the least loaded rank."""
+    result = {
+        "runs": {"canzona": _run("canzona Muon", 3.0, 1.49), "adamw": _run("AdamW", 3.0, 1.5)},
+        "timings": {
+            "canzona": {"step_s": 1e-3, "compute_s": 5e-4},
+            "replicated": {"step_s": 2e-3, "compute_s": 1.5e-3},
+        },
+        "plan": {"owner_s": [1e-3, 3e-3], "matrices": 14, "num_ranks": 2, "micro_groups": 1},
+    }
+    text = "\n".join(summary_lines(result, DemoSettings(world=2, timing_steps=6)))
+    assert "canzona Muon ends 0.010 nats/byte below AdamW on the held-out batch" in text
+    assert "canzona plan 1.0 ms, replicated plan 2.0 ms (2.00x)" in text
+    assert "matrix compute: canzona 0.5 ms, replicated 1.5 ms" in text
+    assert "1.0/3.0 ms, balance ratio 1.500 (max / mean)" in text
+    result["runs"]["canzona"] = _run("canzona Muon", 3.0, 1.5004)
+    text = "\n".join(summary_lines(result, DemoSettings(world=2)))
+    assert "canzona Muon ends level with AdamW" in text
+    result["runs"]["canzona"] = _run("canzona Muon", 3.0, 1.52)
+    text = "\n".join(summary_lines(result, DemoSettings(world=2)))
+    assert "ends 0.020 nats/byte above AdamW" in text
