@@ -13,7 +13,7 @@ from typing import Any, NoReturn
 
 from canzona.plan import CostModel, MatrixSpec, cost_model
 from canzona.plan.cost import NORMUON_ELEMENTWISE, MuonCost
-from canzona.plan.measured import MeasuredCost, load_cost_meta, load_cost_table
+from canzona.plan.measured import MeasuredCost, load_cost_meta, load_cost_table, owner_stack
 from canzona.plan.models import MODELS, SPLITS, model_specs
 from canzona.plan.report import (
     UNITS,
@@ -267,13 +267,13 @@ def _plan(args: argparse.Namespace) -> int:
             f"{len(specs)} ranks own a matrix, the other {args.world - len(specs)} own nothing "
             "(and only take part in the collectives)",
         )
-    experts = MODELS[model].experts if model in MODELS else 0
+    experts = MODELS[args.model].experts if args.model in MODELS else 0  # not a file
     if experts and (args.world > experts or experts % args.world):
         _warn(
             "plan",
-            f"{model}'s {experts} experts per layer do not spread evenly over {args.world} "
-            "ranks: no rank holds an expert whole, so the experts are not pinned and travel "
-            "to their owners like the other matrices",
+            f"{model}'s experts are pinned to the ranks that hold them only when --world "
+            f"divides its {experts} experts per layer: over {args.world} ranks they travel to "
+            "their owners like the other matrices",
         )
     try:
         runs = compare_strategies(
@@ -334,20 +334,33 @@ def _check_table(
     path: Path, table: MeasuredCost, meta: Mapping[str, Any], specs: list[MatrixSpec], world: int
 ) -> None:
     """Warn when a cost table was timed for another plan than this one."""
-    timed_for = meta.get("world")
-    if isinstance(timed_for, int) and timed_for != world:
+    counts: dict[tuple[int, int], int] = {}
+    for s in specs:  # matrices, not specs: a 3-D stack is ``batch`` of them
+        counts[s.m, s.n] = counts.get((s.m, s.n), 0) + s.batch
+    stacks = meta.get("stacks")
+    rows = [
+        e
+        for e in (stacks if isinstance(stacks, list) else [])
+        if isinstance(e, list) and len(e) == 3 and all(isinstance(v, int) for v in e)
+    ]
+    other = [
+        (m, n, k, owner_stack(counts[m, n], world))
+        for m, n, k in rows
+        if (m, n) in counts and k != owner_stack(counts[m, n], world)
+    ]
+    if other:
+        m, n, k, here = other[0]
         _warn(
             "plan",
-            f"the cost table {str(path)!r} timed each shape on the stack an owner forms at "
-            f"world {timed_for}, not {world} (canzona calibrate --world {world} times this "
-            "plan's stacks)",
+            f"the cost table {str(path)!r} timed {len(other)} of the model's shapes on other "
+            f"stacks than an owner forms at world {world} ({m}x{n} on {k} matrices per call, "
+            f"{here} here; canzona calibrate --world {world} times this plan's stacks)",
         )
     timed = {(int(shape[0]), int(shape[1])) for shape, _ in table.table}
-    shapes = {(s.shape[-2], s.shape[-1]) for s in specs}
-    if not timed & shapes:
+    if not timed & set(counts):
         _warn(
             "plan",
-            f"the cost table {str(path)!r} timed none of the model's {len(shapes)} distinct "
+            f"the cost table {str(path)!r} timed none of the model's {len(counts)} distinct "
             "shapes: every price is predicted from its fit",
         )
 
@@ -377,9 +390,13 @@ def _calibrate(args: argparse.Namespace) -> int:
     if not args.budget > 0:
         raise CliError(f"--budget must be positive, got {args.budget}")
     _check_world(args.world)
-    existing = next(p for p in args.out.parents if p.exists())  # the folder it goes in
+    existing = next((p for p in args.out.parents if p.exists()), Path("."))  # its folder
     if args.out.is_dir() or not existing.is_dir():
         raise CliError(f"cannot write the cost table to {str(args.out)!r}: not a file path")
+    if not os.access(existing, os.W_OK):
+        raise CliError(
+            f"cannot write the cost table to {str(args.out)!r}: {str(existing)!r} is not writable"
+        )
     _, specs = _resolve_model(args.model, args.split, None)
     from canzona.optim.calibration import calibrate_model  # torch: only for this command
 

@@ -548,7 +548,7 @@ def test_calibrate_refuses_an_out_it_cannot_write_before_timing(
     monkeypatch.setattr(calibration, "calibrate_model", never)
     a_file = tmp_path / "file"
     a_file.write_text("")
-    for out in (tmp_path, a_file / "t.json", a_file / "sub" / "t.json"):
+    for out in (tmp_path, a_file / "t.json", a_file / "sub" / "t.json", Path("."), Path("/")):
         argv = ["calibrate", "--model", "qwen3-0.6b", "--out", str(out)]
         assert cli.main(argv) == 2
         err = capsys.readouterr().err.strip()
@@ -579,27 +579,46 @@ def test_calibrate_passes_its_split_and_dtype_on(
 def test_plan_warns_when_the_table_was_timed_for_another_plan(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Catches: a table timed on world 8's stacks, or on none of the model's shapes, used for
-    another plan without a word."""
-    fit = (math.log(1e-12), 1.0)
-    model = MeasuredCost(base=MuonCost(), table=(((999, 999), 1e-3),), fit=fit)
-    table = tmp_path / "t.json"
-    save_cost_table(table, GroupedCost({"0": model}), {"world": 8})
-    argv = ["plan", "--model", "qwen3-0.6b", "--cost", str(table), "--json"]
-    assert cli.main([*argv, "--world", "64"]) == 0
-    err = capsys.readouterr().err
-    assert (
-        f"warning: the cost table {str(table)!r} timed each shape on the stack an owner forms "
-        "at world 8, not 64"
-    ) in err
-    assert f"the cost table {str(table)!r} timed none of the model's" in err
-    assert cli.main([*argv, "--world", "8"]) == 0
-    assert "world 8, not" not in capsys.readouterr().err
+    """Catches: a table timed on other stacks than this plan's owners form (another world's,
+    or one matrix per call), or on none of the model's shapes, used without a word; and a
+    warning where the stacks are the same (every world whose owners stack the cap)."""
+    from collections import Counter
+
+    from canzona.plan.measured import owner_stack
+
     specs = model_specs("qwen3-0.6b")
-    timed = MeasuredCost(base=MuonCost(), table=((specs[0].shape, 1e-3),), fit=fit)
-    save_cost_table(table, GroupedCost({"0": timed}), {"world": None})
-    assert cli.main([*argv, "--world", "64"]) == 0
-    assert capsys.readouterr().err == ""
+    counts = Counter((s.m, s.n) for s in specs)
+    fit = (math.log(1e-12), 1.0)
+    table = tmp_path / "t.json"
+
+    def save(shapes: tuple[tuple[int, int], ...], world: int | None) -> None:
+        model = MeasuredCost(base=MuonCost(), table=tuple((s, 1e-3) for s in shapes), fit=fit)
+        stacks = [
+            [m, n, 1 if world is None else owner_stack(c, world)] for (m, n), c in counts.items()
+        ]
+        save_cost_table(table, GroupedCost({"0": model}), {"world": world, "stacks": stacks})
+
+    def warnings(world: int) -> str:
+        argv = ["plan", "--model", "qwen3-0.6b", "--cost", str(table), "--json"]
+        assert cli.main([*argv, "--world", str(world)]) == 0
+        return capsys.readouterr().err
+
+    save(((999, 999),), 8)
+    err = warnings(64)
+    assert (
+        f"warning: the cost table {str(table)!r} timed {len(counts)} of the model's shapes on "
+        in err
+    )
+    assert "at world 64 (" in err and "canzona calibrate --world 64" in err
+    assert f"the cost table {str(table)!r} timed none of the model's {len(counts)}" in err
+    save((specs[0].shape,), 8)
+    assert warnings(8) == ""
+    save((specs[0].shape,), None)  # one matrix per call: not what owners of 8 ranks stack
+    assert "on other stacks than an owner forms at world 8" in warnings(8)
+    assert warnings(56) == ""  # 28 or 56 of each shape over 56 ranks: one a call
+    save((specs[0].shape,), 2)  # every shape at the cap of 8 matrices per call
+    assert min(owner_stack(c, 3) for c in counts.values()) == 8
+    assert warnings(3) == ""
 
 
 @pytest.mark.parametrize(("world", "warned"), [(8, False), (48, True), (256, True)])
@@ -611,10 +630,19 @@ def test_plan_says_when_experts_cannot_stay_on_their_ranks(
     assert cli.main(["plan", "--model", "qwen3-30b-a3b", "--world", str(world), "--json"]) == 0
     err = capsys.readouterr().err
     message = (
-        f"qwen3-30b-a3b's 128 experts per layer do not spread evenly over {world} ranks: "
-        "no rank holds an expert whole"
+        "qwen3-30b-a3b's experts are pinned to the ranks that hold them only when --world "
+        f"divides its 128 experts per layer: over {world} ranks they travel"
     )
     assert (message in err) is warned
+
+
+def test_a_model_file_named_like_a_moe_model_is_not_taken_for_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "qwen3-30b-a3b.json"
+    path.write_text(json.dumps([{"name": f"w{i}", "shape": [64, 64]} for i in range(4)]))
+    assert cli.main(["plan", "--model", str(path), "--world", "3", "--json"]) == 0
+    assert capsys.readouterr().err == ""
 
 
 def test_calibrate_times_in_the_dtype_asked_for(

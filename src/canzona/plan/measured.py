@@ -15,6 +15,7 @@ from canzona.plan.spec import MatrixSpec
 _T = TypeVar("_T")
 
 __all__ = [
+    "MAX_BATCH",
     "TABLE_FORMAT",
     "MeasuredCost",
     "batch_line",
@@ -22,6 +23,7 @@ __all__ = [
     "fit_loglog",
     "load_cost_meta",
     "load_cost_table",
+    "owner_stack",
     "owner_transfer_share",
     "piece_size",
     "predict_seconds",
@@ -32,6 +34,13 @@ __all__ = [
 
 #: Version of the JSON written by :func:`save_cost_table` (``canzona calibrate``).
 TABLE_FORMAT = 1
+#: Most matrices stacked in one timed call (the pipeline's batches per owner and shape).
+MAX_BATCH = 8
+
+
+def owner_stack(count: int, world: int) -> int:
+    """Matrices of one shape an owner is expected to stack: ``count / world``, in [1, MAX_BATCH]."""
+    return max(1, min(MAX_BATCH, math.ceil(count / world)))
 
 
 def fit_loglog(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
