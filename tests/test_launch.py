@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import time
 from typing import Any
 
@@ -115,3 +117,33 @@ def test_ranks_are_not_forked_from_a_process_in_a_process_group() -> None:
             prepare_parent()
     finally:
         dist.destroy_process_group()
+
+
+def _dies_leaving_a_child(progress: Any) -> int:
+    if dist.get_rank() == 0:
+        child = os.fork()
+        if child == 0:  # holds rank 0's ends of its pipes open
+            time.sleep(60)
+            os._exit(0)
+        progress({"child": child})
+        os._exit(3)
+    time.sleep(60)
+    return 1
+
+
+def test_a_rank_that_dies_leaving_a_forked_child_is_reported_at_once() -> None:
+    """Catches: the death seen only through the pipe's end, which the child holds open (the
+    launcher would wait for the deadline and call the rank late, not dead)."""
+    children: list[int] = []
+    start = time.monotonic()
+    try:
+        with pytest.raises(RankFailure) as info:
+            run_ranks(
+                2, _dies_leaving_a_child, lambda p: children.append(p["child"]), timeout_s=30.0
+            )
+    finally:
+        for child in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
+    assert str(info.value).startswith("rank 0 failed:\ndied (exit code 3) without a result")
+    assert time.monotonic() - start < 15.0

@@ -39,6 +39,8 @@ Job = Callable[[Callable[[dict[str, Any]], None]], Any]
 PG_TIMEOUT = timedelta(seconds=120)
 #: Seconds the other ranks get to report their own failure once one rank failed.
 FAILURE_GRACE_S = 2.0
+#: Seconds between looks at the ranks' exit codes while none reports.
+_POLL_S = 0.5
 
 _warmed_up_pid: int | None = None
 
@@ -157,9 +159,8 @@ def run_ranks(
     Raises:
         RankFailure: If a rank raised, died, or the deadline passed, with every failing
             rank's account (the others get ``FAILURE_GRACE_S`` to report); every rank is
-            stopped first. A rank that dies while a process it started still runs is seen
-            only through its peers' failure or the deadline (that process holds the rank's
-            end of the pipe open).
+            stopped first. A rank that dies while a process it forked still runs (which
+            holds the rank's pipe open) is seen by its exit code.
         ValueError: If ``world`` is not a positive int.
     """
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
@@ -209,9 +210,15 @@ def _collect(
         if remaining <= 0:
             break
         waitables: list[Any] = [conns[r] for r in pending] + [procs[r].sentinel for r in pending]
-        ready = set(wait(waitables, timeout=None if math.isinf(remaining) else remaining))
+        # woken now and then too: a rank whose forked child holds its pipe and sentinel open
+        # shows its death only through its exit code
+        wait(waitables, timeout=min(remaining, _POLL_S))
         for rank in sorted(pending):
-            if conns[rank] not in ready and procs[rank].sentinel not in ready:
+            if not conns[rank].poll():  # nothing to read: ended (exit code) or still running
+                if procs[rank].exitcode is None:
+                    continue
+                failed[rank] = f"died (exit code {procs[rank].exitcode}) without a result"
+                pending.discard(rank)
                 continue
             try:
                 kind, body = pickle.loads(conns[rank].recv_bytes())
