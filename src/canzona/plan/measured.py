@@ -39,7 +39,11 @@ MAX_BATCH = 8
 
 
 def owner_stack(count: int, world: int) -> int:
-    """Matrices of one shape an owner is expected to stack: ``count / world``, in [1, MAX_BATCH]."""
+    """Matrices of one shape an owner is expected to stack: ``count / world``, in [1, MAX_BATCH].
+
+    The rule :mod:`canzona.runtime.calibrate` times shapes by, for the torch-free CLI (a test
+    keeps the two equal).
+    """
     return max(1, min(MAX_BATCH, math.ceil(count / world)))
 
 
