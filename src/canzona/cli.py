@@ -13,7 +13,7 @@ from typing import Any, NoReturn
 
 from canzona.plan import CostModel, MatrixSpec, cost_model
 from canzona.plan.cost import NORMUON_ELEMENTWISE, MuonCost
-from canzona.plan.measured import MeasuredCost, load_cost_meta, load_cost_table, owner_stack
+from canzona.plan.measured import MeasuredCost, load_cost_file, owner_stack
 from canzona.plan.models import MODELS, SPLITS, model_specs
 from canzona.plan.report import (
     UNITS,
@@ -248,7 +248,7 @@ def _plan(args: argparse.Namespace) -> int:
     optimizer: str | CostModel = _closed_form(name)
     if args.cost is not None:
         try:
-            table, meta = load_cost_table(args.cost), load_cost_meta(args.cost)
+            table, meta = load_cost_file(args.cost)
         except ValueError as exc:
             raise CliError(str(exc)) from None
         _check_table(args.cost, table, meta, specs, args.world)
@@ -337,16 +337,12 @@ def _check_table(
     counts: dict[tuple[int, int], int] = {}
     for s in specs:  # matrices, not specs: a 3-D stack is ``batch`` of them
         counts[s.m, s.n] = counts.get((s.m, s.n), 0) + s.batch
+    expected = {shape: owner_stack(count, world) for shape, count in counts.items()}
     stacks = meta.get("stacks")
-    rows = [
-        e
-        for e in (stacks if isinstance(stacks, list) else [])
-        if isinstance(e, list) and len(e) == 3 and all(isinstance(v, int) for v in e)
-    ]
     other = [
-        (m, n, k, owner_stack(counts[m, n], world))
-        for m, n, k in rows
-        if (m, n) in counts and k != owner_stack(counts[m, n], world)
+        (m, n, k, expected[m, n])
+        for m, n, k in (e for e in (stacks if isinstance(stacks, list) else []) if _stack_row(e))
+        if expected.get((m, n), k) != k
     ]
     if other:
         m, n, k, here = other[0]
@@ -363,6 +359,11 @@ def _check_table(
             f"the cost table {str(path)!r} timed none of the model's {len(counts)} distinct "
             "shapes: every price is predicted from its fit",
         )
+
+
+def _stack_row(entry: object) -> bool:
+    """Whether a table's ``meta.stacks`` entry reads as ``[m, n, matrices per call]``."""
+    return isinstance(entry, list) and len(entry) == 3 and all(isinstance(v, int) for v in entry)
 
 
 def _closed_form(name: str) -> str | CostModel:

@@ -21,7 +21,7 @@ __all__ = [
     "batch_line",
     "class_fits",
     "fit_loglog",
-    "load_cost_meta",
+    "load_cost_file",
     "load_cost_table",
     "owner_stack",
     "owner_transfer_share",
@@ -502,23 +502,25 @@ def load_cost_table(path: Path, *, key: str = "0") -> MeasuredCost:
     Raises:
         ValueError: naming the file, for anything that is not such a table.
     """
-    return _read_table(path, lambda body: _model_of(body, key))
+    return load_cost_file(path, key=key)[0]
 
 
-def load_cost_meta(path: Path) -> dict[str, Any]:
-    """What :func:`save_cost_table` recorded about a table's timing (``{}`` when nothing).
+def load_cost_file(path: Path, *, key: str = "0") -> tuple[MeasuredCost, dict[str, Any]]:
+    """One measured cost model and its timing's record (``meta``), from one read of the file.
+
+    ``meta`` is what :func:`save_cost_table` recorded (``{}`` when nothing).
 
     Raises:
         ValueError: naming the file, for anything that is not such a table.
     """
 
-    def meta(body: dict[str, Any]) -> dict[str, Any]:
-        found = body.get("meta", {})
-        if not isinstance(found, dict):
-            raise TypeError(f"its 'meta' is a {type(found).__name__}, not an object")
-        return found
+    def read(body: dict[str, Any]) -> tuple[MeasuredCost, dict[str, Any]]:
+        meta = body.get("meta", {})
+        if not isinstance(meta, dict):
+            raise TypeError(f"its 'meta' is a {type(meta).__name__}, not an object")
+        return _model_of(body, key), meta
 
-    return _read_table(path, meta)
+    return _read_table(path, read)
 
 
 def _model_of(body: dict[str, Any], key: str) -> MeasuredCost:
