@@ -39,15 +39,3 @@ def test_a_short_call_costs_its_cache_evictions_too(call_s: float) -> None:
     n = timing.repeats(call_s)
     evictions = n * 1e-3 if call_s < timing.SHORT_CALL_S else 0.0
     assert _cost(call_s, 1e-3) == pytest.approx(call_s * (1 + n) + evictions)
-
-
-def test_the_plan_layers_stack_rule_is_the_runtimes() -> None:
-    """The torch-free CLI checks a cost table's stacks with the plan layer's copy of the
-    rule the runtime's calibration times by: the two must agree."""
-    from canzona.plan import measured
-    from canzona.runtime import calibrate as runtime_calibrate
-
-    assert measured.MAX_BATCH == MAX_BATCH
-    for count in range(1, 40):
-        for world in range(1, 20):
-            assert measured.owner_stack(count, world) == runtime_calibrate.owner_stack(count, world)

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from canzona.plan import GroupedCost, MatrixSpec, cost_model
-from canzona.plan.measured import MeasuredCost, save_cost_table
+from canzona.plan.measured import MeasuredCost, owner_stack, save_cost_table
 from canzona.runtime import calibrate as runtime_calibrate
 from canzona.runtime.calibration_cache import DiskCache
 from canzona.runtime.watchdog import Watchdog
@@ -40,7 +40,7 @@ def _stack(count: int, world: int | None) -> int:
     """Matrices per timed call: 1, or the stack an owner over ``world`` ranks forms."""
     if world is None:
         return 1
-    return runtime_calibrate.owner_stack(count, world)
+    return owner_stack(count, world)
 
 
 def calibrate_model(

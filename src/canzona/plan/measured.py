@@ -41,8 +41,8 @@ MAX_BATCH = 8
 def owner_stack(count: int, world: int) -> int:
     """Matrices of one shape an owner is expected to stack: ``count / world``, in [1, MAX_BATCH].
 
-    The rule :mod:`canzona.runtime.calibrate` times shapes by, for the torch-free CLI (a test
-    keeps the two equal).
+    The calibration times each shape at this stack (:mod:`canzona.runtime.calibrate`), and the
+    CLI checks a cost table's stacks against it.
     """
     return max(1, min(MAX_BATCH, math.ceil(count / world)))
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import math
 import platform
 import time
 from collections.abc import Mapping, Sequence
@@ -16,10 +15,12 @@ import torch.distributed as dist
 
 from canzona.plan import CostModel, GroupedCost, MatrixSpec, PlanConfig
 from canzona.plan.measured import (
+    MAX_BATCH,
     MeasuredCost,
     batch_line,
     class_fits,
     fit_loglog,
+    owner_stack,
     owner_transfer_share,
     piece_size,
 )
@@ -33,8 +34,6 @@ from canzona.runtime.watchdog import Watchdog
 BUDGET_S = 1.5
 #: A shape whose closed-form work predicts more than this many seconds is predicted, not timed.
 SHAPE_CAP_S = timing.SHAPE_CAP_S
-#: Most matrices stacked in one timed call (the pipeline's batches per owner and shape).
-MAX_BATCH = 8
 #: Most elements of the stack a calibration times at twice the owners' batch (pieces).
 PIECE_MAX_ELEMENTS = 1 << 26
 #: Bytes per rank of the all-to-all that measures the transfer rate.
@@ -61,11 +60,6 @@ class Shape:
     dtype: torch.dtype
     #: Matrices of this shape in the model (what orders the timing; not part of the key).
     count: int = field(default=1, compare=False)
-
-
-def owner_stack(count: int, world: int) -> int:
-    """Matrices of one shape an owner is expected to stack: ``count / world``, in [1, MAX_BATCH]."""
-    return max(1, min(MAX_BATCH, math.ceil(count / world)))
 
 
 def shapes_of(items: Sequence[Item], table: StepTable, world: int) -> list[Shape]:
