@@ -104,6 +104,4 @@ def torchtitan(session: nox.Session) -> None:
     _install(session, "test")
     session.install("--no-deps", *TORCHTITAN, "torchdata==0.11.0")
     session.install(*TORCHTITAN_TRAINER)
-    session.run(
-        "pytest", "-q", "tests/integrations/test_torchtitan.py", *session.posargs, env=THREAD_ENV
-    )
+    session.run("pytest", "-q", "tests/integrations", *session.posargs, env=THREAD_ENV)

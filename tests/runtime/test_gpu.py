@@ -143,6 +143,84 @@ def test_a_healthy_step_does_not_synchronise_with_the_device() -> None:
         torch.cuda.set_sync_debug_mode("default")
 
 
+def test_a_cuda_learning_rate_is_read_once_per_group_and_step() -> None:
+    """A learning rate given as a CUDA tensor (a scheduler keeping ``initial_lr`` beside it):
+    one device read per param group and step, however many shapes or step counts, and the
+    result bitwise ``torch.optim.Muon``'s with the same tensor rate.
+
+    Catches: the apply computing its factors from the group's tensor and reading each on
+    the host (a sync per call, in the middle of the step's kernels)."""
+    import warnings
+
+    from torch.optim.lr_scheduler import StepLR
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    shapes = ((64, 32), (32, 96), (48, 48))
+    fulls = [torch.randn(s, device="cuda", generator=gen) for s in shapes]
+    ours = [nn.Parameter(t.clone()) for t in fulls]
+    ref = [nn.Parameter(t.clone()) for t in fulls]
+    extra = nn.Parameter(torch.randn(7, device="cuda", generator=gen))
+    opt = canzona.Muon(
+        [
+            {"params": ours, "lr": torch.tensor(0.02, device="cuda")},
+            {"params": [extra], "lr": torch.tensor(0.01, device="cuda"), "algorithm": "adamw"},
+        ]
+    )
+    theirs = torch.optim.Muon(ref, lr=torch.tensor(0.02, device="cuda"))
+    schedulers = [StepLR(o, step_size=2, gamma=0.5) for o in (opt, theirs)]
+    syncs = []
+    for step in range(4):
+        for p, q in zip(ours, ref, strict=True):
+            g = torch.randn(p.shape, device="cuda", generator=gen)
+            p.grad, q.grad = g.clone(), g.clone()
+        extra.grad = torch.randn(7, device="cuda", generator=gen)
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn" if step else "default")
+            try:
+                opt.step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        syncs.append(sum(_gpu_ranks.SYNC_MESSAGE in str(w.message) for w in caught))
+        theirs.step()
+        for scheduler in schedulers:
+            scheduler.step()
+    assert syncs[1:] == [2, 2, 2]  # one per group (step 0 plans and probes the kernels)
+    for p, q in zip(ours, ref, strict=True):
+        assert torch.equal(p, q)
+
+
+def test_a_checkpoint_loaded_onto_the_gpu_steps_on() -> None:
+    """``torch.load(..., map_location="cuda")`` puts the step counters on the GPU (torch's
+    ``load_state_dict`` keeps them there); a parameter that had not stepped yet starts its
+    counter on the host. The next step takes both, and later steps make no sync.
+
+    Catches: the counters stacked across devices (the step failed: "Tensor on device cpu is
+    not on the expected device")."""
+    import io
+
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    a = nn.Parameter(torch.randn(32, 16, device="cuda", generator=gen))
+    b = nn.Parameter(torch.randn(16, 24, device="cuda", generator=gen))
+    opt = canzona.Muon([a, b], lr=0.02)
+    a.grad = torch.randn(a.shape, device="cuda", generator=gen)
+    opt.step()  # b has no gradient: no state, no counter
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, map_location="cuda")
+    assert loaded["state"][0]["step"].device.type == "cuda"
+    again = canzona.Muon([a, b], lr=0.02)
+    again.load_state_dict(loaded)
+    for _ in range(2):
+        a.grad = torch.randn(a.shape, device="cuda", generator=gen)
+        b.grad = torch.randn(b.shape, device="cuda", generator=gen)
+        again.step()
+    assert [int(again.state[p]["step"]) for p in (a, b)] == [3, 2]
+    assert all(again.state[p]["step"].device.type == "cpu" for p in (a, b))
+
+
 def _distinct_shapes() -> list[list[int]]:
     return sorted([list(s) for s in set(_gpu_ranks.SHAPES)])
 

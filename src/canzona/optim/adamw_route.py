@@ -83,8 +83,11 @@ class AdamWRouteMixin:
             grads = [real_view(g) for g in grads]
         adamw_moments_(grads, w.cache["exp_avgs"], w.cache["exp_avg_sqs"], betas=betas)
 
-    def _adamw_params(self, w: GroupWork) -> None:
-        """AdamW's parameter update of one group (after the vote), by step count."""
+    def _adamw_params(self, w: GroupWork, hp: Mapping[str, Any]) -> None:
+        """AdamW's parameter update of one group (after the vote), by step count.
+
+        ``hp``: the group as the step read it (its learning rate on the host).
+        """
         group = self.param_groups[w.gid]
         by_step: dict[int, list[int]] = {}
         for k, p in enumerate(w.params):
@@ -97,7 +100,7 @@ class AdamWRouteMixin:
                 lists[1],
                 lists[2],
                 step,
-                lr=lr_value(group["lr"]),
+                lr=lr_value(hp["lr"]),
                 betas=adamw_betas(group, self.defaults),
                 eps=group["adamw_eps"],
                 weight_decay=group["weight_decay"],

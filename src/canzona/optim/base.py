@@ -294,7 +294,7 @@ class MatrixOptimizer(StepTableMixin, AdamWRouteMixin, CopyMixin, CheckpointMixi
         table, failure = self._table_or_failure(params, gids)
         raw = [p.grad for p in params]  # each gradient read once a step
         has_grad = [g is not None for g in raw]
-        failure = self._closure_failure or failure or self._check_hparams(table.fingerprint)
+        failure = self._closure_failure or failure or self._check_hparams(table)
         if failure is None and self._moved is not None:
             failure = Failure("checking the param groups", self._moved)
         nonfinite = False
@@ -376,7 +376,7 @@ class MatrixOptimizer(StepTableMixin, AdamWRouteMixin, CopyMixin, CheckpointMixi
         assert work is not None  # a failed prepare fails the vote; a declined step raised
         for group_work in work.groups:
             if group_work.adamw:
-                self._adamw_params(group_work)
+                self._adamw_params(group_work, table.hparams[group_work.gid])
         return stats
 
     def _step_work(

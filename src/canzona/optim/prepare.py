@@ -183,14 +183,15 @@ def build_work(
 
 
 def link_steps(states: list[Any]) -> Tensor:
-    """One float32 tensor of the states' step counters.
+    """One float32 tensor on the host of the states' step counters.
 
     Each ``state["step"]`` becomes a 0-dim view of it: the same value, still a tensor (as
-    torch.optim keeps it), and one ``add_`` advances every counter.
+    torch.optim keeps it), and one ``add_`` advances every counter. A counter loaded onto a
+    device (``torch.load(..., map_location="cuda")``) comes back to the host with the others.
     """
     if not states:
         return torch.zeros(0)
-    flat = torch.stack([s["step"].detach().to(torch.float32).reshape(()) for s in states])
+    flat = torch.stack([s["step"].detach().to("cpu", torch.float32).reshape(()) for s in states])
     for k, s in enumerate(states):
         s["step"] = flat[k]
     return flat

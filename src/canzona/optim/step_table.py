@@ -18,7 +18,9 @@ from canzona.plan import GroupedCost, cost_model
 from canzona.runtime import Failure, ParamRow, StepTable, fingerprint, shapes
 
 _DTYPE = operator.attrgetter("dtype")
-_NOT_HYPER = ("params", "param_names")
+#: Group entries that are not hyper-parameters of the step (``initial_lr``: a scheduler's
+#: record of the starting rate, which the step never reads).
+_NOT_HYPER = frozenset({"params", "param_names", "initial_lr"})
 
 
 class StepTableMixin:
@@ -65,14 +67,14 @@ class StepTableMixin:
 
         def _state_shape(self, group: dict[str, Any]) -> tuple[tuple[str, Any], ...]: ...
 
-    def _hyper_fingerprint(self) -> str:
+    def _hyper_fingerprint(self, groups: list[dict[str, Any]]) -> str:
         rows = tuple(
             tuple(
                 (key, plain_value(value))
                 for key, value in sorted(group.items())
                 if key not in _NOT_HYPER
             )
-            for group in self.param_groups
+            for group in groups
         )
         return fingerprint(rows)
 
@@ -154,7 +156,8 @@ class StepTableMixin:
             self._moved = check_moves(params, self._flat()[1], kinds, self.state, self._kinds)
             if self._moved is not None:
                 self._table_key = ()  # checked again at every step until resolved
-        return self._table.with_hparams(groups, self._hyper_fingerprint())
+        hparams = step_hparams(groups)
+        return self._table.with_hparams(hparams, self._hyper_fingerprint(hparams))
 
     def _table_or_failure(
         self, params: list[Tensor], gids: list[int]
@@ -168,17 +171,20 @@ class StepTableMixin:
             failure = Failure("checking the param groups' hyper-parameters", error)
             return last.with_hparams(self.param_groups, ""), failure
 
-    def _check_hparams(self, fingerprint: str) -> Failure | None:
+    def _check_hparams(self, table: StepTable) -> Failure | None:
         """The groups' hyper-parameters checked again when they changed since the last step.
 
         A scheduler or the job may set any group entry between steps; a value the step
         could not use would otherwise raise in the apply, after the vote, leaving part of
         the step applied (and on a rank without local data, nothing raised at all). As a
         failure of this rank it fails the step on every rank before anything changes.
+        The values checked are the step's (``table.hparams``: a tensor learning rate as
+        the step copied it to the host).
         """
+        fingerprint = table.fingerprint
         if fingerprint == self._checked_hparams:
             return None
-        error = check_hparams(self.param_groups, self._check_values)
+        error = check_hparams([dict(g) for g in table.hparams], self._check_values)
         if error is None:
             error = check_state_shapes(
                 self.param_groups, self.state, self._state_shape, self._state_shapes, type(self)
@@ -187,3 +193,22 @@ class StepTableMixin:
             return Failure("checking the param groups' hyper-parameters", error)
         self._checked_hparams = fingerprint
         return None
+
+
+def step_hparams(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The param groups as a step reads them: each tensor hyper-parameter copied to the host.
+
+    A learning rate given as a tensor: every later use in the step (the fingerprint, the
+    check, each apply call, the AdamW route) reads the copy, so on a GPU one device read
+    per group and step, however many calls.
+    """
+    return [
+        {k: _on_host(v) if k not in _NOT_HYPER else v for k, v in g.items()}
+        if any(isinstance(v, Tensor) for v in g.values())
+        else g
+        for g in groups
+    ]
+
+
+def _on_host(value: Any) -> Any:
+    return value.detach().to("cpu", copy=True) if isinstance(value, Tensor) else value
