@@ -196,6 +196,43 @@ def test_gradients_of_another_dtype_than_the_weight(
     _assert_same(runs[0], runs[1], (param_dtype, grad_dtype))
 
 
+@pytest.mark.parametrize("cls", [canzona.Muon, canzona.NorMuon])
+@pytest.mark.parametrize(
+    ("param_dtype", "grad_dtype"),
+    [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)],
+)
+def test_a_momentum_in_the_gradients_dtype_survives_a_checkpoint(
+    cls: type, param_dtype: torch.dtype, grad_dtype: torch.dtype
+) -> None:
+    """Saved and loaded mid-run, the momentum keeps the gradient's dtype: the run goes on
+    bit for bit as if it had not stopped.
+
+    Catches: the load casting it to the weight's dtype, as torch.optim's does (fp32 into
+    bf16: the next step failed, "expected dtype c10::BFloat16 for `end`"; bf16 into fp32:
+    the blend then computed in fp32)."""
+    values, grads = _start([SHAPES["square"], SHAPES["tall"]], seed=10)
+
+    def run(stop: bool) -> list[nn.Parameter]:
+        params = [nn.Parameter(v.to(param_dtype)) for v in values]
+        for p in params:
+            p.grad_dtype = grad_dtype
+        opt = cls(params, lr=0.02)
+        for t, step in enumerate(grads):
+            if stop and t == STEPS // 2:
+                saved = io.BytesIO()
+                torch.save(opt.state_dict(), saved)
+                saved.seek(0)
+                opt = cls(params, lr=0.02)
+                opt.load_state_dict(torch.load(saved))
+                assert opt.state[params[0]]["momentum_buffer"].dtype == grad_dtype
+            for p, g in zip(params, step, strict=True):
+                p.grad = g.to(grad_dtype)
+            opt.step()
+        return params
+
+    _assert_same(run(True), run(False), (param_dtype, grad_dtype))
+
+
 @pytest.mark.parametrize("how", ["zero tensor", "clear"])
 def test_a_momentum_reset_between_steps_is_torchs(how: str) -> None:
     """A job resetting the momentum mid-run (a new zero tensor, or a cleared state).

@@ -253,7 +253,22 @@ def _plain_storage_state_into_dtensors() -> dict[str, Any]:
     sd = copy.deepcopy(ref.state_dict())
     params = sharded_params({n: full_of(p) for n, p in local}, mesh((4,)), placements)
     opt = canzona.Muon(params, **kw)
-    opt.load_state_dict(sd)
+    saved = [sd["state"][pid]["momentum_buffer"] for pid in range(len(params))]
+    whole: list[tuple[int, ...]] = []  # saved tensors moved (to the device) whole
+    to = torch.Tensor.to
+
+    def spy(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if type(self) is torch.Tensor and any(
+            self.data_ptr() == s.data_ptr() and self.numel() == s.numel() for s in saved
+        ):
+            whole.append(tuple(self.shape))
+        return to(self, *args, **kwargs)
+
+    torch.Tensor.to = spy  # type: ignore[method-assign]
+    try:
+        opt.load_state_dict(sd)
+    finally:
+        torch.Tensor.to = to  # type: ignore[method-assign]
     rank = tdist.get_rank()
     kept = {}
     for pid, (name, p) in enumerate(params):
@@ -272,6 +287,7 @@ def _plain_storage_state_into_dtensors() -> dict[str, Any]:
         opt.step()
     return {
         "kept": kept,
+        "moved_whole": whole,
         "continued": {
             n: bool(torch.equal(full_of(p), full_of(q)))
             for (n, p), (_, q) in zip(params, local, strict=True)
@@ -285,9 +301,12 @@ def test_plain_storage_state_for_dtensor_params_is_sharded(dist: Any) -> None:
     placements, and the run continues exactly as the one-process run it came from.
 
     Catches: a load that refuses plain tensors, keeps the full tensor on every rank, cuts
-    the wrong slice (uneven row and column shards), or loses the placements.
+    the wrong slice (uneven row and column shards), loses the placements, or moves the
+    whole tensor to the parameters' device before it cuts the slice (on a GPU, every rank
+    would hold a copy of every full tensor while it loads).
     """
     for o in dist(4).run(_plain_storage_state_into_dtensors, timeout=TIMEOUT):
+        assert o["moved_whole"] == [], o
         for name in ("rows", "cols"):
             assert o["kept"][name] == {"dtensor": True, "placements": True, "slice": True}, o
         assert o["continued"] == {"rows": True, "cols": True}, o

@@ -92,6 +92,13 @@ class CheckpointMixin:
 
         def _state_shape(self, group: dict[str, Any]) -> tuple[tuple[str, Any], ...]: ...
 
+    def _storage_dtype(self, p: Tensor, key: str) -> torch.dtype | None:
+        """The dtype element-wise state ``key`` of ``p`` keeps when loaded.
+
+        ``None``: the parameter's (floating point), as torch.optim's load casts it.
+        """
+        return None
+
     def _stepped_entries(self, params: list[Tensor], gids: list[int]) -> list[StateEntry]:
         """The owner-held state tensors of the parameters that have stepped."""
         stepped = {i for i, p in enumerate(params) if "step" in self.state.get(p, {})}
@@ -341,6 +348,12 @@ class CheckpointMixin:
         if entries:
             self._sync_plan()  # collective: every rank has validated by now
         super().load_state_dict({**state_dict, "state": storage})  # type: ignore[misc]
+        for pos, pid in enumerate(order):  # state kept in another dtype than its parameter's
+            for k, v in storage.get(pid, {}).items():
+                want = self._storage_dtype(params[pos], k)
+                now = self.state[params[pos]].get(k)
+                if want is not None and isinstance(now, Tensor) and now.dtype != want:
+                    self.state[params[pos]][k] = v.to(device=now.device, dtype=want)
         self._state_generation += 1  # every state tensor was replaced
         # the loaded groups' values shaped the loaded state
         self._state_shapes = {g: self._state_shape(grp) for g, grp in enumerate(self.param_groups)}

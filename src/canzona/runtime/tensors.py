@@ -180,7 +180,8 @@ def as_storage_layout(value: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     coordinate = mesh.get_coordinate()
     assert coordinate is not None, "this rank holds the parameter, so it is in its mesh"
     frag = fragment_for(tuple(p.shape), tuple(mesh.shape), placements, coordinate)
-    local = frag.read(value.to(p._local_tensor.device)).contiguous()
+    # this rank's slice first: a whole tensor loaded on the host moves only its slice
+    local = frag.read(value).to(p._local_tensor.device).contiguous()
     return DTensor.from_local(
         local, mesh, placements, run_check=False, shape=p.shape, stride=p.stride()
     )
