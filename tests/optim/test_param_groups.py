@@ -230,9 +230,13 @@ def _step_both(
 @pytest.mark.parametrize("cls", [canzona.Muon, canzona.Shampoo, canzona.SOAP])
 def test_adamw_group_is_torch_adamw(cls: type[torch.optim.Optimizer]) -> None:
     """``lr`` and ``weight_decay`` of the group, ``adamw_betas`` and ``adamw_eps`` of the
-    optimizer (or the group), and nothing else: bitwise ``torch.optim.AdamW(foreach=False)``."""
+    optimizer (or the group), and nothing else: bitwise ``torch.optim.AdamW(foreach=False)``.
+
+    Catches also: a 0-dim parameter decayed by a float64 tensor lr's factor rounded to
+    float32 first (torch's ``mul_`` of two 0-dim tensors multiplies in float64)."""
     gen = torch.Generator().manual_seed(0)
     values = [torch.randn(7, generator=gen), torch.randn(3, 4, generator=gen)]
+    values += [torch.randn((), generator=gen) for _ in range(8)]
     grads = [[torch.randn(v.shape, generator=gen) for v in values] for _ in range(5)]
     cases: list[tuple[dict[str, Any], dict[str, Any], dict[str, Any]]] = [
         # (optimizer kwargs, group entries, torch.optim.AdamW kwargs)
@@ -250,6 +254,15 @@ def test_adamw_group_is_torch_adamw(cls: type[torch.optim.Optimizer]) -> None:
             {"lr": 0.1, "weight_decay": 0.1},
             {"lr": torch.tensor(0.02)},
             {"lr": torch.tensor(0.02), "weight_decay": 0.1, "betas": (0.9, 0.95)},
+        ),
+        (  # a float64 tensor lr
+            {"lr": 0.1, "weight_decay": 0.1},
+            {"lr": torch.tensor(0.1, dtype=torch.float64)},
+            {
+                "lr": torch.tensor(0.1, dtype=torch.float64),
+                "weight_decay": 0.1,
+                "betas": (0.9, 0.95),
+            },
         ),
         (  # nothing given: the optimizer's lr and weight_decay, adamw_betas=(0.9, 0.95)
             {},

@@ -265,9 +265,10 @@ class Muon(MatrixOptimizer):
         lr = lr_value(hp["lr"])
         m, n = batch.shape
         directions = batch.directions
-        if m > n:
+        if m > n and hp["ns_steps"] != 0:
             # torch adds the transposed (column-major) Newton–Schulz output of a tall
-            # matrix, and a same-dtype low-precision add_ rounds by memory layout
+            # matrix, and a same-dtype low-precision add_ rounds by memory layout; without
+            # an iteration its two transposes give back the row-major normalised input
             directions = [
                 d.mT.contiguous().mT if d.dtype == t.dtype else d
                 for t, d in zip(batch.targets, directions, strict=True)

@@ -276,7 +276,16 @@ def adamw_params_(
         return
     beta1, beta2 = betas
     if weight_decay != 0:
-        mul_(params, float(1 - lr * weight_decay))
+        decay = 1 - lr * weight_decay
+        if isinstance(decay, Tensor) and any(p.dim() == 0 for p in params):
+            # a 0-dim parameter and a 0-dim tensor factor promote to the wider dtype (a
+            # float64 lr: the product in float64), as torch's own ``mul_`` does
+            for p in params:
+                if p.dim() == 0:
+                    p.mul_(decay)
+            mul_([p for p in params if p.dim() != 0], float(decay))
+        else:
+            mul_(params, float(decay))
     bias_correction1 = 1 - beta1**step
     bias_correction2 = 1 - beta2**step
     step_size = float(lr / bias_correction1)
