@@ -54,13 +54,14 @@ SHAPES = ((8, 8), (12, 8), (8, 12), (6, 10))  # four apply calls a step (one per
 def test_a_tensor_learning_rate_is_read_once_per_group_and_step(cls: type) -> None:
     """Catches: the apply (per shape, or per step count on the AdamW route) computing its
     factors from the group's tensor and reading each on the host (on a GPU: a device sync
-    per call, and the host waits for the step's kernels in the middle of the apply)."""
+    per call, and the host waits for the step's kernels in the middle of the apply), and a
+    larger tensor the job keeps in a group (no hyper-parameter) copied to the host too."""
     gen = torch.Generator().manual_seed(0)
     mats = [nn.Parameter(torch.randn(*s, generator=gen)) for s in SHAPES]
     vecs = [nn.Parameter(torch.randn(5, generator=gen)) for _ in range(3)]
     opt = cls(
         [
-            {"params": mats, "lr": _lr(0.02)},
+            {"params": mats, "lr": _lr(0.02), "mask": torch.ones(64).as_subclass(DeviceLR)},
             {"params": vecs, "lr": _lr(0.01), "algorithm": "adamw"},
         ]
     )

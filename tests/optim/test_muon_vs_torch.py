@@ -198,24 +198,28 @@ def test_gradients_of_another_dtype_than_the_weight(
 
 @pytest.mark.parametrize("cls", [canzona.Muon, canzona.NorMuon])
 @pytest.mark.parametrize(
-    ("param_dtype", "grad_dtype"),
-    [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)],
+    ("param_dtype", "grad_dtype", "declared"),
+    [
+        (torch.bfloat16, torch.float32, True),
+        (torch.float32, torch.bfloat16, True),
+        (torch.bfloat16, torch.float32, False),  # grad_dtype=None: any gradient dtype
+    ],
 )
 def test_a_momentum_in_the_gradients_dtype_survives_a_checkpoint(
-    cls: type, param_dtype: torch.dtype, grad_dtype: torch.dtype
+    cls: type, param_dtype: torch.dtype, grad_dtype: torch.dtype, declared: bool
 ) -> None:
     """Saved and loaded mid-run, the momentum keeps the gradient's dtype: the run goes on
     bit for bit as if it had not stopped.
 
     Catches: the load casting it to the weight's dtype, as torch.optim's does (fp32 into
     bf16: the next step failed, "expected dtype c10::BFloat16 for `end`"; bf16 into fp32:
-    the blend then computed in fp32)."""
+    the blend then computed in fp32), also where ``p.grad_dtype`` is None."""
     values, grads = _start([SHAPES["square"], SHAPES["tall"]], seed=10)
 
     def run(stop: bool) -> list[nn.Parameter]:
         params = [nn.Parameter(v.to(param_dtype)) for v in values]
         for p in params:
-            p.grad_dtype = grad_dtype
+            p.grad_dtype = grad_dtype if declared else None
         opt = cls(params, lr=0.02)
         for t, step in enumerate(grads):
             if stop and t == STEPS // 2:

@@ -92,8 +92,8 @@ class CheckpointMixin:
 
         def _state_shape(self, group: dict[str, Any]) -> tuple[tuple[str, Any], ...]: ...
 
-    def _storage_dtype(self, p: Tensor, key: str) -> torch.dtype | None:
-        """The dtype element-wise state ``key`` of ``p`` keeps when loaded.
+    def _storage_dtype(self, p: Tensor, key: str, saved: Tensor) -> torch.dtype | None:
+        """The dtype element-wise state ``key`` of ``p`` (saved as ``saved``) keeps when loaded.
 
         ``None``: the parameter's (floating point), as torch.optim's load casts it.
         """
@@ -350,9 +350,11 @@ class CheckpointMixin:
         super().load_state_dict({**state_dict, "state": storage})  # type: ignore[misc]
         for pos, pid in enumerate(order):  # state kept in another dtype than its parameter's
             for k, v in storage.get(pid, {}).items():
-                want = self._storage_dtype(params[pos], k)
                 now = self.state[params[pos]].get(k)
-                if want is not None and isinstance(now, Tensor) and now.dtype != want:
+                if not isinstance(v, Tensor) or not isinstance(now, Tensor):
+                    continue
+                want = self._storage_dtype(params[pos], k, v)
+                if want is not None and now.dtype != want:
                     self.state[params[pos]][k] = v.to(device=now.device, dtype=want)
         self._state_generation += 1  # every state tensor was replaced
         # the loaded groups' values shaped the loaded state

@@ -189,11 +189,14 @@ class Muon(MatrixOptimizer):
         for group in self.param_groups:
             group.setdefault("scale", self.defaults["scale"])
 
-    def _storage_dtype(self, p: Tensor, key: str) -> torch.dtype | None:
+    def _storage_dtype(self, p: Tensor, key: str, saved: Tensor) -> torch.dtype | None:
         # the momentum keeps the gradients' dtype (``p.grad_dtype``: fp32 gradients of bf16
-        # weights) through a checkpoint, where torch.optim's load would cast it to the weight's
-        dtype: torch.dtype | None = getattr(p, "grad_dtype", None)
-        return dtype if key == "momentum_buffer" else None
+        # weights) through a checkpoint, where torch.optim's load would cast it to the
+        # weight's; ``grad_dtype=None`` admits any gradient dtype: the saved one is kept
+        if key != "momentum_buffer" or not hasattr(p, "grad_dtype"):
+            return None
+        dtype: torch.dtype | None = p.grad_dtype
+        return saved.dtype if dtype is None and saved.is_floating_point() else dtype
 
     def _init_storage_state(
         self, p: Tensor, state: dict[str, Any], group: dict[str, Any], grad: Tensor | None

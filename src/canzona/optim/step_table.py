@@ -196,19 +196,24 @@ class StepTableMixin:
 
 
 def step_hparams(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The param groups as a step reads them: each tensor hyper-parameter copied to the host.
+    """The param groups as a step reads them: each one-element tensor copied to the host.
 
     A learning rate given as a tensor: every later use in the step (the fingerprint, the
     check, each apply call, the AdamW route) reads the copy, so on a GPU one device read
-    per group and step, however many calls.
+    per group and step, however many calls. A larger tensor a job keeps in a group is no
+    hyper-parameter (the fingerprint reads only its dtype and shape) and stays where it is.
     """
     return [
         {k: _on_host(v) if k not in _NOT_HYPER else v for k, v in g.items()}
-        if any(isinstance(v, Tensor) for v in g.values())
+        if any(map(_scalar_tensor, g.values()))
         else g
         for g in groups
     ]
 
 
+def _scalar_tensor(value: Any) -> bool:
+    return isinstance(value, Tensor) and value.numel() == 1
+
+
 def _on_host(value: Any) -> Any:
-    return value.detach().to("cpu", copy=True) if isinstance(value, Tensor) else value
+    return value.detach().to("cpu", copy=True) if _scalar_tensor(value) else value
