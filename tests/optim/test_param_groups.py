@@ -232,12 +232,14 @@ def test_adamw_group_is_torch_adamw(cls: type[torch.optim.Optimizer]) -> None:
     """``lr`` and ``weight_decay`` of the group, ``adamw_betas`` and ``adamw_eps`` of the
     optimizer (or the group), and nothing else: bitwise ``torch.optim.AdamW(foreach=False)``.
 
-    Catches also: a 0-dim parameter decayed by a float64 tensor lr's factor rounded to
-    float32 first (torch's ``mul_`` of two 0-dim tensors multiplies in float64)."""
+    Catches also: a 0-dim parameter, real or complex, decayed by a float64 tensor lr's
+    factor rounded to float32 first (torch's ``mul_`` of two 0-dim tensors multiplies in
+    float64; a complex one's before AdamW views it as real pairs)."""
     gen = torch.Generator().manual_seed(0)
     values = [torch.randn(7, generator=gen), torch.randn(3, 4, generator=gen)]
     values += [torch.randn((), generator=gen) for _ in range(8)]
-    grads = [[torch.randn(v.shape, generator=gen) for v in values] for _ in range(5)]
+    values += [torch.randn((), dtype=torch.complex64, generator=gen) for _ in range(8)]
+    grads = [[torch.randn(v.shape, dtype=v.dtype, generator=gen) for v in values] for _ in range(5)]
     cases: list[tuple[dict[str, Any], dict[str, Any], dict[str, Any]]] = [
         # (optimizer kwargs, group entries, torch.optim.AdamW kwargs)
         (

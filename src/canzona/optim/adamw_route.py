@@ -76,6 +76,7 @@ class AdamWRouteMixin:
             w.cache["exp_avg_sqs"] = [real_view(local_tensor(s["exp_avg_sq"])) for s in states]
             w.cache["locals"] = [real_view(local_tensor(p)) for p in w.params]
             w.cache["complex"] = any(p.is_complex() for p in w.params)
+            w.cache["originals"] = [local_tensor(p) for p in w.params]
             w.cache["backup"] = self._backup(w.cache["exp_avgs"] + w.cache["exp_avg_sqs"])
         txn.save(w.cache["backup"])
         betas = adamw_betas(self.param_groups[w.gid], self.defaults)
@@ -93,6 +94,8 @@ class AdamWRouteMixin:
         for k, p in enumerate(w.params):
             by_step.setdefault(int(self.state[p]["step"]), []).append(k)
         every = [w.cache["locals"], w.cache["exp_avgs"], w.cache["exp_avg_sqs"]]
+        if w.cache["complex"]:
+            every.append(w.cache["originals"])
         for step, ks in by_step.items():
             lists = every if len(ks) == len(w.params) else [[xs[k] for k in ks] for xs in every]
             adamw_params_(
@@ -104,4 +107,5 @@ class AdamWRouteMixin:
                 betas=adamw_betas(group, self.defaults),
                 eps=group["adamw_eps"],
                 weight_decay=group["weight_decay"],
+                originals=lists[3] if w.cache["complex"] else None,
             )

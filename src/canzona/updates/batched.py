@@ -255,6 +255,7 @@ def adamw_params_(
     betas: tuple[float, float],
     eps: float,
     weight_decay: float,
+    originals: Sequence[Tensor] | None = None,
 ) -> None:
     """AdamW's parameter update from updated moments (the second half of ``adamw_``).
 
@@ -270,6 +271,9 @@ def adamw_params_(
         betas: ``(beta1, beta2)``.
         eps: Denominator term.
         weight_decay: Decoupled weight decay coefficient.
+        originals: The parameters as the user holds them, where ``params`` are their real
+            views (complex parameters, as torch.optim.AdamW views them after the decay):
+            a 0-dim one is decayed as itself.
     """
     check_step(step)
     if not params:
@@ -277,13 +281,15 @@ def adamw_params_(
     beta1, beta2 = betas
     if weight_decay != 0:
         decay = 1 - lr * weight_decay
-        if isinstance(decay, Tensor) and any(p.dim() == 0 for p in params):
+        whole = params if originals is None else originals
+        if isinstance(decay, Tensor) and any(p.dim() == 0 for p in whole):
             # a 0-dim parameter and a 0-dim tensor factor promote to the wider dtype (a
-            # float64 lr: the product in float64), as torch's own ``mul_`` does
-            for p in params:
+            # float64 lr: the product in float64, complex128 for a complex64 parameter),
+            # as torch's own ``mul_`` does
+            for p in whole:
                 if p.dim() == 0:
                     p.mul_(decay)
-            mul_([p for p in params if p.dim() != 0], float(decay))
+            mul_([v for v, p in zip(params, whole, strict=True) if p.dim() != 0], float(decay))
         else:
             mul_(params, float(decay))
     bias_correction1 = 1 - beta1**step
