@@ -999,3 +999,24 @@ def test_loaded_owner_held_state_takes_the_optimizers_dtype(name: str) -> None:
         train(again, fresh, grads[3:])
         runs.append(snapshot(again))
     assert_params_equal(parameters(runs[1]), runs[0])
+
+
+def test_a_compiled_training_step_steps_like_an_eager_one(name: str) -> None:
+    """``torch.compile`` of a function that calls ``step()`` (as a compiled training step
+    does): the optimizer step runs eagerly and gives the eager step's parameters and state.
+    Catches: the step traced by the compiler (it mis-traced the step table's cache and
+    every compiled step failed)."""
+    grads = gradients(steps=3)
+    params, opt = make(name)
+    train(params, opt, grads)
+    params2, opt2 = make(name)
+
+    @torch.compile(backend="eager")
+    def step() -> None:
+        opt2.step()
+
+    for g in grads:
+        set_grads(params2, g)
+        step()
+    assert_params_equal(params2, snapshot(params))
+    assert_state_dicts_equal(opt2.state_dict(), opt.state_dict())

@@ -721,3 +721,31 @@ def test_a_split_of_a_flattened_conv1d_is_checked_on_its_matrix() -> None:
     canzona.Muon(groups)
     with pytest.raises(ValueError, match=r"'0\.weight': dimension 1 of the matrix has 12 elements"):
         canzona.param_groups(model, flatten=True, split={"0.weight": canzona.Split(1, size=5)})
+
+
+@pytest.mark.parametrize("cls", [canzona.Muon, canzona.Shampoo, canzona.SOAP])
+@pytest.mark.parametrize("how", ["data", "swap_tensors"])
+def test_a_replaced_complex_parameter_is_the_one_adamw_updates(
+    cls: type[torch.optim.Optimizer], how: str
+) -> None:
+    """Complex AdamW-routed parameters replaced between steps (``p.data = ...``,
+    ``torch.utils.swap_tensors``): bitwise ``torch.optim.AdamW``. Catches: a real view
+    of the parameter kept from the first step (the steps after ``p.data = ...`` updated
+    the old storage, and ``swap_tensors`` refused the parameter the view referenced)."""
+    gen = torch.Generator().manual_seed(0)
+    values = [torch.randn(6, dtype=torch.complex64, generator=gen), torch.randn(5, generator=gen)]
+    grads = [[torch.randn(v.shape, dtype=v.dtype, generator=gen) for v in values] for _ in range(3)]
+    ours = [nn.Parameter(v.clone()) for v in values]
+    theirs = [nn.Parameter(v.clone()) for v in values]
+    opt = cls([{"params": ours, "algorithm": "adamw"}], lr=0.02, weight_decay=0.1)
+    ref = torch.optim.AdamW(theirs, lr=0.02, weight_decay=0.1, betas=(0.9, 0.95), foreach=False)
+    _step_both(opt, ref, ours, theirs, grads[:1])
+    for p in (*ours, *theirs):
+        if how == "data":
+            p.data = p.data.clone()
+        else:
+            torch.utils.swap_tensors(p, nn.Parameter(p.detach().clone()))
+    _step_both(opt, ref, ours, theirs, grads[1:])
+    for a, b in zip(ours, theirs, strict=True):
+        assert torch.equal(a, b)
+        assert not torch.equal(a, values[0] if a.is_complex() else values[1])

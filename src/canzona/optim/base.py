@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Callable, Hashable, Iterable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -45,6 +45,14 @@ from canzona.runtime import (
 )
 
 ADAMW = "adamw"
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _eager(fn: _F) -> _F:
+    """``fn`` excluded from ``torch.compile``: a compiled caller runs it eagerly."""
+    return cast(_F, torch.compiler.disable(fn))  # type: ignore[no-untyped-call]
 
 
 class MatrixOptimizer(StepTableMixin, AdamWRouteMixin, CopyMixin, CheckpointMixin, Optimizer):
@@ -242,6 +250,7 @@ class MatrixOptimizer(StepTableMixin, AdamWRouteMixin, CopyMixin, CheckpointMixi
 
     # ------------------------------------------------------------------ table
     # ------------------------------------------------------------------ step
+    @_eager  # a compiled training step runs the optimizer step eagerly
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Perform one optimization step.
