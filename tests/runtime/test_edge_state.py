@@ -356,3 +356,39 @@ def test_param_groups_edited_between_steps_on_a_mesh(dist: Any, cls_name: str, e
     its owner while the other rank waited in the state exchange)."""
     for out in dist(2).run(_regrouped_on_a_mesh, cls_name, edit, timeout=TIMEOUT):
         assert out == dict.fromkeys(out, True), out
+
+
+def _replaced_local_tensors(how: str) -> dict[str, bool]:
+    """Muon and AdamW-routed DTensor parameters whose local tensors are replaced after the
+    first step, as FSDP2's re-padding (``reset_sharded_param``) or ``swap_tensors`` do."""
+    from torch.distributed.tensor import distribute_tensor
+
+    dm = mesh((2,))
+    gen = torch.Generator().manual_seed(0)
+    fulls = {"w": torch.randn(6, 4, generator=gen), "b": torch.randn(5, generator=gen)}
+    grads = [{n: torch.randn(t.shape, generator=gen) for n, t in fulls.items()} for _ in range(3)]
+    runs = []
+    for replace in (False, True):
+        ps = {n: nn.Parameter(distribute_tensor(t.clone(), dm, [Shard(0)])) for n, t in fulls.items()}
+        groups = [{"params": [ps["w"]]}, {"params": [ps["b"]], "algorithm": "adamw"}]
+        opt = canzona.Muon(groups, lr=0.02, weight_decay=0.1, ns_dtype=torch.float32)
+        for i, step in enumerate(grads):
+            if replace and i == 1:
+                for p in ps.values():
+                    if how == "local_tensor":
+                        p._local_tensor = p._local_tensor.clone()
+                    else:
+                        torch.utils.swap_tensors(p, nn.Parameter(p.detach().clone()))
+            for n, p in ps.items():
+                p.grad = distribute_tensor(step[n], dm, [Shard(0)])
+            opt.step()
+        runs.append({n: p.full_tensor() for n, p in ps.items()})
+    return {n: torch.equal(runs[1][n], runs[0][n]) for n in fulls}
+
+
+@pytest.mark.parametrize("how", ["local_tensor", "swap_tensors"])
+def test_replaced_local_tensors_are_the_ones_the_step_updates(dist: Any, how: str) -> None:
+    """Bitwise the run without the replacement. Catches: the AdamW route's local tensors
+    kept from the first step (the replaced bias was never updated again)."""
+    for out in dist(2).run(_replaced_local_tensors, how, timeout=TIMEOUT):
+        assert out == {"w": True, "b": True}, out

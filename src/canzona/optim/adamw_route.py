@@ -74,9 +74,6 @@ class AdamWRouteMixin:
             # complex parameters as real pairs: each second moment a real square
             w.cache["exp_avgs"] = [real_view(local_tensor(s["exp_avg"])) for s in states]
             w.cache["exp_avg_sqs"] = [real_view(local_tensor(s["exp_avg_sq"])) for s in states]
-            # complex parameters are viewed as real pairs at every step (_adamw_params): a
-            # view kept here would stay on the old storage when ``p.data`` is replaced
-            w.cache["locals"] = [local_tensor(p) for p in w.params]
             w.cache["complex"] = any(p.is_complex() for p in w.params)
             w.cache["backup"] = self._backup(w.cache["exp_avgs"] + w.cache["exp_avg_sqs"])
         txn.save(w.cache["backup"])
@@ -94,9 +91,12 @@ class AdamWRouteMixin:
         by_step: dict[int, list[int]] = {}
         for k, p in enumerate(w.params):
             by_step.setdefault(int(self.state[p]["step"]), []).append(k)
-        every = [w.cache["locals"], w.cache["exp_avgs"], w.cache["exp_avg_sqs"]]
+        # the parameters' local tensors as they are now: one replaced since the last step
+        # (``p.data = ...``, ``swap_tensors``, FSDP2's re-padding) is the one updated
+        params = [local_tensor(p) for p in w.params]
+        every = [params, w.cache["exp_avgs"], w.cache["exp_avg_sqs"]]
         if w.cache["complex"]:  # the parameters' real views, and the parameters
-            every = [[real_view(t) for t in every[0]], *every[1:], every[0]]
+            every = [[real_view(t) for t in params], *every[1:], params]
         for step, ks in by_step.items():
             lists = every if len(ks) == len(w.params) else [[xs[k] for k in ks] for xs in every]
             adamw_params_(
