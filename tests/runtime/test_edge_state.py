@@ -369,7 +369,9 @@ def _replaced_local_tensors(how: str) -> dict[str, bool]:
     grads = [{n: torch.randn(t.shape, generator=gen) for n, t in fulls.items()} for _ in range(3)]
     runs = []
     for replace in (False, True):
-        ps = {n: nn.Parameter(distribute_tensor(t.clone(), dm, [Shard(0)])) for n, t in fulls.items()}
+        ps = {
+            n: nn.Parameter(distribute_tensor(t.clone(), dm, [Shard(0)])) for n, t in fulls.items()
+        }
         groups = [{"params": [ps["w"]]}, {"params": [ps["b"]], "algorithm": "adamw"}]
         opt = canzona.Muon(groups, lr=0.02, weight_decay=0.1, ns_dtype=torch.float32)
         for i, step in enumerate(grads):
