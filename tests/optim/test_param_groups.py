@@ -749,3 +749,29 @@ def test_a_replaced_complex_parameter_is_the_one_adamw_updates(
     for a, b in zip(ours, theirs, strict=True):
         assert torch.equal(a, b)
         assert not torch.equal(a, values[0] if a.is_complex() else values[1])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_a_numpy_learning_rate_is_used_as_torch_uses_it(dtype: str) -> None:
+    """An ``lr`` given as a NumPy scalar: bitwise ``torch.optim.Muon`` and, in an
+    ``algorithm="adamw"`` group, ``torch.optim.AdamW``, whose arithmetic on it is NumPy's in
+    its dtype. Catches: the value converted to a Python float first (products in float64)."""
+    np = pytest.importorskip("numpy")
+    lr = getattr(np, dtype)(0.0213)
+    gen = torch.Generator().manual_seed(0)
+    values = [torch.randn(8, 6, generator=gen), torch.randn(7, generator=gen)]
+    grads = [[torch.randn(v.shape, generator=gen) for v in values] for _ in range(4)]
+    ours = [nn.Parameter(v.clone()) for v in values]
+    theirs = [nn.Parameter(v.clone()) for v in values]
+    groups = [{"params": ours[:1]}, {"params": ours[1:], "algorithm": "adamw"}]
+    opt = canzona.Muon(groups, lr=lr, weight_decay=0.1)
+    muon = torch.optim.Muon(theirs[:1], lr=lr, weight_decay=0.1)
+    adamw = torch.optim.AdamW(theirs[1:], lr=lr, weight_decay=0.1, betas=(0.9, 0.95))
+    for step in grads:
+        for a, b, g in zip(ours, theirs, step, strict=True):
+            a.grad, b.grad = g.clone(), g.clone()
+        opt.step()
+        muon.step()
+        adamw.step()
+    for a, b in zip(ours, theirs, strict=True):
+        assert torch.equal(a, b)

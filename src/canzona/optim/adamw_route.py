@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -24,12 +24,17 @@ def lr_value(value: float | Tensor) -> float | Tensor:
 
     The arithmetic on a tensor learning rate (``1 - lr * weight_decay``, the shape-adjusted
     rate) then runs in the tensor's dtype, as torch.optim's does: a float32 ``lr`` gives
-    float32 products, bit for bit torch's.
+    float32 products, bit for bit torch's. A NumPy scalar is returned as it is, for the
+    same reason.
     """
     if isinstance(value, Tensor):
         if value.numel() != 1:
             raise ValueError(f"a tensor learning rate must have one element, got {value.shape}")
         return value.detach().reshape(())
+    if not isinstance(value, float | int) and hasattr(value, "dtype"):
+        # a NumPy scalar (np.float32, np.float16) is kept: the arithmetic on it is NumPy's,
+        # in its dtype, as in torch.optim
+        return cast(float, value)
     return float(value)
 
 
