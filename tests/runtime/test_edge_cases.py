@@ -639,9 +639,12 @@ def _deepcopy_after_add_param_group(name: str, strategy: str) -> dict[str, Any]:
     }
 
 
-def _replan_then_fail(name: str, fail: bool) -> dict[str, Any]:
-    """``add_param_group``, then a step that raises on every rank after its re-plan (here:
-    building the new plan's pipeline); the step is taken again and training goes on."""
+def _replan_then_fail(name: str, where: str) -> dict[str, Any]:
+    """``add_param_group``, then a step that raises on every rank after its re-plan (in
+    ``where``: building the new plan's pipeline, or moving the owner-held state, on its
+    old owners or its new ones; "": nothing raises); the step is taken again and training
+    goes on."""
+    import canzona.optim.owner_state as owner_state
     import canzona.runtime.engine as engine
 
     shapes = {**FIRST, **LATER}
@@ -655,18 +658,19 @@ def _replan_then_fail(name: str, fail: bool) -> dict[str, Any]:
         opt.step()
     opt.add_param_group({"params": params[len(FIRST) :]})
     outcome = "no error"
-    if fail:
-        original = engine.build_pipeline
+    if where:
+        module = engine if where == "build_pipeline" else owner_state
+        original = getattr(module, where)
 
         def refuse(*args: Any, **kwargs: Any) -> Any:
             raise RuntimeError("out of memory (simulated)")
 
-        engine.build_pipeline = refuse  # type: ignore[assignment]
+        setattr(module, where, refuse)
         set_grads(params, grads[2])
         try:
             outcome = _outcome(opt.step)[1]
         finally:
-            engine.build_pipeline = original  # type: ignore[assignment]
+            setattr(module, where, original)
     for g in grads[2:]:
         set_grads(params, g)
         opt.step()
@@ -674,12 +678,17 @@ def _replan_then_fail(name: str, fail: bool) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("name", ["Shampoo", "NorMuon"])
-def test_a_step_that_raises_after_its_replan_loses_no_owner_state(dist: Any, name: str) -> None:
+@pytest.mark.parametrize("where", ["build_pipeline", "export_state", "import_state"])
+def test_a_step_that_raises_after_its_replan_loses_no_owner_state(
+    dist: Any, name: str, where: str
+) -> None:
     """Catches: a step that re-planned (owners moved after ``add_param_group``) and raised
     before the owner-held state moved: the plan was kept, the move forgotten, and the moved
-    matrices went on from fresh state. Taken again, the step must continue exactly."""
-    failed = dist(2).run(_replan_then_fail, name, True, timeout=TIMEOUT)
-    straight = dist(2).run(_replan_then_fail, name, False, timeout=TIMEOUT)
+    matrices went on from fresh state. Likewise a move that raised on its way: the state
+    already taken from its old owners was lost (the next steps raised, or restarted it).
+    Taken again, the step must continue exactly."""
+    failed = dist(2).run(_replan_then_fail, name, where, timeout=TIMEOUT)
+    straight = dist(2).run(_replan_then_fail, name, "", timeout=TIMEOUT)
     for got, want in zip(failed, straight, strict=True):
         assert got["outcome"] == "out of memory (simulated)"
         assert got.keys() == want.keys()

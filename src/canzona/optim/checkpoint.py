@@ -116,9 +116,17 @@ class CheckpointMixin:
     def _migrate_owner_state(
         self, previous: Snapshot, params: list[Tensor], gids: list[int]
     ) -> None:
-        """After a re-plan, move owner-held state from the old owners to the new ones."""
+        """After a re-plan, move owner-held state from the old owners to the new ones.
+
+        A move that raises leaves the state where ``previous`` holds it, and the next step
+        (or ``state_dict()``) plans again and moves it.
+        """
         entries = self._stepped_entries(params, gids)
-        self._owner.migrate(previous, snapshot(self._runtime), params, entries)
+        try:
+            self._owner.migrate(previous, snapshot(self._runtime), params, entries)
+        except BaseException:
+            self._runtime.move_failed(previous)
+            raise
 
     # ------------------------------------------------------------------ save
     def state_dict(self) -> dict[str, Any]:

@@ -272,7 +272,11 @@ class OwnerState:
             (e.param, e.key): values[(b.param, b.key)] for e, b in zip(entries, before, strict=True)
         }
         self.states = {}
-        import_state(current, entries, moved, self._put)
+        try:
+            import_state(current, entries, moved, self._put)
+        except BaseException:
+            self.states = old  # still where ``previous`` holds it
+            raise
 
     def _put(self, item: Item, key: str, value: Tensor) -> None:
         self.states.setdefault(item.key, {})[_own(item, key)] = value

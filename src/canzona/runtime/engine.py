@@ -59,8 +59,7 @@ class StepStart:
         payload: Per active matrix parameter with local data, where the optimizer writes
             its prepared payload (a view shaped like the parameter's local shard; valid
             until :meth:`MatrixRuntime.run` returns).
-        previous: After a re-plan, the old plan's snapshot (owner-held state moves from
-            it to the new owners); None otherwise.
+        previous: After a re-plan, the old plan's snapshot (owner-held state moves from it).
         declined: The header rides the first gather and this rank's step does not match
             the last agreed one: prepare nothing (:meth:`MatrixRuntime.run` then raises
             :class:`~canzona.runtime.pipeline.StepDeclined` on every rank).
@@ -76,16 +75,13 @@ class StepStart:
 class MatrixRuntime:
     """Everything distributed about one optimizer: layouts, plan, routes, schedules.
 
-    Attributes:
-        _instances: Runtimes created in this process (names progress markers).
-
     Args:
         plan_config: Owner assignment and micro-group configuration.
         pipeline_config: Pipeline configuration.
         cost: Cost model name or object for the planner.
     """
 
-    _instances = 0
+    _instances = 0  # runtimes created in this process (names progress markers)
 
     def __init__(
         self, *, plan_config: PlanConfig, pipeline_config: PipelineConfig, cost: str | CostModel
@@ -381,11 +377,8 @@ class MatrixRuntime:
         table: StepTable,
         compute: ComputeFn | None = None,
     ) -> Snapshot | None:
-        """Agree on the plan with every rank (collective); re-plan when needed.
-
-        Returns:
-            The old plan's snapshot after a re-plan (owner-held state moves from it).
-        """
+        """Agree on the plan with every rank (collective); re-plan when needed: the old
+        plan's snapshot after a re-plan (owner-held state moves from it), else None."""
         previous, _, _ = self._sync(names, tensors, table, compute=compute)
         return self._hand_over(previous)
 
@@ -393,6 +386,11 @@ class MatrixRuntime:
         """``previous`` for the caller to move the state from: no longer kept here."""
         self._unmoved = None
         return previous
+
+    def move_failed(self, previous: Snapshot) -> None:
+        """The state did not leave ``previous`` (its move raised): the next step moves it."""
+        self._unmoved = previous
+        self.invalidate()
 
     def _sync(
         self,
