@@ -377,8 +377,10 @@ class MatrixRuntime:
         table: StepTable,
         compute: ComputeFn | None = None,
     ) -> Snapshot | None:
-        """Agree on the plan with every rank (collective); re-plan when needed: the old
-        plan's snapshot after a re-plan (owner-held state moves from it), else None."""
+        """Agree on the plan with every rank (collective); re-plan when needed.
+
+        Returns the old plan's snapshot after a re-plan (the state moves from it), else None.
+        """
         previous, _, _ = self._sync(names, tensors, table, compute=compute)
         return self._hand_over(previous)
 
