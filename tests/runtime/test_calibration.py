@@ -216,13 +216,18 @@ def test_the_ranks_agree_on_a_median_that_outvotes_a_stall(monkeypatch: Any) -> 
     one taken always (with two ranks the faster rank's timing: a price biased low)."""
     from canzona.runtime.watchdog import Watchdog
 
-    def gather(rows: torch.Tensor, mine: torch.Tensor, group: Any = None) -> None:
+    class Done:
+        def wait(self, timeout: Any = None) -> bool:
+            return True
+
+    def gather(rows: torch.Tensor, mine: torch.Tensor, group: Any = None, **_: Any) -> Done:
         rows.copy_(
             torch.tensor(
                 [1.0, 5.0, 4.0, 7.0, -1.0, 4.4, 3.0, 8.0, -1.0, 2.0, -1.0, -1.0],
                 dtype=rows.dtype,
             )
         )
+        return Done()
 
     monkeypatch.setattr(calibrate_module.dist, "all_gather_single", gather)
     watchdog = Watchdog(None, 0, 4, 60.0)
@@ -309,3 +314,83 @@ def test_a_cpu_calibration_settles_the_heap_before_timing(dist: Any) -> None:
     """Catches: the calibration timing its calls before settling the heap (or not at all)."""
     for events in dist(2).run(_settle_order):
         assert events[0] == "settle" and events.count("settle") == 1 and "call" in events, events
+
+
+def _calibration_fails_on_rank_1(stall: bool) -> dict[str, Any]:
+    """The first step's calibration raises on rank 1 allocating its inputs (out of memory),
+    or (``stall``) rank 1 never reaches the calibration's agreement."""
+    import time
+    import warnings
+    from datetime import timedelta
+
+    import torch.distributed as tdist
+
+    rank = tdist.get_rank()
+    fulls = full_tensors(SHAPES)
+    grads = grad_steps(SHAPES, 2)
+    params = sharded_params(fulls, mesh((2,)), {n: (Shard(0),) for n in SHAPES})
+    # a group of its own: a stalled rank leaves nothing pending in the pool's
+    group = tdist.new_group(backend="gloo", timeout=timedelta(seconds=20))
+    config = canzona.PipelineConfig(process_group=group, timeout_s=2.0)
+    opt = canzona.Muon(params, **MUON_KW, plan=plan(cost="measured"), pipeline=config)
+    calibrate_module._CACHE.clear()  # time every shape again, inputs allocated
+    randn, agree = torch.randn, calibrate_module.median_over_ranks
+
+    def refuse(*args: Any, **kwargs: Any) -> torch.Tensor:
+        raise torch.OutOfMemoryError("out of memory (simulated)")
+
+    def late(*args: Any, **kwargs: Any) -> list[float]:
+        time.sleep(4.0)  # past the 2 s deadline of the others
+        raise RuntimeError("late (simulated)")
+
+    if rank == 1:
+        if stall:
+            calibrate_module.median_over_ranks = late  # type: ignore[assignment]
+        else:
+            torch.randn = refuse  # type: ignore[assignment]
+    outcomes = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            for g in grads:
+                set_grads(params, g)
+                try:
+                    opt.step()
+                    outcomes.append("ok")
+                except Exception as exc:
+                    outcomes.append(f"{type(exc).__name__}: {exc}")
+                    break
+        finally:
+            torch.randn, calibrate_module.median_over_ranks = randn, agree  # type: ignore[assignment]
+    out: dict[str, Any] = {
+        "outcomes": outcomes,
+        "warned": [str(w.message) for w in caught if "calibration raised" in str(w.message)],
+    }
+    if not stall:
+        out["table"] = opt._runtime.plan.optimizer.params()
+        got = {n: p.full_tensor() for n, p in params}
+        out["compare"] = compare(got, reference_muon(fulls, grads, **MUON_KW))
+    tdist.destroy_process_group(group)
+    return out
+
+
+def test_a_calibration_that_raises_on_one_rank_prices_the_plan_by_the_others(dist: Any) -> None:
+    """Catches: the calibration's inputs allocated outside its failure capture (rank 1 raised
+    alone and rank 0 waited in the agreement until the process group's own timeout)."""
+    out = dist(2).run(_calibration_fails_on_rank_1, False)
+    assert [o["outcomes"] for o in out] == [["ok", "ok"], ["ok", "ok"]]
+    assert out[0]["warned"] == []
+    assert len(out[1]["warned"]) == 1 and "out of memory (simulated)" in out[1]["warned"][0]
+    assert out[0]["table"] == out[1]["table"]  # one table on every rank
+    for o in out:
+        assert all(eq for eq, _ in o["compare"].values()), o["compare"]
+
+
+def test_the_calibrations_agreement_waits_with_the_deadline(dist: Any) -> None:
+    """Catches: the agreement's all-gather waited without a deadline (the process group's own
+    timeout, minutes on a real job, instead of ``timeout_s``)."""
+    out = dist(2).run(_calibration_fails_on_rank_1, True)
+    assert out[1]["outcomes"] == ["RuntimeError: late (simulated)"]
+    (outcome,) = out[0]["outcomes"]
+    assert outcome.startswith("CollectiveTimeoutError: rank 0: the calibration's agreement")
+    assert "did not complete within 2s" in outcome

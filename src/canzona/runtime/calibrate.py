@@ -6,7 +6,8 @@ import functools
 import hashlib
 import platform
 import time
-from collections.abc import Mapping, Sequence
+import warnings
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -261,9 +262,19 @@ def median_over_ranks(timed: list[float], watchdog: Watchdog, device: torch.devi
     """
     mine = torch.tensor(timed, dtype=torch.float64, device=device)
     rows = torch.empty(watchdog.world * len(timed), dtype=torch.float64, device=device)
-    dist.all_gather_single(rows, mine, group=watchdog.process_group)
+    _collective(
+        watchdog,
+        "the calibration's agreement on timings",
+        lambda: dist.all_gather_single(rows, mine, group=watchdog.process_group, async_op=True),
+    )
     table = rows.view(watchdog.world, len(timed)).tolist()
     return [_robust_median([row[i] for row in table if row[i] >= 0]) for i in range(len(timed))]
+
+
+def _collective(watchdog: Watchdog, what: str, issue: Callable[[], Any]) -> None:
+    """Issue a collective and wait for it under the watchdog's deadline."""
+    watchdog.mark(0, what)  # with the step's checks: before the plan digest's (phase 1)
+    watchdog.wait(issue(), what)
 
 
 def _robust_median(values: list[float]) -> float:
@@ -290,13 +301,25 @@ def measure_transfer(watchdog: Watchdog, device: torch.device) -> float:
     inp = torch.zeros(numel, dtype=torch.float32, device=device)
     out = torch.empty_like(inp)
     splits = [numel // world] * world
-    dist.all_to_all_single(out, inp, splits, splits, group=watchdog.process_group)  # warm-up
+    what = "the calibration's transfer-rate probe"
+
+    def probe() -> Any:
+        pg = watchdog.process_group
+        return dist.all_to_all_single(out, inp, splits, splits, group=pg, async_op=True)
+
+    _collective(watchdog, what, probe)  # warm-up
     t0 = time.perf_counter()
-    dist.all_to_all_single(out, inp, splits, splits, group=watchdog.process_group)
+    _collective(watchdog, what, probe)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=watchdog.process_group)
+    _collective(
+        watchdog,
+        what,
+        lambda: dist.all_reduce(
+            elapsed, op=dist.ReduceOp.MAX, group=watchdog.process_group, async_op=True
+        ),
+    )
     moved = numel * 4 * (world - 1) / world  # the same number on every rank
     rate = moved / max(float(elapsed.item()), 1e-9)
     _RATES[key] = rate
@@ -347,64 +370,34 @@ def timing_order(
     return cheap[:1] + sorted(cheap[1:], key=lambda i: -shapes[i].count * flops[i])
 
 
-def calibrate(
+def _stored(hits: Mapping[int, Entry], n: int) -> tuple[list[float], list[float], list[float]]:
+    """The three timings of every shape as the cache holds them (-1 where it does not)."""
+    return (
+        [hits[i][0] if i in hits else -1.0 for i in range(n)],
+        [hits[i][1] if i in hits else -1.0 for i in range(n)],
+        [hits[i][2] if i in hits else -1.0 for i in range(n)],
+    )
+
+
+def _time_here(
     shapes: Sequence[Shape],
+    flops: Sequence[float],
+    order: Sequence[int],
+    hits: Mapping[int, Entry],
     table: StepTable,
     compute: ComputeFn,
-    bases: Mapping[int, CostModel],
-    *,
-    watchdog: Watchdog,
     device: torch.device,
-    budget_s: float = BUDGET_S,
-    shape_cap_s: float = SHAPE_CAP_S,
-    cache: DiskCache | None = None,
-    pieces: bool | None = None,
-) -> GroupedCost:
-    """Time the owner math of every shape (within a budget), agree on one table, fit the rest.
+    rank: int,
+    limits: tuple[float, float],
+    pieces: bool,
+) -> tuple[list[float], list[float], list[float]]:
+    """This rank's timings of every shape at its batch, its companion and twice its batch.
 
-    Every rank times the shapes it can within ``budget_s`` (in :func:`timing_order`: on the
-    CPU the cheapest first, then by the owner work the model has of each, ``count`` times
-    FLOPs, most first; elsewhere by owner work only; a shape whose
-    predicted time exceeds ``shape_cap_s``, whose timing would end past the budget (its
-    calls predicted from the shapes timed so far), or whose math raises, is not timed
-    there), in CPU time with one intra-op thread; one all-gather gives every rank each
-    shape's median over the ranks (:func:`median_over_ranks`), so every rank plans with
-    identical numbers. Shapes no rank timed are predicted per param group from a log-log
-    fit of time against the closed-form FLOPs of the timed ones of their class (the same
-    smaller side, else the same aspect bucket: ``plan.measured.shape_classes``), else of all
-    of them. With the budget left, a second pass times each timed shape, the cheapest first,
-    at a second batch size (1, or 2 for a shape timed alone), which splits a call into a
-    fixed cost and a cost per matrix (``MeasuredCost.batches``): the batches a plan forms
-    are then priced as they run, a single matrix included (it runs the per-matrix kernels,
-    not the batched ones). With ``pieces`` (default: on accelerators), a shape timed at a
-    full batch (:data:`MAX_BATCH`) is also timed at twice it, with the budget then left: a
-    call on it that takes about two calls on the batch runs in pieces
-    (:func:`~canzona.plan.measured.piece_size`; per-matrix CUDA-graph replays do), and the
-    table prices longer stacks as pieces (``MeasuredCost.pieces``). A small all-to-all
-    measures the transfer rate.
-
-    With a ``cache``, a shape whose entry (:func:`entry_key`) the rank finds there is not
-    timed: the stored agreed timings stand in for the rank's own (and cost no budget); the
-    all-gather then agrees on the table as always, so ranks that find different files (or
-    none) still plan with one table. Rank 0 writes the agreed timings back when it timed a
-    shape its file lacked; a job whose ranks all find every shape times nothing.
-
-    Returns:
-        One :class:`~canzona.plan.measured.MeasuredCost` per param group (keyed by
-        ``str(batch_key)``), collective-identical on every rank.
+    -1 where not timed (the cache's where it has them); see :func:`calibrate`. ``limits``:
+    ``(budget_s, shape_cap_s)``.
     """
-    if device.type == "cpu":
-        timing.settle_heap()
-    if pieces is None:
-        pieces = device.type != "cpu"
-    flops = [bases[s.key].flops(MatrixSpec("s", (s.m, s.n))) for s in shapes]
-    order = timing_order(shapes, flops, device)
-    keys = [entry_key(s, table, device) for s in shapes] if cache is not None else []
-    stored: dict[str, Entry] = cache.load() if cache is not None else {}
-    hits = {i: stored[k] for i, k in enumerate(keys) if k in stored}
-    timed = [hits[i][0] if i in hits else -1.0 for i in range(len(shapes))]
-    second = [hits[i][1] if i in hits else -1.0 for i in range(len(shapes))]
-    third = [hits[i][2] if i in hits else -1.0 for i in range(len(shapes))]
+    budget_s, shape_cap_s = limits
+    timed, second, third = _stored(hits, len(shapes))
     evict_s = _eviction_seconds(device) if len(hits) < len(shapes) else 0.0
     spent = 0.0  # seconds of the warm-ups so far and of the timed calls they will need
     rate = 0.0  # seconds per FLOP of one call, the largest seen so far
@@ -414,7 +407,7 @@ def calibrate(
     def start(shape: Shape, into: list[float], i: int) -> None:
         nonlocal spent, extra
         t0 = time.perf_counter()
-        one = _start(shape, table, compute, device, watchdog.rank)
+        one = _start(shape, table, compute, device, rank)
         # the warm-up is priced as one more call: what it took besides (fresh pages, the
         # inputs) counts here, and the largest such part prices the shapes to come
         besides = max(time.perf_counter() - t0 - 2 * one.warm_s(), 0.0)
@@ -458,6 +451,88 @@ def calibrate(
     timing.time_rounds([c for _, _, one in started for _, _, c in one.calls])
     for into, i, one in started:
         into[i] = one.seconds()
+    return timed, second, third
+
+
+def calibrate(
+    shapes: Sequence[Shape],
+    table: StepTable,
+    compute: ComputeFn,
+    bases: Mapping[int, CostModel],
+    *,
+    watchdog: Watchdog,
+    device: torch.device,
+    budget_s: float = BUDGET_S,
+    shape_cap_s: float = SHAPE_CAP_S,
+    cache: DiskCache | None = None,
+    pieces: bool | None = None,
+) -> GroupedCost:
+    """Time the owner math of every shape (within a budget), agree on one table, fit the rest.
+
+    Every rank times the shapes it can within ``budget_s`` (in :func:`timing_order`: on the
+    CPU the cheapest first, then by the owner work the model has of each, ``count`` times
+    FLOPs, most first; elsewhere by owner work only; a shape whose
+    predicted time exceeds ``shape_cap_s``, whose timing would end past the budget (its
+    calls predicted from the shapes timed so far), or whose math raises, is not timed
+    there), in CPU time with one intra-op thread; one all-gather gives every rank each
+    shape's median over the ranks (:func:`median_over_ranks`), so every rank plans with
+    identical numbers. Shapes no rank timed are predicted per param group from a log-log
+    fit of time against the closed-form FLOPs of the timed ones of their class (the same
+    smaller side, else the same aspect bucket: ``plan.measured.shape_classes``), else of all
+    of them. With the budget left, a second pass times each timed shape, the cheapest first,
+    at a second batch size (1, or 2 for a shape timed alone), which splits a call into a
+    fixed cost and a cost per matrix (``MeasuredCost.batches``): the batches a plan forms
+    are then priced as they run, a single matrix included (it runs the per-matrix kernels,
+    not the batched ones). With ``pieces`` (default: on accelerators), a shape timed at a
+    full batch (:data:`MAX_BATCH`) is also timed at twice it, with the budget then left: a
+    call on it that takes about two calls on the batch runs in pieces
+    (:func:`~canzona.plan.measured.piece_size`; per-matrix CUDA-graph replays do), and the
+    table prices longer stacks as pieces (``MeasuredCost.pieces``). A small all-to-all
+    measures the transfer rate. A rank whose timings raise outside the timed math (out of
+    memory for the inputs) warns and plans with the other ranks' timings; every wait has
+    the watchdog's deadline.
+
+    With a ``cache``, a shape whose entry (:func:`entry_key`) the rank finds there is not
+    timed: the stored agreed timings stand in for the rank's own (and cost no budget); the
+    all-gather then agrees on the table as always, so ranks that find different files (or
+    none) still plan with one table. Rank 0 writes the agreed timings back when it timed a
+    shape its file lacked; a job whose ranks all find every shape times nothing.
+
+    Returns:
+        One :class:`~canzona.plan.measured.MeasuredCost` per param group (keyed by
+        ``str(batch_key)``), collective-identical on every rank.
+    """
+    if device.type == "cpu":
+        timing.settle_heap()
+    if pieces is None:
+        pieces = device.type != "cpu"
+    flops = [bases[s.key].flops(MatrixSpec("s", (s.m, s.n))) for s in shapes]
+    order = timing_order(shapes, flops, device)
+    keys = [entry_key(s, table, device) for s in shapes] if cache is not None else []
+    stored: dict[str, Entry] = cache.load() if cache is not None else {}
+    hits = {i: stored[k] for i, k in enumerate(keys) if k in stored}
+    try:  # this rank's timings
+        timed, second, third = _time_here(
+            shapes,
+            flops,
+            order,
+            hits,
+            table,
+            compute,
+            device,
+            watchdog.rank,
+            (budget_s, shape_cap_s),
+            pieces,
+        )
+    except Exception as exc:  # (out of memory for the inputs): the other ranks' stand, and
+        # every rank still enters the agreement below
+        warnings.warn(
+            f"rank {watchdog.rank}: the calibration raised ({type(exc).__name__}: {exc}); "
+            "the other ranks' timings price the plan",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        timed, second, third = _stored(hits, len(shapes))
     agreed = timed + second + third
     if watchdog.process_group is not None:
         agreed = median_over_ranks(agreed, watchdog, device)
