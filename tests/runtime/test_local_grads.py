@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 from torch.distributed.tensor import distribute_tensor
@@ -93,3 +94,76 @@ def test_a_step_reads_each_gradient_once() -> None:
         _CountingParam.reads = 0
         opt.step()
         assert _CountingParam.reads == len(params) + 1, f"step {step}"
+
+
+def _placements_on_some_ranks(when: str) -> dict[str, Any]:
+    """Rank 1 (``when``: at the first step, or once steps are steady and the header rides the
+    first gather) or every rank (``"every rank"``) gives ``w0`` a gradient in ``Shard(1)``,
+    its parameter being in ``Shard(0)``; then the steps go on with ``Shard(0)`` gradients."""
+    import torch.distributed as tdist
+
+    rank = tdist.get_rank()
+    dm = mesh((2,))
+    gen = torch.Generator().manual_seed(0)
+    fulls = {"w0": torch.randn(6, 4, generator=gen), "w1": torch.randn(4, 6, generator=gen)}
+    grads = [{n: torch.randn(t.shape, generator=gen) for n, t in fulls.items()} for _ in range(7)]
+    params = {
+        n: nn.Parameter(distribute_tensor(t.clone(), dm, [Shard(0)])) for n, t in fulls.items()
+    }
+    flops = canzona.PlanConfig(cost="flops")  # no re-pricing: the header rides from step 2
+    opt = canzona.Muon(list(params.items()), lr=0.02, plan=flops)
+    odd = 0 if when == "first step" else 3
+    outcomes, rode = [], []
+    for k, step in enumerate(grads):
+        for n, p in params.items():
+            moved = k == odd and n == "w0" and (rank == 1 or when == "every rank")
+            p.grad = distribute_tensor(step[n], dm, [Shard(1) if moved else Shard(0)])
+        before = {n: p.full_tensor() for n, p in params.items()}
+        try:
+            rode.append(opt._runtime._rides())  # this step's header rides its first gather
+            opt.step()
+            outcomes.append("ok")
+        except Exception as exc:
+            unchanged = all(torch.equal(p.full_tensor(), before[n]) for n, p in params.items())
+            outcomes.append(f"{type(exc).__name__} unchanged={unchanged}: {exc}")
+    ref = [nn.Parameter(t.clone()) for t in fulls.values()]
+    muon = torch.optim.Muon(ref, lr=0.02)
+    for k, step in enumerate(grads):
+        if k == odd and when != "every rank":
+            continue  # the step that raised changed nothing
+        for p, n in zip(ref, fulls, strict=True):
+            p.grad = step[n].clone()
+        muon.step()
+    got = [p.full_tensor() for p in params.values()]
+    same = [torch.equal(g, r) for g, r in zip(got, ref, strict=True)]
+    return {"outcomes": outcomes, "same": same, "rode": rode}
+
+
+@pytest.mark.parametrize("when", ["first step", "steady steps", "every rank"])
+def test_a_gradient_in_other_placements_on_some_ranks_is_named_everywhere(
+    dist: Any, when: str
+) -> None:
+    """A gradient in other placements than its parameter's is redistributed as it is read (a
+    collective): on one rank only, every rank raises ``GradientMismatchError`` naming it,
+    before any redistribution, and nothing changes; on every rank, the step runs. Catches:
+    the codes left out of the header (rank 1 waited in the redistribution, rank 0 in the
+    step's first collective, until the deadline), and a header riding the first gather
+    while gradients are redistributed before it."""
+    out = dist(2).run(_placements_on_some_ranks, when)
+    odd = 0 if when == "first step" else 3
+    for o in out:
+        for k, outcome in enumerate(o["outcomes"]):
+            if k != odd or when == "every rank":
+                assert outcome == "ok", (k, outcome)
+            else:
+                assert outcome.startswith("GradientMismatchError unchanged=True: "), outcome
+                assert "'w0' has a gradient in other placements than the parameter's on " in (
+                    outcome
+                )
+                assert "ranks [1] only" in outcome and "'w1'" not in outcome
+        assert o["same"] == [True, True]  # bitwise torch.optim.Muon on the steps taken
+        # the odd step's header rode its first gather once the steps were steady; none
+        # rides right after it (nor after a step whose gradients were redistributed), and
+        # the steps are steady again later
+        assert o["rode"][odd] == (when != "first step"), o["rode"]
+        assert not o["rode"][odd + 1] and any(o["rode"][odd + 2 :]), o["rode"]

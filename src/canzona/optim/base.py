@@ -40,6 +40,7 @@ from canzona.runtime import (
     StepStats,
     StepTable,
     all_finite,
+    grad_codes,
     local_grads,
     read_gradients,
 )
@@ -302,7 +303,7 @@ class MatrixOptimizer(StepTableMixin, AdamWRouteMixin, CopyMixin, CheckpointMixi
             check_algorithms(self.param_groups, self._algorithms, self.state, params, names, gids)
         table, failure = self._table_or_failure(params, gids)
         raw = [p.grad for p in params]  # each gradient read once a step
-        has_grad = [g is not None for g in raw]
+        has_grad = grad_codes(params, raw)  # the ranks compare them before any read
         failure = self._closure_failure or failure or self._check_hparams(table)
         if failure is None and self._moved is not None:
             failure = Failure("checking the param groups", self._moved)
@@ -364,7 +365,7 @@ class MatrixOptimizer(StepTableMixin, AdamWRouteMixin, CopyMixin, CheckpointMixi
                 self._prepare(work, raw, names, txn)
             except Exception as exc:
                 failure = Failure("preparing the step", exc)
-        if not read:
+        if not read and not start.declined:  # a declined step redistributes nothing
             read_gradients(names, params, raw)
         try:
             stats: StepStats = self._runtime.run(

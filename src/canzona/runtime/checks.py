@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from canzona.runtime.config import GradientMismatchError, PlanMismatchError, UpdateFailedError
+from canzona.runtime.tensors import REDISTRIBUTED
 from canzona.runtime.watchdog import Watchdog, gather_ints
 
 if TYPE_CHECKING:
@@ -20,7 +21,7 @@ if TYPE_CHECKING:
 
 _CHUNKS = 3  # 40-bit chunks per digest: exact in int64
 VOTE = 1_000_000  # progress-marker phase of the success vote: after every micro-group
-_FIXED = 1 + 3 * _CHUNKS  # header words before the gradient-presence digest
+_FIXED = 1 + 3 * _CHUNKS  # header words before the gradients' digest
 #: int64 words of the header that rides a step's first gather: the header, the ready flag
 #: and padding to 16 bytes (the slot is reinterpreted in the gather's dtype)
 RIDE_WORDS = 18
@@ -74,9 +75,9 @@ def digest_chunks(hexdigest: str) -> list[int]:
     return [int(hexdigest[i : i + 10], 16) for i in range(0, 10 * _CHUNKS, 10)]
 
 
-def grads_digest(has_grad: Sequence[bool]) -> str:
-    """sha256 of a gradient-presence bitmap."""
-    return hashlib.sha256(bytes(map(bool, has_grad))).hexdigest()
+def grads_digest(has_grad: Sequence[int]) -> str:
+    """sha256 of the gradients' codes (:func:`~canzona.runtime.tensors.grad_codes`)."""
+    return hashlib.sha256(bytes(has_grad)).hexdigest()
 
 
 def header_values(
@@ -85,7 +86,7 @@ def header_values(
     structure: str,
     plan: str,
     hparams: str,
-    has_grad: Sequence[bool],
+    has_grad: Sequence[int],
     failed: bool,
     nonfinite: bool,
     needs_setup: bool,
@@ -131,7 +132,7 @@ def check_header(
     needs_setup: bool,
     watchdog: Watchdog,
     names: Sequence[str] = (),
-    has_grad: Sequence[bool] = (),
+    has_grad: Sequence[int] = (),
     nonfinite: bool = False,
     failed: bool = False,
     describe: Callable[[], Sequence[str]] | None = None,
@@ -240,30 +241,39 @@ def check_plan_digest(digest: str, *, watchdog: Watchdog) -> None:
 
 
 def _raise_partial_gradients(
-    names: Sequence[str], has_grad: Sequence[bool], *, watchdog: Watchdog
+    names: Sequence[str], has_grad: Sequence[int], *, watchdog: Watchdog
 ) -> None:
-    """Gather every rank's gradient-presence flags and name what differs (error path).
+    """Gather every rank's gradient codes and name what differs (error path).
 
     Raises:
         GradientMismatchError: on every rank, naming parameters whose gradient exists on
-            some ranks only, and the ranks that miss it.
+            some ranks only and the ranks that miss it, or is in other placements than its
+            parameter's on some ranks only.
     """
     world = watchdog.world
-    flags = [1 if g else 0 for g in has_grad]
-    table = gather_ints(flags, watchdog=watchdog, phase=3, what="the gradient-presence report")
-    totals = [sum(row[i] for row in table) for i in range(len(flags))]
-    partial = [i for i, c in enumerate(totals) if 0 < c < world]
-    lines = [
-        f"{names[i]!r} has a gradient on {totals[i]} of {world} ranks (missing on ranks "
-        f"{[r for r in range(world) if not table[r][i]]})"
-        for i in partial[:5]
-    ]
-    more = f" and {len(partial) - 5} more" if len(partial) > 5 else ""
+    table = gather_ints(list(has_grad), watchdog=watchdog, phase=3, what="the gradient report")
+    differ = [i for i in range(len(has_grad)) if len({row[i] for row in table}) > 1]
+    lines = []
+    for i in differ[:5]:
+        missing = [r for r in range(world) if not table[r][i]]
+        if missing:
+            lines.append(
+                f"{names[i]!r} has a gradient on {world - len(missing)} of {world} ranks "
+                f"(missing on ranks {missing})"
+            )
+        else:
+            moved = [r for r in range(world) if table[r][i] == REDISTRIBUTED]
+            lines.append(
+                f"{names[i]!r} has a gradient in other placements than the parameter's on "
+                f"ranks {moved} only (its redistribution is a collective of every rank)"
+            )
+    more = f" and {len(differ) - 5} more" if len(differ) > 5 else ""
     raise GradientMismatchError(
         "gradients differ across ranks: "
         + "; ".join(lines)
         + more
-        + ". Every rank must produce a gradient for the same parameters (or none)."
+        + ". Every rank must produce a gradient for the same parameters (or none), "
+        "in the same placements."
     )
 
 

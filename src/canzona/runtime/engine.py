@@ -35,7 +35,7 @@ from canzona.runtime.routing import (
 )
 from canzona.runtime.statecomm import PlanRecord, Snapshot, snapshot
 from canzona.runtime.table import ApplyFn, ComputeFn, StepTable
-from canzona.runtime.tensors import process_group_of, shapes, tensor_device
+from canzona.runtime.tensors import REDISTRIBUTED, process_group_of, shapes, tensor_device
 from canzona.runtime.topology import (
     ParamLayout,
     Topology,
@@ -112,9 +112,9 @@ class MatrixRuntime:
         # the header rides the first gather while steps repeat the last agreed one:
         # (plan digest, gradient presence) of this step, of the last successful step,
         # and (pipeline, gradient presence, table version) to ride with
-        self._begun: tuple[str, tuple[bool, ...]] | None = None
-        self._last_ok: tuple[str, tuple[bool, ...]] | None = None
-        self._ride: tuple[Pipeline, tuple[bool, ...], int] | None = None
+        self._begun: tuple[str, tuple[int, ...]] | None = None
+        self._last_ok: tuple[str, tuple[int, ...]] | None = None
+        self._ride: tuple[Pipeline, tuple[int, ...], int] | None = None
         self._header: list[int] | None = None
         self.watchdog = Watchdog(None, 0, 1, pipeline_config.timeout_s)
         # (process group, rank, world, watchdog) the current plan was made for: parameters added
@@ -197,7 +197,7 @@ class MatrixRuntime:
         tensors: Sequence[torch.Tensor],
         table: StepTable,
         *,
-        has_grad: Sequence[bool],
+        has_grad: Sequence[int],
         nonfinite: bool = False,
         failure: Failure | None = None,
         compute: ComputeFn | None = None,
@@ -211,7 +211,7 @@ class MatrixRuntime:
             names: Parameter names, in optimizer order.
             tensors: The parameters.
             table: The optimizer's table (matrix parameters, dtypes, hyper-parameters).
-            has_grad: Whether each parameter has a gradient on this rank.
+            has_grad: Each parameter's gradient on this rank (:func:`.tensors.grad_codes`).
             nonfinite: This rank saw a non-finite gradient (with ``skip_nonfinite``).
             failure: Something already failed on this rank (every rank then raises).
             compute: The owner math, timed when a plan with measured costs is built.
@@ -271,7 +271,7 @@ class MatrixRuntime:
         names: Sequence[str],
         tensors: Sequence[torch.Tensor],
         table: StepTable,
-        has_grad: Sequence[bool],
+        has_grad: Sequence[int],
         nonfinite: bool,
         failure: Failure | None,
     ) -> StepStart:
@@ -353,11 +353,11 @@ class MatrixRuntime:
             pipeline.observe = None
         if observation is not None:
             observation.runs += 1  # a step that raised raised on every rank: not counted
-        # agreed facts only (the plan digest, the gradient presence the header compared):
-        # every rank makes the same choice
-        steady = begun is not None and begun == self._last_ok
+        # agreed facts only (the plan digest, the gradients the header compared): every rank
+        # makes the same choice; no ride where gradients are redistributed (read before it)
         heads = pipeline.schedule.micro_groups
-        if steady and heads and heads[0].header is not None and begun is not None:
+        rides = begun is not None and begun == self._last_ok and REDISTRIBUTED not in begun[1]
+        if rides and begun is not None and heads and heads[0].header is not None:
             self._ride = (pipeline, begun[1], table.version)
         else:
             self._ride = None
@@ -400,7 +400,7 @@ class MatrixRuntime:
         tensors: Sequence[torch.Tensor],
         table: StepTable,
         *,
-        has_grad: Sequence[bool] = (),
+        has_grad: Sequence[int] = (),
         nonfinite: bool = False,
         failed: bool = False,
         compute: ComputeFn | None = None,

@@ -139,6 +139,34 @@ def local_grads(
     return out
 
 
+#: :func:`grad_codes`: no gradient, one in its parameter's layout, one to redistribute.
+NO_GRAD, GRAD, REDISTRIBUTED = 0, 1, 2
+
+
+def grad_codes(params: Sequence[torch.Tensor], raw: Sequence[torch.Tensor | None]) -> list[int]:
+    """Per parameter, how its gradient is read: ``NO_GRAD``, ``GRAD`` or ``REDISTRIBUTED``.
+
+    A DTensor in other placements than its parameter's is redistributed as it is read: a
+    collective every rank must enter. The ranks compare the codes before any such read (a
+    rank redistributing alone would wait forever).
+    """
+    out: list[int] = []
+    append = out.append
+    for p, grad in zip(params, raw, strict=True):
+        if grad is None:
+            append(NO_GRAD)
+        elif (
+            isinstance(grad, DTensor)
+            and isinstance(p, DTensor)
+            and grad._spec is not p._spec
+            and grad._spec.placements != p._spec.placements
+        ):
+            append(REDISTRIBUTED)
+        else:
+            append(GRAD)
+    return out
+
+
 def read_gradients(
     names: Sequence[str], params: Sequence[torch.Tensor], raw: Sequence[torch.Tensor | None]
 ) -> None:
