@@ -29,6 +29,7 @@ _EXPORTS: dict[str, str] = {
     "GradientMismatchError": "canzona.runtime",
     "CollectiveTimeoutError": "canzona.runtime",
     "UpdateFailedError": "canzona.runtime",
+    "PartialUpdateError": "canzona.runtime",
     # optimizer front classes
     "Muon": "canzona.optim",
     "NorMuon": "canzona.optim",
@@ -46,6 +47,7 @@ __all__ = [
     "MicroGroup",
     "Muon",
     "NorMuon",
+    "PartialUpdateError",
     "PipelineConfig",
     "Plan",
     "PlanConfig",
@@ -78,6 +80,7 @@ if TYPE_CHECKING:  # pragma: no cover - import-time only for type checkers
     from canzona.runtime import (
         CollectiveTimeoutError,
         GradientMismatchError,
+        PartialUpdateError,
         PipelineConfig,
         PlanMismatchError,
         UpdateFailedError,

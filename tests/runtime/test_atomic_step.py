@@ -12,6 +12,7 @@ optimizer's functions inside the ranks, and the patches are undone after each tr
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -536,3 +537,76 @@ def test_without_atomic_a_failed_step_leaves_parameters_but_advances_state(
         assert out["kind"] == "UpdateFailedError"
         assert out["params_changed"] == []
         assert out["state_changed"] == advanced, out
+
+
+def _applied_in_part(where: str) -> dict[str, Any]:
+    """Rank 0's apply raises after the decision (``where``: the matrix directions' batch, or
+    AdamW's parameter updates), in the second step; the two steps after it; then the weights
+    and the state dict of the first step are loaded and one step runs."""
+    rank = tdist.get_rank()
+    shapes = {"w0": (16, 8), "w1": (8, 12), "bias": (8,)}
+    fulls, grads = full_tensors(shapes), grad_steps(shapes, 4)
+
+    def make() -> tuple[Params, Any]:
+        params = sharded_params(fulls, mesh((2,)), {n: (Shard(0),) for n in shapes})
+        groups = [
+            {"params": params[:2]},
+            {"params": params[2:], "algorithm": "adamw", "lr": 3e-3},
+        ]
+        return params, canzona.Muon(groups, **KW["Muon"], plan=canzona.PlanConfig(cost="flops"))
+
+    params, opt = make()
+    set_grads(params, grads[0])
+    opt.step()
+    weights = [p.detach().clone() for _, p in params]
+    sd = copy.deepcopy(opt.state_dict())  # its tensors are the state's own
+    attr = "_apply_batch" if where == "directions" else "_adamw_params"
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise torch.OutOfMemoryError(INJECTED)
+
+    outcomes = []
+    for k in (1, 2, 3):
+        set_grads(params, grads[k])
+        fails = k == 1 and rank == 0
+        with patched(canzona.Muon, attr, refuse) if fails else contextlib.nullcontext():
+            outcomes.append(raised(opt.step))
+    with torch.no_grad():
+        for (_, p), w in zip(params, weights, strict=True):
+            p.copy_(w)
+    opt.load_state_dict(sd)
+    set_grads(params, grads[3])
+    outcomes.append(raised(opt.step))
+    ref_params, ref = make()
+    for k in (0, 3):
+        set_grads(ref_params, grads[k])
+        ref.step()
+    pairs = zip(params, ref_params, strict=True)
+    same = all(torch.equal(full_of(p), full_of(q)) for (_, p), (_, q) in pairs)
+    return {"outcomes": outcomes, "same": same}
+
+
+@pytest.mark.parametrize("where", ["directions", "adamw"])
+def test_an_apply_that_raises_after_the_decision_fails_every_later_step(
+    dist: Any, where: str
+) -> None:
+    """The apply follows the decision, so a failure in it on one rank (out of memory for a
+    cast) cannot be undone: the other ranks applied the step. That rank raises
+    ``PartialUpdateError``, and every later step raises ``UpdateFailedError`` on every rank
+    naming it, until a checkpoint is loaded; then the steps are those of a run without the
+    failed one. Catches: the failing rank rolling its state back while the others committed
+    and every rank stepping on, silently apart."""
+    out = dist(2).run(_applied_in_part, where, timeout=TIMEOUT)
+    what = "the matrix directions" if where == "directions" else "AdamW's parameter updates"
+    assert out[0]["outcomes"][0]["kind"] == "PartialUpdateError"
+    assert out[0]["outcomes"][0]["message"].startswith(f"rank 0: applying {what} raised ")
+    assert out[1]["outcomes"][0]["kind"] == "ok"
+    for o in out:
+        for later in o["outcomes"][1:3]:
+            assert later["kind"] == "UpdateFailedError", later
+            assert later["message"].startswith(
+                "the step failed on ranks [0] (rank 0: an earlier step's apply (parameters "
+                "updated in part) raised PartialUpdateError: rank 0: applying "
+            ), later["message"]
+        assert o["outcomes"][3]["kind"] == "ok"
+        assert o["same"]

@@ -34,6 +34,7 @@ from canzona.runtime import (
     Failure,
     Item,
     MatrixRuntime,
+    PartialUpdateError,
     PipelineConfig,
     StepDeclined,
     StepStart,
@@ -42,6 +43,7 @@ from canzona.runtime import (
     all_finite,
     grad_codes,
     local_grads,
+    partial_update,
     read_gradients,
 )
 
@@ -69,6 +71,7 @@ class MatrixOptimizer(StepTableMixin, AdamWRouteMixin, CopyMixin, CheckpointMixi
 
     algorithm: ClassVar[str] = ""
     _closure_failure: Failure | None = None  # this step's closure raised (distributed)
+    _partial: Failure | None = None  # a step applied in part here: every later step fails
     cost_model: ClassVar[str] = "muon"
     storage_keys: ClassVar[tuple[str, ...]] = ()
 
@@ -304,7 +307,7 @@ class MatrixOptimizer(StepTableMixin, AdamWRouteMixin, CopyMixin, CheckpointMixi
         table, failure = self._table_or_failure(params, gids)
         raw = [p.grad for p in params]  # each gradient read once a step
         has_grad = grad_codes(params, raw)  # the ranks compare them before any read
-        failure = self._closure_failure or failure or self._check_hparams(table)
+        failure = self._partial or self._closure_failure or failure or self._check_hparams(table)
         if failure is None and self._moved is not None:
             failure = Failure("checking the param groups", self._moved)
         nonfinite = False
@@ -376,6 +379,11 @@ class MatrixOptimizer(StepTableMixin, AdamWRouteMixin, CopyMixin, CheckpointMixi
                 apply=self._apply_batch,
                 failure=failure,
             )
+        except PartialUpdateError as exc:  # after the decision: the other ranks committed
+            txn.commit()
+            self._owner.commit()
+            self._partial = Failure("an earlier step's apply (parameters updated in part)", exc)
+            raise
         except BaseException:
             txn.rollback()
             self._state_generation += 1  # states created in the step are gone
@@ -384,9 +392,16 @@ class MatrixOptimizer(StepTableMixin, AdamWRouteMixin, CopyMixin, CheckpointMixi
         txn.commit()
         self._owner.commit()
         assert work is not None  # a failed prepare fails the vote; a declined step raised
-        for group_work in work.groups:
-            if group_work.adamw:
-                self._adamw_params(group_work, table.hparams[group_work.gid])
+        try:
+            for group_work in work.groups:
+                if group_work.adamw:
+                    self._adamw_params(group_work, table.hparams[group_work.gid])
+        except Exception as exc:
+            if not self._runtime.distributed:
+                raise  # one process: as torch.optim
+            error = partial_update(self._runtime.rank, "AdamW's parameter updates", exc)
+            self._partial = Failure("an earlier step's apply (parameters updated in part)", error)
+            raise error from exc
         return stats
 
     def _step_work(

@@ -380,6 +380,7 @@ class CheckpointMixin:
         }
         self._group_ids = ()  # the records are by the loaded groups' positions
         self._kinds, self._table_key = {}, ()  # the loaded state fits the groups: recorded anew
+        self.__dict__.pop("_partial", None)  # a step applied in part is behind the checkpoint
 
 
 def _same_blocks(ours: Any, theirs: Any, group: dict[str, Any]) -> bool:

@@ -5,9 +5,11 @@ from canzona.runtime.checks import check_all_ok
 from canzona.runtime.config import (
     CollectiveTimeoutError,
     GradientMismatchError,
+    PartialUpdateError,
     PipelineConfig,
     PlanMismatchError,
     UpdateFailedError,
+    partial_update,
 )
 from canzona.runtime.engine import MatrixRuntime, StepStart
 from canzona.runtime.layout import Fragment, LayoutError, fragment_for
@@ -43,6 +45,7 @@ __all__ = [
     "LayoutError",
     "MatrixRuntime",
     "ParamRow",
+    "PartialUpdateError",
     "PipelineConfig",
     "PlanMismatchError",
     "Snapshot",
@@ -65,6 +68,7 @@ __all__ = [
     "local_grads",
     "local_tensor",
     "param_mesh",
+    "partial_update",
     "positions_in",
     "process_group_of",
     "read_gradients",

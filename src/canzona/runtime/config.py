@@ -20,6 +20,25 @@ class UpdateFailedError(RuntimeError):
     """Computing some matrix's update raised on some rank; every rank raises this."""
 
 
+class PartialUpdateError(RuntimeError):
+    """The apply raised on this rank after every rank had decided to apply the step.
+
+    The other ranks applied it; this rank's parameters are updated in part. Every later
+    step raises :class:`UpdateFailedError` on every rank, naming this rank, until a
+    checkpoint is loaded (``load_state_dict`` on every rank, with the model's weights).
+    """
+
+
+def partial_update(rank: int, what: str, exc: BaseException) -> PartialUpdateError:
+    """The error of an apply that raised after every rank decided to apply the step."""
+    return PartialUpdateError(
+        f"rank {rank}: applying {what} raised {type(exc).__name__}: {exc}, after every rank "
+        "had decided to apply the step: the other ranks applied it and this rank's "
+        "parameters are updated in part; every later step raises on every rank until a "
+        "checkpoint is loaded (load_state_dict on every rank, with the model's weights)"
+    )
+
+
 class CollectiveTimeoutError(RuntimeError):
     """A collective owned by the optimizer did not complete.
 

@@ -21,7 +21,7 @@ from canzona.runtime.checks import (
     raise_failures,
     ride_header,
 )
-from canzona.runtime.config import PipelineConfig
+from canzona.runtime.config import PartialUpdateError, PipelineConfig
 from canzona.runtime.pipeline import Failure, Pipeline, StepStats
 from canzona.runtime.pipelines import build_pipeline
 from canzona.runtime.repricing import Observation, repriced
@@ -323,12 +323,7 @@ class MatrixRuntime:
         apply: ApplyFn,
         failure: Failure | None = None,
     ) -> StepStats:
-        """Run the step begun by :meth:`begin_step` (see :meth:`Pipeline.run`).
-
-        Raises:
-            StepDeclined: on every rank, when the header rode the first gather and some
-                rank's step did not match the last agreed one, or the headers differ.
-        """
+        """Run the step begun by :meth:`begin_step` (see :meth:`Pipeline.run`)."""
         pipeline = self._current
         if pipeline is None:
             raise RuntimeError("MatrixRuntime.begin_step() must run before run()")
@@ -336,6 +331,7 @@ class MatrixRuntime:
         begun, ride, self._header = self._begun, self._header, None
         observation = self._observation
         pipeline.observe = observation if observation and observation.recording else None
+        partial: PartialUpdateError | None = None
         try:
             stats = pipeline.run(
                 table=table,
@@ -346,6 +342,8 @@ class MatrixRuntime:
                 failure=failure,
                 ride=ride,
             )
+        except PartialUpdateError as exc:  # the others applied it: take their path next
+            partial = exc
         except BaseException:
             self._forget_ride()
             raise
@@ -362,6 +360,8 @@ class MatrixRuntime:
         else:
             self._ride = None
         self._last_ok = begun
+        if partial is not None:
+            raise partial
         return stats
 
     def abandon(self) -> None:

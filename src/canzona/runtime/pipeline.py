@@ -13,7 +13,7 @@ import torch.distributed as dist
 from canzona.runtime.alltoall import all_to_all
 from canzona.runtime.apply import apply_runs
 from canzona.runtime.checks import RIDE_READY, reports_of, ride_agrees, vote
-from canzona.runtime.config import PipelineConfig, UpdateFailedError
+from canzona.runtime.config import PipelineConfig, UpdateFailedError, partial_update
 from canzona.runtime.exchanges import (
     Exchange,
     Pending,
@@ -190,6 +190,8 @@ class Pipeline:
                 there, when anything failed on any rank; nothing was applied anywhere.
             StepDeclined: on every rank, when the headers that rode the first gather
                 disagree or some rank was not ready; nothing was applied anywhere.
+            PartialUpdateError: on this rank alone, when the apply raised here after the
+                decision (the other ranks applied the step; a distributed job only).
         """
         run = _Run(self, table, compute, failure)
         if ride is not None:
@@ -216,7 +218,12 @@ class Pipeline:
                 run.micro_groups()
             self._vote(run.failure, run.failed_ranks, names)
             start = time.perf_counter()
-            apply_runs(kept + run.received, table, tensors, apply)
+            try:
+                apply_runs(kept + run.received, table, tensors, apply)
+            except Exception as exc:
+                if self.process_group is None:
+                    raise  # one process: as torch.optim
+                raise partial_update(self.rank, "the matrix directions", exc) from exc
             run.stats.apply_s = time.perf_counter() - start
         finally:
             if run.in_flight:  # a collective may still use the buffers: never free them
