@@ -337,7 +337,9 @@ class MatrixOptimizer(StepTableMixin, AdamWRouteMixin, CopyMixin, CheckpointMixi
                 self.last_step_stats = StepStats(rank=self._runtime.rank, skipped=True)
                 return
             self._step_params = params
-            self.last_step_stats = self._run_step(start, table, params, raw, names, gids, failure)
+            self.last_step_stats = self._run_step(
+                start, table, params, raw, has_grad, names, gids, failure
+            )
         finally:
             self._runtime.abandon()
             self._step_params = []
@@ -348,6 +350,7 @@ class MatrixOptimizer(StepTableMixin, AdamWRouteMixin, CopyMixin, CheckpointMixi
         table: StepTable,
         params: list[Tensor],
         raw: list[Tensor | None],
+        codes: list[int],
         names: list[str],
         gids: list[int],
         failure: Failure | None,
@@ -365,7 +368,7 @@ class MatrixOptimizer(StepTableMixin, AdamWRouteMixin, CopyMixin, CheckpointMixi
             try:
                 work = self._step_work(start, table, params, names, gids, raw, txn)
                 read = True  # the prepare reads every gradient, whatever fails
-                self._prepare(work, raw, names, txn)
+                self._prepare(work, raw, codes, names, txn)
             except Exception as exc:
                 failure = Failure("preparing the step", exc)
         if not read and not start.declined:  # a declined step redistributes nothing
@@ -458,12 +461,14 @@ class MatrixOptimizer(StepTableMixin, AdamWRouteMixin, CopyMixin, CheckpointMixi
         self,
         work: StepWork,
         raw: list[Tensor | None],
+        codes: list[int],
         names: list[str],
         txn: StepTransaction,
     ) -> None:
         """Counters, AdamW moments and matrix payloads (before the vote).
 
-        ``raw`` holds every parameter's ``.grad`` as the step read it (optimizer order).
+        ``raw`` holds every parameter's ``.grad`` as the step read it (optimizer order),
+        ``codes`` how each is read (:func:`~canzona.runtime.grad_codes`).
         Every gradient is read before anything else, and all of them even when one fails:
         a gradient in other placements than its parameter's is redistributed as it is read
         (a collective of its mesh), and every rank must enter the same ones.
@@ -472,7 +477,7 @@ class MatrixOptimizer(StepTableMixin, AdamWRouteMixin, CopyMixin, CheckpointMixi
         error: Exception | None = None
         for w in work.groups:
             try:
-                read.append(local_grads(names, w.idxs, w.params, raw))
+                read.append(local_grads(names, w.idxs, w.params, raw, codes))
             except Exception as exc:
                 error = error or exc
         if error is not None:

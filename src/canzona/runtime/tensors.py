@@ -104,6 +104,7 @@ def local_grads(
     idxs: Sequence[int],
     params: Sequence[torch.Tensor],
     raw: Sequence[torch.Tensor | None],
+    codes: Sequence[int] | None = None,
 ) -> list[torch.Tensor]:
     """:func:`local_grad` of every ``params[j]`` (named ``names[idxs[j]]``), in one pass.
 
@@ -113,7 +114,8 @@ def local_grads(
     anything else goes through :func:`local_grad`, which raises its errors or
     redistributes. A gradient that raises does not stop the pass: the ones after it are
     still read (and redistributed: every rank must enter the same collectives), then the
-    first error is raised.
+    first error is raised. ``codes``: :func:`grad_codes` of every parameter, when the step
+    has them (their placements then compared already).
     """
     out: list[torch.Tensor] = []
     append = out.append
@@ -123,7 +125,12 @@ def local_grads(
         if isinstance(grad, DTensor):
             # FSDP2 gives a gradient its parameter's spec object: no placement compared
             if isinstance(p, DTensor) and (
-                grad._spec is p._spec or grad._spec.placements == p._spec.placements
+                grad._spec is p._spec
+                or (
+                    codes[i] == GRAD
+                    if codes is not None
+                    else grad._spec.placements == p._spec.placements
+                )
             ):
                 append(grad._local_tensor)
                 continue
@@ -158,7 +165,7 @@ def grad_codes(params: Sequence[torch.Tensor], raw: Sequence[torch.Tensor | None
         elif (
             isinstance(grad, DTensor)
             and isinstance(p, DTensor)
-            and grad._spec is not p._spec
+            and grad._spec is not p._spec  # FSDP2 gives the gradient its parameter's spec
             and grad._spec.placements != p._spec.placements
         ):
             append(REDISTRIBUTED)
