@@ -52,9 +52,17 @@ CONFIGS: dict[str, tuple[type, dict[str, Any]]] = {
     ),
 }
 # SHAPES (square, tall, wide, odd 7x13, tiny 5x3, a (3, 6, 10) stack) plus a second 16x16, so
-# that an owner computes two same-shape matrices in one batch (NorMuon stacks their states), and
-# a stack of 4 experts
-MATRICES: dict[str, tuple[int, ...]] = {**SHAPES, "square2": (16, 16), "experts": (4, 16, 12)}
+# that an owner computes two same-shape matrices in one batch (NorMuon stacks their states),
+# two 44x33 matrices (one device stacks them, an owner may compute one alone: Newton-Schulz
+# returns a tall matrix transposed in memory or not by how many it ran with, and NorMuon's row
+# reductions over 33 columns round by the memory order), and a stack of 4 experts
+MATRICES: dict[str, tuple[int, ...]] = {
+    **SHAPES,
+    "square2": (16, 16),
+    "tall_a": (44, 33),
+    "tall_b": (44, 33),
+    "experts": (4, 16, 12),
+}
 STEPS = 3
 STRATEGIES = ("canzona", "replicated", "round_robin")
 

@@ -207,7 +207,9 @@ def normuon_direction(
         raise ValueError(
             f"state {_KEY!r} of shape {tuple(v.shape)} does not fit a direction of shape {o_shape}"
         )
-    o = orthogonalised.to(v.dtype)
+    # contiguous: Newton-Schulz returns a tall matrix transposed in memory or not by how
+    # many it ran with, and the reductions below round by the memory order
+    o = orthogonalised.to(v.dtype).contiguous()
     if o.ndim == 2:
         return _normalise(o, v, hp)
     m, n = o_shape[-2:]
