@@ -361,30 +361,23 @@ def test_param_groups_edited_between_steps_on_a_mesh(dist: Any, cls_name: str, e
 def _replaced_local_tensors(how: str) -> dict[str, bool]:
     """Muon and AdamW-routed DTensor parameters whose local tensors are replaced after the
     first step, as FSDP2's re-padding (``reset_sharded_param``) or ``swap_tensors`` do."""
-    from torch.distributed.tensor import distribute_tensor
-
-    dm = mesh((2,))
-    gen = torch.Generator().manual_seed(0)
-    fulls = {"w": torch.randn(6, 4, generator=gen), "b": torch.randn(5, generator=gen)}
-    grads = [{n: torch.randn(t.shape, generator=gen) for n, t in fulls.items()} for _ in range(3)]
+    shapes = {"w": (6, 4), "b": (5,)}
+    fulls, grads = full_tensors(shapes), grad_steps(shapes, 3)
     runs = []
     for replace in (False, True):
-        ps = {
-            n: nn.Parameter(distribute_tensor(t.clone(), dm, [Shard(0)])) for n, t in fulls.items()
-        }
-        groups = [{"params": [ps["w"]]}, {"params": [ps["b"]], "algorithm": "adamw"}]
+        params = sharded_params(fulls, mesh((2,)), {n: (Shard(0),) for n in shapes})
+        groups = [{"params": params[:1]}, {"params": params[1:], "algorithm": "adamw"}]
         opt = canzona.Muon(groups, lr=0.02, weight_decay=0.1, ns_dtype=torch.float32)
         for i, step in enumerate(grads):
             if replace and i == 1:
-                for p in ps.values():
+                for _, p in params:
                     if how == "local_tensor":
                         p._local_tensor = p._local_tensor.clone()
                     else:
                         torch.utils.swap_tensors(p, nn.Parameter(p.detach().clone()))
-            for n, p in ps.items():
-                p.grad = distribute_tensor(step[n], dm, [Shard(0)])
+            set_grads(params, step)
             opt.step()
-        runs.append({n: p.full_tensor() for n, p in ps.items()})
+        runs.append({n: full_of(p) for n, p in params})
     return {n: torch.equal(runs[1][n], runs[0][n]) for n in fulls}
 
 

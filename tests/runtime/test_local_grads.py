@@ -13,6 +13,7 @@ from torch.distributed.tensor.placement_types import Replicate, Shard
 import canzona
 from canzona.runtime import local_grad, local_grads
 
+from _cases import full_of, full_tensors, grad_steps, reference_muon, set_grads, sharded_params
 from _dist import mesh
 
 
@@ -104,38 +105,31 @@ def _placements_on_some_ranks(when: str) -> dict[str, Any]:
 
     rank = tdist.get_rank()
     dm = mesh((2,))
-    gen = torch.Generator().manual_seed(0)
-    fulls = {"w0": torch.randn(6, 4, generator=gen), "w1": torch.randn(4, 6, generator=gen)}
-    grads = [{n: torch.randn(t.shape, generator=gen) for n, t in fulls.items()} for _ in range(7)]
-    params = {
-        n: nn.Parameter(distribute_tensor(t.clone(), dm, [Shard(0)])) for n, t in fulls.items()
-    }
+    shapes = {"w0": (6, 4), "w1": (4, 6)}
+    fulls, grads = full_tensors(shapes), grad_steps(shapes, 7)
+    params = sharded_params(fulls, dm, {n: (Shard(0),) for n in shapes})
     flops = canzona.PlanConfig(cost="flops")  # no re-pricing: the header rides from step 2
-    opt = canzona.Muon(list(params.items()), lr=0.02, plan=flops)
+    opt = canzona.Muon(params, lr=0.02, plan=flops)
     odd = 0 if when == "first step" else 3
     outcomes, rode = [], []
     for k, step in enumerate(grads):
-        for n, p in params.items():
-            moved = k == odd and n == "w0" and (rank == 1 or when == "every rank")
-            p.grad = distribute_tensor(step[n], dm, [Shard(1) if moved else Shard(0)])
-        before = {n: p.full_tensor() for n, p in params.items()}
+        set_grads(params, step)
+        if k == odd:  # distribute_tensor is a collective: every rank builds it
+            moved = distribute_tensor(step["w0"], dm, [Shard(1)])
+            if rank == 1 or when == "every rank":
+                params[0][1].grad = moved
+        before = {n: full_of(p) for n, p in params}
         try:
             rode.append(opt._runtime._rides())  # this step's header rides its first gather
             opt.step()
             outcomes.append("ok")
         except Exception as exc:
-            unchanged = all(torch.equal(p.full_tensor(), before[n]) for n, p in params.items())
+            unchanged = all(torch.equal(full_of(p), before[n]) for n, p in params)
             outcomes.append(f"{type(exc).__name__} unchanged={unchanged}: {exc}")
-    ref = [nn.Parameter(t.clone()) for t in fulls.values()]
-    muon = torch.optim.Muon(ref, lr=0.02)
-    for k, step in enumerate(grads):
-        if k == odd and when != "every rank":
-            continue  # the step that raised changed nothing
-        for p, n in zip(ref, fulls, strict=True):
-            p.grad = step[n].clone()
-        muon.step()
-    got = [p.full_tensor() for p in params.values()]
-    same = [torch.equal(g, r) for g, r in zip(got, ref, strict=True)]
+    want = reference_muon(
+        fulls, [g for k, g in enumerate(grads) if k != odd or when == "every rank"], lr=0.02
+    )  # the step that raised changed nothing
+    same = [torch.equal(full_of(p), want[n]) for n, p in params]
     return {"outcomes": outcomes, "same": same, "rode": rode}
 
 
