@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -562,15 +564,21 @@ def _applied_in_part(where: str) -> dict[str, Any]:
     sd = copy.deepcopy(opt.state_dict())  # its tensors are the state's own
     attr = "_apply_batch" if where == "directions" else "_adamw_params"
 
+    held: list[weakref.ref[torch.Tensor]] = []
+
     def refuse(*args: Any, **kwargs: Any) -> None:
+        workspace = torch.empty(1024)  # lives as long as this frame's traceback
+        held.append(weakref.ref(workspace))
         raise torch.OutOfMemoryError(INJECTED)
 
-    outcomes = []
+    outcomes: list[dict[str, Any]] = []
     for k in (1, 2, 3):
         set_grads(params, grads[k])
         fails = k == 1 and rank == 0
         with patched(canzona.Muon, attr, refuse) if fails else contextlib.nullcontext():
             outcomes.append(raised(opt.step))
+        gc.collect()
+        outcomes[-1]["frames_held"] = any(ref() is not None for ref in held)
     with torch.no_grad():
         for (_, p), w in zip(params, weights, strict=True):
             p.copy_(w)
@@ -595,10 +603,13 @@ def test_an_apply_that_raises_after_the_decision_fails_every_later_step(
     ``PartialUpdateError``, and every later step raises ``UpdateFailedError`` on every rank
     naming it, until a checkpoint is loaded; then the steps are those of a run without the
     failed one. Catches: the failing rank rolling its state back while the others committed
-    and every rank stepping on, silently apart."""
+    and every rank stepping on, silently apart; the kept failure holding the failed step's
+    frames (and their tensors) through its traceback."""
     out = dist(2).run(_applied_in_part, where, timeout=TIMEOUT)
     what = "the matrix directions" if where == "directions" else "AdamW's parameter updates"
     assert out[0]["outcomes"][0]["kind"] == "PartialUpdateError"
+    # the failure kept until the load holds no frame of the failed step (nor its tensors)
+    assert [o["frames_held"] for o in out[0]["outcomes"][:3]] == [False] * 3
     assert out[0]["outcomes"][0]["message"].startswith(f"rank 0: applying {what} raised ")
     assert out[1]["outcomes"][0]["kind"] == "ok"
     for o in out:

@@ -726,17 +726,22 @@ def test_add_param_group_on_some_ranks_only_raises_everywhere(dist: Any) -> None
 def _redistributed_grads(mode: str) -> list[tuple[str, bool, bool]]:
     """``b``'s gradient in ``Shard(1)`` for a ``Shard(0)`` parameter (its read redistributes
     it, a collective); in the fourth step rank 0 alone sees a NaN (``nan``: in ``a``, with
-    ``skip_nonfinite``: every rank skips the step) or fails at the gradient before ``b``'s
-    (``plain``: ``a``'s a plain tensor). Per step: outcome, whether
-    the parameters changed, whether the header rode."""
+    ``skip_nonfinite``: every rank skips the step), fails at the gradient before ``b``'s
+    (``plain``: ``a``'s a plain tensor) or before its prepare (``closure``: its closure
+    raises, without the per-step check). Then one more step. Per step: outcome, whether the
+    parameters changed, whether the header rode."""
     rank = tdist.get_rank()
     dm = mesh((2,))
     shapes = {"a": (16, 8), "b": (8, 16)}
     params = sharded_params(full_tensors(shapes), dm, {n: (Shard(0),) for n in shapes})
-    config = canzona.PipelineConfig(skip_nonfinite=mode == "nan", timeout_s=20.0)
+    config = canzona.PipelineConfig(
+        skip_nonfinite=mode == "nan",
+        check_every_step=mode != "closure",  # no header: the failure stays local until the vote
+        timeout_s=20.0,
+    )
     opt = canzona.Muon(params, lr=0.02, ns_dtype=torch.float32, pipeline=config)
     out = []
-    for step, grads in enumerate(grad_steps(shapes, 4)):
+    for step, grads in enumerate(grad_steps(shapes, 5)):
         if step == 3 and mode == "nan" and rank == 0:
             grads["a"][0, 0] = float("nan")
         for (n, p), g in zip(params, grads.values(), strict=True):
@@ -744,7 +749,10 @@ def _redistributed_grads(mode: str) -> list[tuple[str, bool, bool]]:
         if step == 3 and mode == "plain" and rank == 0:
             params[0][1].grad = grads["a"]
         before = [full_of(p) for _, p in params]
-        kind, _ = _outcome(opt.step)
+        if step == 3 and mode == "closure" and rank == 0:
+            kind, _ = _outcome(lambda: opt.step(_refusing_closure))
+        else:
+            kind, _ = _outcome(opt.step)
         after = [full_of(p) for _, p in params]
         changed = any(not torch.equal(b, a) for b, a in zip(before, after, strict=True))
         out.append((kind, changed, bool(opt.last_step_stats and opt.last_step_stats.header_rode)))
@@ -752,18 +760,26 @@ def _redistributed_grads(mode: str) -> list[tuple[str, bool, bool]]:
     return out
 
 
-@pytest.mark.parametrize(("mode", "last"), [("nan", "ok"), ("plain", "UpdateFailedError")])
+def _refusing_closure() -> None:
+    raise RuntimeError("the closure refused")
+
+
+@pytest.mark.parametrize(
+    ("mode", "last"),
+    [("nan", "ok"), ("plain", "UpdateFailedError"), ("closure", "UpdateFailedError")],
+)
 def test_a_rank_that_prepares_nothing_still_redistributes_gradients(
     dist: Any, mode: str, last: str
 ) -> None:
     """Catches: the gradients' redistribution (a collective) left to the prepare, which a
     rank skipped when it failed before it, or stopped at its first bad gradient: the other
-    rank waited in a redistribution no watchdog bounds; and a header riding the first
+    rank waited in a redistribution no watchdog bounds (``closure``: the rank that fails
+    before its prepare redistributes them alone); and a header riding the first
     gather of steps whose gradients are redistributed (each rank reads them before it).
     (A rank whose own gradient for such a parameter is missing or plain cannot enter its
     redistribution at all: docs/usage.md says so.)"""
     for rank, out in enumerate(dist(2).run(_redistributed_grads, mode, timeout=TIMEOUT)):
-        assert [o[0] for o in out] == ["ok", "ok", "ok", last], f"rank {rank}: {out}"
+        assert [o[0] for o in out] == ["ok", "ok", "ok", last, "ok"], f"rank {rank}: {out}"
         assert not any(o[2] for o in out), f"rank {rank}: a header rode: {out}"
         assert out[3][1] is False, f"rank {rank}: the fourth step changed parameters"
 

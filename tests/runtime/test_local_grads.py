@@ -11,7 +11,8 @@ from torch.distributed.tensor import distribute_tensor
 from torch.distributed.tensor.placement_types import Replicate, Shard
 
 import canzona
-from canzona.runtime import local_grad, local_grads
+from canzona.runtime import grad_codes, local_grad, local_grads
+from canzona.runtime.tensors import NO_GRAD
 
 from _cases import full_of, full_tensors, grad_steps, reference_muon, set_grads, sharded_params
 from _dist import mesh
@@ -27,14 +28,15 @@ def _cases() -> dict[str, Any]:
     plain.grad = torch.ones(3, 3)
     names = ["x", "row", "col", "plain"]
     params = [row, col, plain]
-    got = local_grads(names, [1, 2, 3], params, [None, *(p.grad for p in params)])
+    raw = [None, *(p.grad for p in params)]
+    got = local_grads(names, [1, 2, 3], params, raw, [NO_GRAD, *grad_codes(params, raw[1:])])
     one_by_one = [local_grad(names[i], p) for i, p in zip([1, 2, 3], params, strict=True)]
     errors = {}
     bad = nn.Parameter(distribute_tensor(torch.randn(4, 6), dm, [Shard(0)]))
     for label, grad in (("none", None), ("plain", torch.ones(4, 6)), ("sparse", torch.eye(4, 6))):
         bad.grad = grad.to_sparse() if label == "sparse" else grad
         try:
-            local_grads(["bad"], [0], [bad], [bad.grad])
+            local_grads(["bad"], [0], [bad], [bad.grad], grad_codes([bad], [bad.grad]))
         except (RuntimeError, TypeError) as exc:
             errors[label] = f"{type(exc).__name__}: {exc}"
     return {

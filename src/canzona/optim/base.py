@@ -372,7 +372,7 @@ class MatrixOptimizer(StepTableMixin, AdamWRouteMixin, CopyMixin, CheckpointMixi
             except Exception as exc:
                 failure = Failure("preparing the step", exc)
         if not read and not start.declined:  # a declined step redistributes nothing
-            read_gradients(names, params, raw)
+            read_gradients(names, params, raw, codes)
         try:
             stats: StepStats = self._runtime.run(
                 table,
@@ -385,7 +385,7 @@ class MatrixOptimizer(StepTableMixin, AdamWRouteMixin, CopyMixin, CheckpointMixi
         except PartialUpdateError as exc:  # after the decision: the other ranks committed
             txn.commit()
             self._owner.commit()
-            self._partial = Failure("an earlier step's apply (parameters updated in part)", exc)
+            self._poison(exc)
             raise
         except BaseException:
             txn.rollback()
@@ -403,9 +403,20 @@ class MatrixOptimizer(StepTableMixin, AdamWRouteMixin, CopyMixin, CheckpointMixi
             if not self._runtime.distributed:
                 raise  # one process: as torch.optim
             error = partial_update(self._runtime.rank, "AdamW's parameter updates", exc)
-            self._partial = Failure("an earlier step's apply (parameters updated in part)", error)
+            self._poison(error)
             raise error from exc
         return stats
+
+    def _poison(self, error: PartialUpdateError) -> None:
+        """Fail every later step until a load: this rank's parameters are updated in part.
+
+        The failure keeps a copy of ``error`` without its traceback and cause, which hold
+        the failed step's frames (its gradients and received directions): the load that
+        lifts the failure needs that memory back.
+        """
+        self._partial = Failure(
+            "an earlier step's apply (parameters updated in part)", PartialUpdateError(str(error))
+        )
 
     def _step_work(
         self,

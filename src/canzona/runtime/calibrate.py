@@ -7,7 +7,7 @@ import hashlib
 import platform
 import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -41,6 +41,9 @@ PIECE_MAX_ELEMENTS = 1 << 26
 PROBE_BYTES = 1 << 22
 #: Two middle timings further apart than this ratio: the higher one is taken for a stall.
 STALL_RATIO = 1.25
+#: The watchdog phase of the calibration's collectives: with the step's checks, before the
+#: plan digest's (phase 1).
+PHASE = 0
 
 #: Param-group entries that never change the owner math's operations (so not its time): a
 #: learning rate moved by a scheduler must not invalidate the cached timings.
@@ -262,19 +265,13 @@ def median_over_ranks(timed: list[float], watchdog: Watchdog, device: torch.devi
     """
     mine = torch.tensor(timed, dtype=torch.float64, device=device)
     rows = torch.empty(watchdog.world * len(timed), dtype=torch.float64, device=device)
-    _collective(
-        watchdog,
+    watchdog.collective(
+        PHASE,
         "the calibration's agreement on timings",
         lambda: dist.all_gather_single(rows, mine, group=watchdog.process_group, async_op=True),
     )
     table = rows.view(watchdog.world, len(timed)).tolist()
     return [_robust_median([row[i] for row in table if row[i] >= 0]) for i in range(len(timed))]
-
-
-def _collective(watchdog: Watchdog, what: str, issue: Callable[[], Any]) -> None:
-    """Issue a collective and wait for it under the watchdog's deadline."""
-    watchdog.mark(0, what)  # with the step's checks: before the plan digest's (phase 1)
-    watchdog.wait(issue(), what)
 
 
 def _robust_median(values: list[float]) -> float:
@@ -307,14 +304,14 @@ def measure_transfer(watchdog: Watchdog, device: torch.device) -> float:
         pg = watchdog.process_group
         return dist.all_to_all_single(out, inp, splits, splits, group=pg, async_op=True)
 
-    _collective(watchdog, what, probe)  # warm-up
+    watchdog.collective(PHASE, what, probe)  # warm-up
     t0 = time.perf_counter()
-    _collective(watchdog, what, probe)
+    watchdog.collective(PHASE, what, probe)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
-    _collective(
-        watchdog,
+    watchdog.collective(
+        PHASE,
         what,
         lambda: dist.all_reduce(
             elapsed, op=dist.ReduceOp.MAX, group=watchdog.process_group, async_op=True

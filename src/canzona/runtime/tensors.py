@@ -104,7 +104,7 @@ def local_grads(
     idxs: Sequence[int],
     params: Sequence[torch.Tensor],
     raw: Sequence[torch.Tensor | None],
-    codes: Sequence[int] | None = None,
+    codes: Sequence[int],
 ) -> list[torch.Tensor]:
     """:func:`local_grad` of every ``params[j]`` (named ``names[idxs[j]]``), in one pass.
 
@@ -114,8 +114,8 @@ def local_grads(
     anything else goes through :func:`local_grad`, which raises its errors or
     redistributes. A gradient that raises does not stop the pass: the ones after it are
     still read (and redistributed: every rank must enter the same collectives), then the
-    first error is raised. ``codes``: :func:`grad_codes` of every parameter, when the step
-    has them (their placements then compared already).
+    first error is raised. ``codes[idxs[j]]`` is the gradient's :func:`grad_codes` entry
+    (placements compared once, there).
     """
     out: list[torch.Tensor] = []
     append = out.append
@@ -124,14 +124,7 @@ def local_grads(
         grad = raw[i]
         if isinstance(grad, DTensor):
             # FSDP2 gives a gradient its parameter's spec object: no placement compared
-            if isinstance(p, DTensor) and (
-                grad._spec is p._spec
-                or (
-                    codes[i] == GRAD
-                    if codes is not None
-                    else grad._spec.placements == p._spec.placements
-                )
-            ):
+            if isinstance(p, DTensor) and (grad._spec is p._spec or codes[i] == GRAD):
                 append(grad._local_tensor)
                 continue
         elif not (grad is None or grad.is_sparse or isinstance(p, DTensor)):
@@ -175,19 +168,22 @@ def grad_codes(params: Sequence[torch.Tensor], raw: Sequence[torch.Tensor | None
 
 
 def read_gradients(
-    names: Sequence[str], params: Sequence[torch.Tensor], raw: Sequence[torch.Tensor | None]
+    names: Sequence[str],
+    params: Sequence[torch.Tensor],
+    raw: Sequence[torch.Tensor | None],
+    codes: Sequence[int],
 ) -> None:
-    """Read every gradient as a step's prepare would, for a rank that does not prepare.
+    """Redistribute the gradients a step's prepare would, for a rank that does not prepare.
 
-    A rank that failed before its prepare, or whose step the riding header declined, still
-    redistributes the gradients held in other placements than their parameters' (each a
-    collective of its mesh) that the other ranks' prepares redistribute, in the same order:
-    a rank left out would leave the others waiting in it. Errors are the prepare's to
-    report; here they are dropped.
+    A rank that failed before its prepare still redistributes the gradients held in other
+    placements than their parameters' (``codes``: :func:`grad_codes`, the same on every
+    rank; each a collective of its mesh) that the other ranks' prepares redistribute, in
+    the same order: a rank left out would leave the others waiting in it. Errors are the
+    prepare's to report; here they are dropped.
     """
-    idxs = [i for i, g in enumerate(raw) if g is not None]
+    idxs = [i for i, code in enumerate(codes) if code == REDISTRIBUTED]
     with contextlib.suppress(RuntimeError, TypeError):
-        local_grads(names, idxs, [params[i] for i in idxs], raw)
+        local_grads(names, idxs, [params[i] for i in idxs], raw, codes)
 
 
 def as_storage_layout(value: torch.Tensor, p: torch.Tensor) -> torch.Tensor:

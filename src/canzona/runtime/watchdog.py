@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -155,6 +156,11 @@ class Watchdog:
         except RuntimeError as exc:
             raise self._error(what, exc, time.monotonic() - start) from exc
 
+    def collective(self, phase: int, what: str, issue: Callable[[], Any]) -> None:
+        """Mark ``(phase, what)``, issue a collective (``issue()`` returns its work), wait."""
+        self.mark(phase, what)
+        self.wait(issue(), what)
+
     def _error(self, what: str, exc: RuntimeError, elapsed: float) -> CollectiveTimeoutError:
         """The error of a failed wait: a peer that left, an early failure, or a late peer."""
         where = f"rank {self.rank}: {what} (step {self.step})"
@@ -195,8 +201,6 @@ def gather_ints(values: list[int], *, watchdog: Watchdog, phase: int, what: str)
     if device.type != "cpu":  # from pinned memory the copy does not block the host
         mine = mine.pin_memory().to(device, non_blocking=True)
     out = torch.empty(world * n, dtype=torch.int64, device=device)
-    watchdog.mark(phase, what)
-    work = all_to_all(out, mine, (), (), watchdog.process_group)
-    watchdog.wait(work, what)
+    watchdog.collective(phase, what, lambda: all_to_all(out, mine, (), (), watchdog.process_group))
     rows: list[list[int]] = out.view(world, n).tolist()
     return rows
