@@ -543,8 +543,9 @@ def test_without_atomic_a_failed_step_leaves_parameters_but_advances_state(
 
 def _applied_in_part(where: str) -> dict[str, Any]:
     """Rank 0's apply raises after the decision (``where``: the matrix directions' batch, or
-    AdamW's parameter updates), in the second step; the two steps after it; then the weights
-    and the state dict of the first step are loaded and one step runs."""
+    AdamW's parameter updates), in the second step; the two steps after it and one of a copy
+    of the optimizer; then the weights and the state dict of the first step are loaded and
+    one step runs."""
     rank = tdist.get_rank()
     shapes = {"w0": (16, 8), "w1": (8, 12), "bias": (8,)}
     fulls, grads = full_tensors(shapes), grad_steps(shapes, 4)
@@ -579,6 +580,8 @@ def _applied_in_part(where: str) -> dict[str, Any]:
             outcomes.append(raised(opt.step))
         gc.collect()
         outcomes[-1]["frames_held"] = any(ref() is not None for ref in held)
+    set_grads(params, grads[3])
+    copied = raised(copy.deepcopy(opt).step)  # a copy fails its steps as the original
     with torch.no_grad():
         for (_, p), w in zip(params, weights, strict=True):
             p.copy_(w)
@@ -591,7 +594,7 @@ def _applied_in_part(where: str) -> dict[str, Any]:
         ref.step()
     pairs = zip(params, ref_params, strict=True)
     same = all(torch.equal(full_of(p), full_of(q)) for (_, p), (_, q) in pairs)
-    return {"outcomes": outcomes, "same": same}
+    return {"outcomes": outcomes, "same": same, "copied": copied}
 
 
 @pytest.mark.parametrize("where", ["directions", "adamw"])
@@ -604,7 +607,8 @@ def test_an_apply_that_raises_after_the_decision_fails_every_later_step(
     naming it, until a checkpoint is loaded; then the steps are those of a run without the
     failed one. Catches: the failing rank rolling its state back while the others committed
     and every rank stepping on, silently apart; the kept failure holding the failed step's
-    frames (and their tensors) through its traceback."""
+    frames (and their tensors) through its traceback; a copy of the optimizer stepping on
+    from the parameters updated in part."""
     out = dist(2).run(_applied_in_part, where, timeout=TIMEOUT)
     what = "the matrix directions" if where == "directions" else "AdamW's parameter updates"
     assert out[0]["outcomes"][0]["kind"] == "PartialUpdateError"
@@ -621,3 +625,4 @@ def test_an_apply_that_raises_after_the_decision_fails_every_later_step(
             ), later["message"]
         assert o["outcomes"][3]["kind"] == "ok"
         assert o["same"]
+        assert o["copied"]["message"] == o["outcomes"][2]["message"], o["copied"]

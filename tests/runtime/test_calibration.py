@@ -316,23 +316,47 @@ def test_a_cpu_calibration_settles_the_heap_before_timing(dist: Any) -> None:
         assert events[0] == "settle" and events.count("settle") == 1 and "call" in events, events
 
 
+def _measured_muon_on_own_group(timeout_s: float) -> tuple[Any, Any, Any, Any, Any]:
+    """``SHAPES`` sharded on a (2,) mesh, two gradient sets, and a Muon priced in measured
+    seconds on a gloo process group of its own: (fulls, grads, params, group, optimizer)."""
+    from datetime import timedelta
+
+    import torch.distributed as tdist
+
+    fulls = full_tensors(SHAPES)
+    grads = grad_steps(SHAPES, 2)
+    params = sharded_params(fulls, mesh((2,)), {n: (Shard(0),) for n in SHAPES})
+    group = tdist.new_group(backend="gloo", timeout=timedelta(seconds=20))
+    config = canzona.PipelineConfig(process_group=group, timeout_s=timeout_s)
+    opt = canzona.Muon(params, **MUON_KW, plan=plan(cost="measured"), pipeline=config)
+    return fulls, grads, params, group, opt
+
+
+def _step_each(opt: Any, params: Any, grads: list[dict[str, torch.Tensor]]) -> list[str]:
+    """One step per gradient set: ``"ok"`` or the error, up to the first error."""
+    outcomes = []
+    for g in grads:
+        set_grads(params, g)
+        try:
+            opt.step()
+            outcomes.append("ok")
+        except Exception as exc:
+            outcomes.append(f"{type(exc).__name__}: {exc}")
+            break
+    return outcomes
+
+
 def _calibration_fails_on_rank_1(stall: bool) -> dict[str, Any]:
     """The first step's calibration raises on rank 1 allocating its inputs (out of memory),
     or (``stall``) rank 1 never reaches the calibration's agreement."""
     import time
     import warnings
-    from datetime import timedelta
 
     import torch.distributed as tdist
 
-    rank = tdist.get_rank()
-    fulls = full_tensors(SHAPES)
-    grads = grad_steps(SHAPES, 2)
-    params = sharded_params(fulls, mesh((2,)), {n: (Shard(0),) for n in SHAPES})
     # a group of its own: a stalled rank leaves nothing pending in the pool's
-    group = tdist.new_group(backend="gloo", timeout=timedelta(seconds=20))
-    config = canzona.PipelineConfig(process_group=group, timeout_s=2.0)
-    opt = canzona.Muon(params, **MUON_KW, plan=plan(cost="measured"), pipeline=config)
+    fulls, grads, params, group, opt = _measured_muon_on_own_group(2.0)
+    rank = tdist.get_rank()
     calibrate_module._CACHE.clear()  # time every shape again, inputs allocated
     randn, agree = torch.randn, calibrate_module.median_over_ranks
 
@@ -348,18 +372,10 @@ def _calibration_fails_on_rank_1(stall: bool) -> dict[str, Any]:
             calibrate_module.median_over_ranks = late  # type: ignore[assignment]
         else:
             torch.randn = refuse  # type: ignore[assignment]
-    outcomes = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            for g in grads:
-                set_grads(params, g)
-                try:
-                    opt.step()
-                    outcomes.append("ok")
-                except Exception as exc:
-                    outcomes.append(f"{type(exc).__name__}: {exc}")
-                    break
+            outcomes = _step_each(opt, params, grads)
         finally:
             torch.randn, calibrate_module.median_over_ranks = randn, agree  # type: ignore[assignment]
     out: dict[str, Any] = {
@@ -383,6 +399,42 @@ def test_a_calibration_that_raises_on_one_rank_prices_the_plan_by_the_others(dis
     assert len(out[1]["warned"]) == 1 and "out of memory (simulated)" in out[1]["warned"][0]
     assert out[0]["table"] == out[1]["table"]  # one table on every rank
     for o in out:
+        assert all(eq for eq, _ in o["compare"].values()), o["compare"]
+
+
+def _rate_known_on_rank_0() -> dict[str, Any]:
+    """Rank 0 alone holds a transfer rate for the process group (measured before under the
+    same key, as after a process group re-created where an earlier one lived): two steps
+    priced in measured seconds."""
+    import torch.distributed as tdist
+
+    fulls, grads, params, group, opt = _measured_muon_on_own_group(5.0)
+    rank = tdist.get_rank()
+    key = (id(group), 2, "cpu")
+    if rank == 0:
+        calibrate_module._RATES[key] = 1e9
+    try:
+        outcomes = _step_each(opt, params, grads)
+    finally:
+        calibrate_module._RATES.pop(key, None)
+    models = opt._runtime.plan.optimizer.models.values()  # type: ignore[attr-defined]
+    got = {n: p.full_tensor() for n, p in params}
+    tdist.destroy_process_group(group)
+    return {
+        "outcomes": outcomes,
+        "rates": sorted({m.bytes_per_s for m in models}),
+        "compare": compare(got, reference_muon(fulls, grads, **MUON_KW)),
+    }
+
+
+def test_a_transfer_rate_known_on_some_ranks_only_is_agreed(dist: Any) -> None:
+    """The transfer-rate probe is a collective that a rank skips when it measured the rate
+    before. Catches: that decision taken by each rank alone (rank 1 probed while rank 0 went
+    on to the next collective, whose sizes differ); every rank plans with rank 0's rate."""
+    out = dist(2).run(_rate_known_on_rank_0)
+    for o in out:
+        assert o["outcomes"] == ["ok", "ok"], o["outcomes"]
+        assert o["rates"] == [1e9]
         assert all(eq for eq, _ in o["compare"].values()), o["compare"]
 
 

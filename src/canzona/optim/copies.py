@@ -66,6 +66,8 @@ class CopyMixin:
         # by the groups now (they may have been edited since the last step)
         groups = tuple(map(id, self.param_groups))
         state["algorithms"] = regrouped(self._group_ids, groups, self._algorithms)[0]
+        if self.__dict__.get("_partial") is not None:  # a copy fails its steps as this one
+            state["_partial"] = self.__dict__["_partial"]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:

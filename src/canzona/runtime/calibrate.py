@@ -286,12 +286,16 @@ def _robust_median(values: list[float]) -> float:
     return low if high > STALL_RATIO * low else (low + high) / 2
 
 
+def _rate_key(watchdog: Watchdog, device: torch.device) -> tuple[object, ...]:
+    """This process's key of a transfer rate it measured (see :func:`calibrate`)."""
+    return (id(watchdog.process_group), watchdog.world, str(device))
+
+
 def measure_transfer(watchdog: Watchdog, device: torch.device) -> float:
-    """Bytes per second of an all-to-all between the ranks (the slowest rank's view)."""
-    key = (id(watchdog.process_group), watchdog.world, str(device))
-    cached = _RATES.get(key)
-    if cached is not None:
-        return cached
+    """Bytes per second of an all-to-all between the ranks (the slowest rank's view).
+
+    Collective: every rank calls it (:func:`calibrate` agrees on whether to).
+    """
     world = watchdog.world
     # equal parts: each rank's input split for a peer is that peer's output split
     numel = PROBE_BYTES // 4 // world * world
@@ -318,9 +322,7 @@ def measure_transfer(watchdog: Watchdog, device: torch.device) -> float:
         ),
     )
     moved = numel * 4 * (world - 1) / world  # the same number on every rank
-    rate = moved / max(float(elapsed.item()), 1e-9)
-    _RATES[key] = rate
-    return rate
+    return moved / max(float(elapsed.item()), 1e-9)
 
 
 def _companion(shape: Shape) -> Shape:
@@ -485,9 +487,10 @@ def calibrate(
     call on it that takes about two calls on the batch runs in pieces
     (:func:`~canzona.plan.measured.piece_size`; per-matrix CUDA-graph replays do), and the
     table prices longer stacks as pieces (``MeasuredCost.pieces``). A small all-to-all
-    measures the transfer rate. A rank whose timings raise outside the timed math (out of
-    memory for the inputs) warns and plans with the other ranks' timings; every wait has
-    the watchdog's deadline.
+    measures the transfer rate (once per process and process group: a rate measured before
+    rides the agreement, so every rank probes or none does). A rank whose timings raise
+    outside the timed math (out of memory for the inputs) warns and plans with the other
+    ranks' timings; every wait has the watchdog's deadline.
 
     With a ``cache``, a shape whose entry (:func:`entry_key`) the rank finds there is not
     timed: the stored agreed timings stand in for the rank's own (and cost no budget); the
@@ -530,9 +533,13 @@ def calibrate(
             stacklevel=2,
         )
         timed, second, third = _stored(hits, len(shapes))
-    agreed = timed + second + third
+    # the transfer rate this process measured before rides the agreement: whether the
+    # probe (a collective) runs is then the same on every rank, whatever each one cached
+    known = _RATES.get(_rate_key(watchdog, device), -1.0)
+    agreed = [*timed, *second, *third, known]
     if watchdog.process_group is not None:
         agreed = median_over_ranks(agreed, watchdog, device)
+    known = agreed.pop()
     n = len(shapes)
     if cache is not None and watchdog.rank == 0 and len(hits) < n:
         cache.store(
@@ -542,7 +549,10 @@ def calibrate(
                 if agreed[i] >= 0
             }
         )
-    bytes_per_s = measure_transfer(watchdog, device) if watchdog.process_group is not None else 0.0
+    bytes_per_s = 0.0
+    if watchdog.process_group is not None:
+        bytes_per_s = known if known > 0 else measure_transfer(watchdog, device)
+        _RATES[_rate_key(watchdog, device)] = bytes_per_s
     models: dict[str, CostModel] = {}
     for key, base in bases.items():
         mine = [
