@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 from canzona.optim.owner_state import OwnerState
 from canzona.optim.validation import regrouped
 from canzona.plan import PlanConfig
-from canzona.runtime import MatrixRuntime, PipelineConfig
+from canzona.runtime import Failure, MatrixRuntime, PipelineConfig
 from canzona.runtime.statecomm import record
 
 
@@ -30,6 +30,7 @@ class CopyMixin:
     _algorithms: dict[int, str]
     _group_ids: tuple[int, ...]
     _runtime: MatrixRuntime
+    _partial: Failure | None
     param_groups: list[dict[str, Any]]
 
     if TYPE_CHECKING:  # MatrixOptimizer's
@@ -66,8 +67,8 @@ class CopyMixin:
         # by the groups now (they may have been edited since the last step)
         groups = tuple(map(id, self.param_groups))
         state["algorithms"] = regrouped(self._group_ids, groups, self._algorithms)[0]
-        if self.__dict__.get("_partial") is not None:  # a copy fails its steps as this one
-            state["_partial"] = self.__dict__["_partial"]
+        if self._partial is not None:  # a copy fails its steps as this one
+            state["_partial"] = self._partial
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:

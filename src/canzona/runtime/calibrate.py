@@ -286,11 +286,6 @@ def _robust_median(values: list[float]) -> float:
     return low if high > STALL_RATIO * low else (low + high) / 2
 
 
-def _rate_key(watchdog: Watchdog, device: torch.device) -> tuple[object, ...]:
-    """This process's key of a transfer rate it measured (see :func:`calibrate`)."""
-    return (id(watchdog.process_group), watchdog.world, str(device))
-
-
 def measure_transfer(watchdog: Watchdog, device: torch.device) -> float:
     """Bytes per second of an all-to-all between the ranks (the slowest rank's view).
 
@@ -535,7 +530,8 @@ def calibrate(
         timed, second, third = _stored(hits, len(shapes))
     # the transfer rate this process measured before rides the agreement: whether the
     # probe (a collective) runs is then the same on every rank, whatever each one cached
-    known = _RATES.get(_rate_key(watchdog, device), -1.0)
+    rate_key = (id(watchdog.process_group), watchdog.world, str(device))
+    known = _RATES.get(rate_key, -1.0)
     agreed = [*timed, *second, *third, known]
     if watchdog.process_group is not None:
         agreed = median_over_ranks(agreed, watchdog, device)
@@ -552,7 +548,7 @@ def calibrate(
     bytes_per_s = 0.0
     if watchdog.process_group is not None:
         bytes_per_s = known if known > 0 else measure_transfer(watchdog, device)
-        _RATES[_rate_key(watchdog, device)] = bytes_per_s
+        _RATES[rate_key] = bytes_per_s
     models: dict[str, CostModel] = {}
     for key, base in bases.items():
         mine = [

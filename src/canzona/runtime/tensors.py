@@ -123,8 +123,7 @@ def local_grads(
     for i, p in zip(idxs, params, strict=True):
         grad = raw[i]
         if isinstance(grad, DTensor):
-            # FSDP2 gives a gradient its parameter's spec object: no placement compared
-            if isinstance(p, DTensor) and (grad._spec is p._spec or codes[i] == GRAD):
+            if isinstance(p, DTensor) and codes[i] == GRAD:  # its parameter's placements
                 append(grad._local_tensor)
                 continue
         elif not (grad is None or grad.is_sparse or isinstance(p, DTensor)):
