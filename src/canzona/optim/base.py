@@ -338,7 +338,7 @@ class MatrixOptimizer(StepTableMixin, AdamWRouteMixin, CopyMixin, CheckpointMixi
                 return
             self._step_params = params
             self.last_step_stats = self._run_step(
-                start, table, params, raw, has_grad, names, gids, failure
+                start, table, params, raw, has_grad, names, gids, failure or start.failure
             )
         finally:
             self._runtime.abandon()

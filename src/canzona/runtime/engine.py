@@ -63,6 +63,9 @@ class StepStart:
         declined: The header rides the first gather and this rank's step does not match
             the last agreed one: prepare nothing (:meth:`MatrixRuntime.run` then raises
             :class:`~canzona.runtime.pipeline.StepDeclined` on every rank).
+        failure: The step's buffers could not be allocated on this rank (a distributed
+            job; nothing of them is held): prepare nothing and pass it to
+            :meth:`MatrixRuntime.run`, which raises it on every rank.
     """
 
     active: frozenset[int]
@@ -70,6 +73,7 @@ class StepStart:
     payload: dict[int, torch.Tensor]
     previous: Snapshot | None
     declined: bool = False
+    failure: Failure | None = None
 
 
 class MatrixRuntime:
@@ -249,9 +253,11 @@ class MatrixRuntime:
                 self._forget_ride()
                 return StepStart(active, True, {}, self._hand_over(previous))
             pipeline = self._pipeline(table, active, tensors)
-            self._hold(pipeline)
+            unheld = self._hold(pipeline)
             self._begun = (self.digest, tuple(has_grad))
-            return StepStart(active, False, pipeline.schedule.payload, self._hand_over(previous))
+            payload = pipeline.schedule.payload
+            previous = self._hand_over(previous)
+            return StepStart(active, False, payload, previous, failure=unheld)
         except BaseException:
             self._forget_ride()
             raise
@@ -277,6 +283,8 @@ class MatrixRuntime:
     ) -> StepStart:
         assert self._ride is not None
         pipeline, grads, version = self._ride
+        unheld = self._hold(pipeline)  # a rank without its buffers says it is not ready
+        failure = failure or unheld
         structure = self._structure_of(self._layouts, table)  # begin_step read them
         needs_setup = self._stale(structure)
         ready = (
@@ -300,18 +308,31 @@ class MatrixRuntime:
         self._begun = (self.digest, grads)
         self.watchdog.tag = f"{self._instance}-{structure[:16]}"
         active = frozenset(compress(range(len(grads)), grads))
-        self._hold(pipeline)
-        return StepStart(active, False, pipeline.schedule.payload, None, declined=not ready)
+        payload = pipeline.schedule.payload
+        return StepStart(active, False, payload, None, declined=not ready, failure=unheld)
 
-    def _hold(self, pipeline: Pipeline) -> None:
-        """Make ``pipeline`` the step's, its buffers allocated."""
+    def _hold(self, pipeline: Pipeline) -> Failure | None:
+        """Make ``pipeline`` the step's and allocate its buffers.
+
+        In a distributed job a failed allocation (out of memory) is returned, not raised:
+        the rank must still enter the step's collectives, so that every rank raises it
+        (see :meth:`~canzona.runtime.schedule_parts.Schedule.acquire`); in one process
+        it is raised, as in ``torch.optim``.
+        """
         for other in self._pipelines.values():
             # kept buffers: one schedule's at a time (another set of parameters with
             # gradients has its own schedule); a retired one may still be in use
             if other is not pipeline and not other.retired:
                 other.schedule.free()
-        pipeline.schedule.acquire()
         self._current = pipeline
+        try:
+            pipeline.schedule.acquire()
+        except Exception as exc:
+            if self.process_group is None:
+                self._current = None
+                raise
+            return Failure("allocating the step's buffers", exc)
+        return None
 
     def run(
         self,

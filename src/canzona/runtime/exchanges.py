@@ -50,7 +50,7 @@ class Pending:
     micro_group: int
 
 
-@dataclass
+@dataclass(eq=False)  # the identity: a step removes the one it waited for
 class Wire:
     """An all-to-all in flight, the buffers it holds and the exchanges it carries.
 

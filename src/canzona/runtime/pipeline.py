@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from functools import partial
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -33,6 +34,13 @@ from canzona.runtime.watchdog import Watchdog
 
 if TYPE_CHECKING:
     from canzona.runtime.repricing import Observation
+
+_T = TypeVar("_T")
+
+
+def receive_buffer(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An all-to-all's receive buffer (its contents are undefined)."""
+    return torch.empty(numel, dtype=dtype, device=device)
 
 
 @dataclass
@@ -210,8 +218,8 @@ class Pipeline:
                         payload.tensor.copy_(prepared.tensor)
                 except Exception as exc:
                     run.fail("casting the payloads", exc)
-            if ride is not None and slot is not None:  # slots in the payloads: after the cast
-                for copy in self.schedule.micro_groups[0].header_slots:
+            if ride is not None and slot is not None and self.schedule.held:
+                for copy in self.schedule.micro_groups[0].header_slots:  # after the cast
                     copy.copy_(slot)
             kept = run.local_batches()
             if self.schedule.micro_groups and self.process_group is not None:
@@ -226,7 +234,7 @@ class Pipeline:
                 raise partial_update(self.rank, "the matrix directions", exc) from exc
             run.stats.apply_s = time.perf_counter() - start
         finally:
-            if run.in_flight:  # a collective may still use the buffers: never free them
+            if run.wires:  # a collective may still use the buffers: never free them
                 self.retired = True
             else:
                 self.schedule.release()
@@ -275,13 +283,32 @@ class _Run:
         self.stats = StepStats(rank=pipeline.rank)
         self.received: list[tuple[torch.Tensor, Delivery]] = []
         self.failed_ranks: list[int] | None = None  # from the last scatter's status
-        self.in_flight = 0  # all-to-alls issued and not yet waited for
+        self.wires: list[Wire] = []  # all-to-alls issued and not yet waited for
         self.riding = False  # the header rides the first gather
         self.hold = False  # ... and says this rank is not ready: compute nothing
 
     def fail(self, where: str, exc: BaseException, params: Sequence[int] = ()) -> None:
         if self.failure is None:
             self.failure = Failure(where, exc, tuple(params))
+
+    def buffer(self, make: Callable[[], _T], what: str) -> _T:
+        """``make()``: a buffer this rank needs to enter a collective.
+
+        When it raises (out of memory) the step has failed here, but the rank must still
+        enter the collective, so that every rank raises the failure: it waits for its
+        all-to-alls in flight, frees the step's buffers and what it has received (nothing
+        will be applied) and makes the buffer again. Only a second failure is raised (the
+        other ranks then wait until ``timeout_s``).
+        """
+        try:
+            return make()
+        except Exception as exc:
+            self.fail(what, exc)
+        for wire in self.wires:  # their send buffers may be the step buffers
+            self.p.watchdog.wait(wire.work, wire.label)
+        self.received.clear()
+        self.p.schedule.free()
+        return make()
 
     # ------------------------------------------------------------------ compute
     def _compute(self, batch: OwnerBatch, full: torch.Tensor | None, where: str) -> torch.Tensor:
@@ -303,8 +330,9 @@ class _Run:
                 return out
             except Exception as exc:  # every rank must still enter the collectives
                 self.fail(where, exc, [it.param for it in batch.items])
+        shape = (len(batch.items), batch.m, batch.n)
         dtype = self.table.row(batch.items[0].param).direction_dtype
-        return torch.zeros((len(batch.items), batch.m, batch.n), dtype=dtype, device=self.p.device)
+        return self.buffer(partial(torch.zeros, shape, dtype=dtype, device=self.p.device), where)
 
     def local_batches(self) -> list[tuple[torch.Tensor, Delivery]]:
         """Matrices this rank holds whole: stack, compute, keep."""
@@ -381,8 +409,15 @@ class _Run:
 
     def _single(self, ex: Exchange) -> Pending:
         """Issue one exchange as its own all-to-all."""
-        out = torch.empty(sum(ex.out_splits), dtype=ex.inp.dtype, device=self.p.device)
-        wire = self._issue(out, ex.inp, ex.out_splits, ex.in_splits, ex.phase, labels([ex]))
+        label = labels([ex])
+        where = f"allocating the receive buffer of {label}"
+        out = self.buffer(
+            partial(receive_buffer, sum(ex.out_splits), ex.inp.dtype, self.p.device), where
+        )
+        inp = ex.inp
+        if ex.what == "gather" and not self.p.schedule.held:  # a view of freed buffers?
+            inp = self.buffer(partial(torch.zeros_like, inp), where)  # (a header: declined)
+        wire = self._issue(out, inp, ex.out_splits, ex.in_splits, ex.phase, label)
         self._count(ex)
         part = Pending(wire, out, ex.what, ex.micro_group)
         wire.parts.append(part)
@@ -395,8 +430,12 @@ class _Run:
             inp, in_splits, out_splits, layout = fused_send(exchanges, self.p.world)
         except Exception as exc:  # every rank must still enter the collective
             self.fail("packing " + label, exc)
-            inp, in_splits, out_splits, layout = fused_send(exchanges, self.p.world, zeros=True)
-        out = torch.empty(sum(out_splits), dtype=inp.dtype, device=self.p.device)
+            zeros = partial(fused_send, exchanges, self.p.world, zeros=True)
+            inp, in_splits, out_splits, layout = self.buffer(zeros, "packing " + label)
+        out = self.buffer(
+            partial(receive_buffer, sum(out_splits), inp.dtype, self.p.device),
+            f"allocating the receive buffer of {label}",
+        )
         wire = self._issue(out, inp, out_splits, in_splits, exchanges[0].phase, label)
         wire.layout = layout
         for ex in exchanges:
@@ -416,9 +455,10 @@ class _Run:
     ) -> Wire:
         self.p.watchdog.mark(phase, label)
         work = all_to_all(out, inp, out_splits, in_splits, self.p.process_group)
-        self.in_flight += 1
+        wire = Wire(work, out, inp, label)
+        self.wires.append(wire)
         self.stats.collectives += 1
-        return Wire(work, out, inp, label)
+        return wire
 
     def _count(self, ex: Exchange) -> None:
         """Add an exchange's payload bytes (status flags are not payload) to the stats."""
@@ -436,16 +476,21 @@ class _Run:
         start = time.perf_counter()
         self.p.watchdog.wait(wire.work, wire.label)
         wire.work = None  # drop the handle as soon as it completed
-        self.in_flight -= 1
-        release(wire)
+        self.wires.remove(wire)
+        self.buffer(partial(release, wire), f"copying out {wire.label}")  # a fused one's copies
         self.stats.wait_s += time.perf_counter() - start
 
     def _gather_exchange(self, g: GroupSchedule) -> Exchange:
         try:
+            if not self.p.schedule.held:  # its buffers are gone: send zeros (no header)
+                raise RuntimeError("the step's buffers are not allocated")
             inp = pack(g.send, g.gather_dtype, self.p.device)
         except Exception as exc:
-            self.fail(f"packing the gather of micro-group {g.index}", exc)
-            inp = torch.zeros(sum(g.gather_in), dtype=g.gather_dtype, device=self.p.device)
+            where = f"packing the gather of micro-group {g.index}"
+            self.fail(where, exc)
+            size = sum(g.gather_in)
+            zeros = partial(torch.zeros, size, dtype=g.gather_dtype, device=self.p.device)
+            inp = self.buffer(zeros, where)
         head = 0 if g.header is None else g.header.numel()
         return Exchange(
             inp, g.gather_out, g.gather_in, "gather", g.index, 10 + 2 * g.index, header=head
@@ -484,10 +529,11 @@ class _Run:
                 parts = [piece_of(outs, pc) for pc in g.scatter_pieces]
             inp = concat(parts, g.scatter_dtype, self.p.device)
         except Exception as exc:
-            self.fail(f"packing the scatter of micro-group {g.index}", exc)
-            inp = torch.full(
-                (sum(g.scatter_in),), 1.0, dtype=g.scatter_dtype, device=self.p.device
-            )  # every status element says "failed"
+            where = f"packing the scatter of micro-group {g.index}"
+            self.fail(where, exc)
+            size = (sum(g.scatter_in),)  # every status element says "failed"
+            ones = partial(torch.full, size, 1.0, dtype=g.scatter_dtype, device=self.p.device)
+            inp = self.buffer(ones, where)
         phase = 11 + 2 * g.index
         return Exchange(inp, g.scatter_out, g.scatter_in, "scatter", g.index, phase, g.status)
 
@@ -497,6 +543,8 @@ class _Run:
         if g.status_index is not None:  # one host read per step: which ranks failed
             flags = out.index_select(0, g.status_index).tolist()
             self.failed_ranks = [r for r, f in enumerate(flags) if f != 0]
+        if self.failure is not None:
+            return  # nothing will be applied: keep no memory for it
         for d in g.deliveries:
             numel = d.count * d.shape[0] * d.shape[1]
             self.received.append((out.narrow(0, d.offset, numel).view(d.count, *d.shape), d))

@@ -218,6 +218,8 @@ class Schedule:
         local_kept: Deliveries of the local batches' results.
         micro_groups: The micro-groups with active matrices, in plan order.
         replicated: Every computing rank keeps its own fragment (no scatter).
+        held: Every buffer is allocated (:meth:`acquire` succeeded and nothing freed them
+            since); while it is unset no view of them may be read or written.
     """
 
     buffers: list[FlatBuffer]
@@ -227,19 +229,28 @@ class Schedule:
     local_kept: list[tuple[Piece, Delivery]]
     micro_groups: list[GroupSchedule]
     replicated: bool
+    held: bool = False
 
     def acquire(self) -> None:
-        """Allocate the step buffers."""
-        for buf in self.buffers:
-            buf.acquire()
+        """Allocate the step buffers; when one fails, free them all and raise its error."""
+        self.held = False
+        try:
+            for buf in self.buffers:
+                buf.acquire()
+        except BaseException:
+            self.free()  # the memory goes back: the step fails everywhere, the next retries
+            raise
+        self.held = True
 
     def release(self) -> None:
         """Free the step buffers that are not kept between steps."""
         for buf in self.buffers:
             buf.release()
+        self.held = self.held and all(buf.keep for buf in self.buffers)
 
     def free(self) -> None:
         """Free every step buffer, kept or not."""
+        self.held = False
         for buf in self.buffers:
             buf.free()
 

@@ -1,0 +1,182 @@
+"""A step whose buffers cannot be allocated on one rank fails on every rank, and changes nothing."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as tdist
+from torch.distributed.tensor.placement_types import Shard
+
+import canzona
+import canzona.runtime.pipeline as pipeline_module
+from canzona.runtime.buffers import FlatBuffer
+
+from _cases import (
+    TINY_MB,
+    compare,
+    full_of,
+    full_tensors,
+    grad_steps,
+    reference_muon,
+    set_grads,
+    sharded_params,
+)
+from _dist import mesh
+
+TIMEOUT = 90
+KW: dict[str, Any] = {"lr": 0.02, "weight_decay": 0.1}
+SHAPES = {"square": (16, 16), "tall": (24, 8), "odd": (7, 13), "stack": (3, 6, 10)}
+STEPS = 5
+INJECTED = "CUDA out of memory. Tried to allocate 2.00 GiB (injected)"
+
+
+def _schedules(opt: Any) -> list[Any]:
+    return [p.schedule for p in opt._runtime._pipelines.values()]
+
+
+def _failing_step(case: dict[str, Any]) -> dict[str, Any]:
+    """Five steps; in step ``case["step"]`` (1-based) rank 1's allocations of one kind
+    raise: ``"acquire"``, the step buffers (the first ``times`` calls, each after allocating
+    its own buffer, so that one buffer is held when the error comes); ``"receive"``, the
+    receive buffer of the step's ``call``-th all-to-all (once); ``"release"``, the copies
+    out of the step's first fused all-to-all."""
+    fulls = full_tensors(SHAPES)
+    grads = grad_steps(SHAPES, STEPS)
+    params = sharded_params(fulls, mesh((2,)), {n: (Shard(0),) for n in SHAPES})
+    config = canzona.PipelineConfig(
+        keep_buffers=case.get("keep"), fuse_bytes=case.get("fuse", 32 << 10), timeout_s=20.0
+    )
+    opt = canzona.Muon(
+        params,
+        **KW,
+        plan=canzona.PlanConfig(cost="flops", capacity_mb=case.get("capacity_mb", 512.0)),
+        pipeline=config,
+    )
+    real_acquire, real_receive = FlatBuffer.acquire, pipeline_module.receive_buffer
+    real_release = pipeline_module.release
+    armed = [False]
+    left, calls = [0], [0]
+
+    def acquire(buf: FlatBuffer) -> None:
+        real_acquire(buf)
+        if armed[0] and case["kind"] == "acquire" and left[0] > 0:
+            left[0] -= 1
+            raise torch.OutOfMemoryError(INJECTED)
+
+    def receive(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        if armed[0] and case["kind"] == "receive":
+            calls[0] += 1
+            if calls[0] == case["call"]:
+                raise torch.OutOfMemoryError(INJECTED)
+        return real_receive(numel, dtype, device)
+
+    def release(wire: Any) -> None:
+        if armed[0] and case["kind"] == "release" and wire.layout:
+            armed[0] = False  # once
+            raise torch.OutOfMemoryError(INJECTED)
+        real_release(wire)
+
+    out: dict[str, Any] = {"outcomes": [], "unchanged": None, "held_after": None, "rode": []}
+    FlatBuffer.acquire = acquire  # type: ignore[method-assign]
+    pipeline_module.receive_buffer = receive
+    pipeline_module.release = release
+    try:
+        for step, g in enumerate(grads, start=1):
+            set_grads(params, g)
+            armed[0] = step == case["step"] and tdist.get_rank() == 1
+            left[0] = case.get("times", 0)
+            before = [p.to_local().clone() for _, p in params]
+            state = [
+                v.clone() for s in opt.state.values() for v in s.values() if torch.is_tensor(v)
+            ]
+            try:
+                opt.step()
+                out["outcomes"].append(("ok", ""))
+                out["rode"].append(opt.last_step_stats.header_rode)
+                out["groups"] = opt.last_step_stats.micro_groups
+            except canzona.UpdateFailedError as exc:
+                out["outcomes"].append(("UpdateFailedError", str(exc)))
+                out["rode"].append(None)
+                after = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
+                out["unchanged"] = all(
+                    map(torch.equal, [p.to_local() for _, p in params], before)
+                ) and all(map(torch.equal, after, state))
+                out["held_after"] = sum(
+                    b.tensor.untyped_storage().nbytes() for s in _schedules(opt) for b in s.buffers
+                )
+    finally:
+        FlatBuffer.acquire = real_acquire  # type: ignore[method-assign]
+        pipeline_module.receive_buffer = real_receive
+        pipeline_module.release = real_release
+    failed = [i for i, (kind, _) in enumerate(out["outcomes"], start=1) if kind != "ok"]
+    kept = [g for i, g in enumerate(grads, start=1) if i not in failed]
+    got = {n: full_of(p) for n, p in params}
+    out["bits"] = compare(got, reference_muon(fulls, kept, **KW))
+    return out
+
+
+#: (case, the error's "where", or None where the step succeeds after a retry)
+CASES: dict[str, tuple[dict[str, Any], str | None]] = {
+    # the first step: the plan's first allocation, after the check that runs apart
+    "first-step": ({"kind": "acquire", "step": 1, "times": 1}, "allocating the step's buffers"),
+    # a steady step (the check rides the first gather: declined), then its retry
+    "steady-step": (
+        {"kind": "acquire", "step": 4, "times": 2, "keep": False},
+        "allocating the step's buffers",
+    ),
+    # the ride declined; the retry, with the check apart, allocates
+    "steady-then-retry": ({"kind": "acquire", "step": 4, "times": 1, "keep": False}, None),
+    # the first gather's receive buffer in a steady step: its send, which carried the
+    # header, sent from the buffers that went, so zeros went instead: declined, retried
+    "receive-first-gather": ({"kind": "receive", "step": 4, "call": 1}, None),
+    # a scatter's, with other all-to-alls in flight (many micro-groups, depth 1)
+    "receive-scatter": (
+        {"kind": "receive", "step": 2, "call": 3, "capacity_mb": TINY_MB, "fuse": 0},
+        "allocating the receive buffer of the scatter of micro-group 0",
+    ),
+    # a fused all-to-all's: a scatter with the gather issued after it
+    "receive-fused": (
+        {"kind": "receive", "step": 4, "call": 2, "capacity_mb": TINY_MB, "fuse": 1 << 20},
+        "allocating the receive buffer of the scatter of micro-group 0 and the gather of "
+        "micro-group 2",
+    ),
+    # the copies out of a fused all-to-all's receive buffer (the first gathers travel fused)
+    "fused-copy": (
+        {"kind": "release", "step": 2, "capacity_mb": TINY_MB, "fuse": 1 << 20},
+        "copying out the gather of micro-group 0 and the gather of micro-group 1",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_rank_that_cannot_allocate_a_step_buffer_fails_the_step_everywhere(
+    dist: Any, name: str
+) -> None:
+    """Catches: the allocation error raised on its rank alone (the other rank waited in the
+    next all-to-all until ``timeout_s``), the views of the step buffers read or written
+    after their memory went (a crash), the step buffers kept by the failing rank, and a
+    failed step that changed parameters or state. The steps after it match
+    ``torch.optim.Muon`` on the gradients of the steps that ran, bit for bit."""
+    case, where = CASES[name]
+    step = case["step"]
+    out = dist(2).run(_failing_step, case, timeout=TIMEOUT)
+    for rank, r in enumerate(out):
+        kinds = [kind for kind, _ in r["outcomes"]]
+        want = ["ok"] * STEPS
+        if where is not None:
+            want[step - 1] = "UpdateFailedError"
+        assert kinds == want, f"rank {rank}: {r['outcomes']}"
+        assert all(equal for equal, _ in r["bits"].values()), f"rank {rank}: {r['bits']}"
+        if case.get("capacity_mb"):
+            assert r["groups"] >= 4, f"rank {rank}: {r['groups']} micro-groups"
+        if step > 3:  # the step before rode its check: so would this one
+            assert r["rode"][step - 2] is True, f"rank {rank}: no header rode: {r['rode']}"
+        if where is None:
+            continue
+        msg = r["outcomes"][step - 1][1]
+        assert f"ranks [1] (rank 1: {where} raised OutOfMemoryError: {INJECTED})" in msg, msg
+        assert r["unchanged"] is True, f"rank {rank}: the failed step changed something"
+        if rank == 1 and case.get("keep") is None:  # kept buffers: the memory went back
+            assert r["held_after"] == 0, r["held_after"]
