@@ -41,7 +41,8 @@ def _failing_step(case: dict[str, Any]) -> dict[str, Any]:
     raise: ``"acquire"``, the step buffers (the first ``times`` calls, each after allocating
     its own buffer, so that one buffer is held when the error comes); ``"receive"``, the
     receive buffer of the step's ``call``-th all-to-all (once); ``"release"``, the copies
-    out of the step's first fused all-to-all."""
+    out of the step's first fused all-to-all; ``"copies"``, a replicated plan's copies of
+    its own fragments."""
     fulls = full_tensors(SHAPES)
     grads = grad_steps(SHAPES, STEPS)
     params = sharded_params(fulls, mesh((2,)), {n: (Shard(0),) for n in SHAPES})
@@ -51,11 +52,15 @@ def _failing_step(case: dict[str, Any]) -> dict[str, Any]:
     opt = canzona.Muon(
         params,
         **KW,
-        plan=canzona.PlanConfig(cost="flops", capacity_mb=case.get("capacity_mb", 512.0)),
+        plan=canzona.PlanConfig(
+            strategy=case.get("strategy", "canzona"),
+            cost="flops",
+            capacity_mb=case.get("capacity_mb", 512.0),
+        ),
         pipeline=config,
     )
     real_acquire, real_receive = FlatBuffer.acquire, pipeline_module.receive_buffer
-    real_release = pipeline_module.release
+    real_release, real_copies = pipeline_module.release, pipeline_module.kept_copies
     armed = [False]
     left, calls = [0], [0]
 
@@ -78,10 +83,17 @@ def _failing_step(case: dict[str, Any]) -> dict[str, Any]:
             raise torch.OutOfMemoryError(INJECTED)
         real_release(wire)
 
+    def copies(outs: Any, kept: Any) -> Any:
+        if armed[0] and case["kind"] == "copies":
+            armed[0] = False  # once
+            raise torch.OutOfMemoryError(INJECTED)
+        return real_copies(outs, kept)
+
     out: dict[str, Any] = {"outcomes": [], "unchanged": None, "held_after": None, "rode": []}
     FlatBuffer.acquire = acquire  # type: ignore[method-assign]
     pipeline_module.receive_buffer = receive
     pipeline_module.release = release
+    pipeline_module.kept_copies = copies
     try:
         for step, g in enumerate(grads, start=1):
             set_grads(params, g)
@@ -110,6 +122,7 @@ def _failing_step(case: dict[str, Any]) -> dict[str, Any]:
         FlatBuffer.acquire = real_acquire  # type: ignore[method-assign]
         pipeline_module.receive_buffer = real_receive
         pipeline_module.release = real_release
+        pipeline_module.kept_copies = real_copies
     failed = [i for i, (kind, _) in enumerate(out["outcomes"], start=1) if kind != "ok"]
     kept = [g for i, g in enumerate(grads, start=1) if i not in failed]
     got = {n: full_of(p) for n, p in params}
@@ -147,6 +160,11 @@ CASES: dict[str, tuple[dict[str, Any], str | None]] = {
         {"kind": "release", "step": 2, "capacity_mb": TINY_MB, "fuse": 1 << 20},
         "copying out the gather of micro-group 0 and the gather of micro-group 1",
     ),
+    # a replicated plan keeps copies of its own fragments (no scatter: the vote is apart)
+    "replicated-copies": (
+        {"kind": "copies", "step": 4, "strategy": "replicated"},
+        "keeping the directions of micro-group 0",
+    ),
 }
 
 
@@ -178,5 +196,6 @@ def test_a_rank_that_cannot_allocate_a_step_buffer_fails_the_step_everywhere(
         msg = r["outcomes"][step - 1][1]
         assert f"ranks [1] (rank 1: {where} raised OutOfMemoryError: {INJECTED})" in msg, msg
         assert r["unchanged"] is True, f"rank {rank}: the failed step changed something"
-        if rank == 1 and case.get("keep") is None:  # kept buffers: the memory went back
+        gives_back = case["kind"] != "copies"  # a failed buffer: the step's memory goes
+        if rank == 1 and gives_back and case.get("keep") is None:  # (kept buffers too)
             assert r["held_after"] == 0, r["held_after"]

@@ -28,7 +28,7 @@ from canzona.runtime.exchanges import (
     release,
     row_major,
 )
-from canzona.runtime.schedule_parts import Delivery, GroupSchedule, OwnerBatch, Schedule
+from canzona.runtime.schedule_parts import Delivery, GroupSchedule, OwnerBatch, Piece, Schedule
 from canzona.runtime.table import ApplyFn, ComputeBatch, ComputeFn, StepTable
 from canzona.runtime.watchdog import Watchdog
 
@@ -41,6 +41,13 @@ _T = TypeVar("_T")
 def receive_buffer(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """An all-to-all's receive buffer (its contents are undefined)."""
     return torch.empty(numel, dtype=dtype, device=device)
+
+
+def kept_copies(
+    outs: list[torch.Tensor], kept: Sequence[tuple[Piece, Delivery]]
+) -> list[tuple[torch.Tensor, Delivery]]:
+    """Copies of this rank's own fragments of a replicated group's results."""
+    return [(piece_of(outs, pc).clone(), d) for pc, d in kept]
 
 
 @dataclass
@@ -381,7 +388,11 @@ class _Run:
             outs = self._compute_group(g, pending.out)
             del pending
             if self.p.schedule.replicated:  # every rank keeps its own fragment: no scatter
-                self.received += [(piece_of(outs, pc).clone(), d) for pc, d in g.kept]
+                if self.failure is None:
+                    try:
+                        self.received += kept_copies(outs, g.kept)
+                    except Exception as exc:  # the vote after the groups reports it
+                        self.fail(f"keeping the directions of micro-group {g.index}", exc)
                 continue
             later = k + 1 + lookahead
             scatter = self._scatter_exchange(g, outs)
