@@ -112,9 +112,12 @@ def _failing_step(case: dict[str, Any]) -> dict[str, Any]:
                 out["outcomes"].append(("UpdateFailedError", str(exc)))
                 out["rode"].append(None)
                 after = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
-                out["unchanged"] = all(
-                    map(torch.equal, [p.to_local() for _, p in params], before)
-                ) and all(map(torch.equal, after, state))
+                now = [p.to_local() for _, p in params]
+                out["unchanged"] = (
+                    all(map(torch.equal, now, before))
+                    and len(after) == len(state)
+                    and all(map(torch.equal, after, state))
+                )
                 out["held_after"] = sum(
                     b.tensor.untyped_storage().nbytes() for s in _schedules(opt) for b in s.buffers
                 )
