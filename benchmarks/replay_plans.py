@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _latency_ranks
 import canzona
-import canzona.runtime.engine as engine
+import canzona.runtime.plan_inputs as plan_inputs
 import step_latency
 from _plan_facts import plan_facts
 from _ranks import launch
@@ -69,7 +69,7 @@ def _replay(rank: int, world: int, case: Any, tables: Mapping[str, Any]) -> dict
         used.append(stored_cost(tables, bases))
         return used[-1]
 
-    vars(engine)["calibrate"] = from_table  # the runtime plans from the stored table
+    vars(plan_inputs)["calibrate"] = from_table  # the runtime plans from the stored table
     named, _mesh = _latency_ranks._build(case.model, case.mesh, world)
     make, hp = _latency_ranks.OPTIMIZERS[case.optimizer]
     kw = {**hp, "ns_steps": 1} if case.optimizer == "muon" else dict(hp)

@@ -175,21 +175,21 @@ def _fixed_calls(shapes: Any, table: Any, compute: Any, bases: Any, **_: Any) ->
 
 
 def _consolidated_plan() -> dict[str, Any]:
-    from canzona.runtime import engine
+    from canzona.runtime import plan_inputs
 
     fulls = full_tensors(CLASSES)
     grads = grad_steps(CLASSES, 2)
     want = reference_muon(fulls, grads, **MUON_KW)
     params = sharded_params(fulls, mesh((2,)), {n: (Shard(0),) for n in CLASSES})
-    original = engine.calibrate
-    engine.calibrate = _fixed_calls  # type: ignore[assignment]
+    original = plan_inputs.calibrate
+    plan_inputs.calibrate = _fixed_calls  # type: ignore[assignment]
     try:
         opt = canzona.Muon(params, **MUON_KW)
         for g in grads:
             set_grads(params, g)
             opt.step()
     finally:
-        engine.calibrate = original  # type: ignore[assignment]
+        plan_inputs.calibrate = original  # type: ignore[assignment]
     planned = opt._runtime.plan
     owner = planned.assignment.owner
     got = {n: p.full_tensor() for n, p in params}

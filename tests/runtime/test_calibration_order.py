@@ -35,16 +35,16 @@ def _fake_once(self: timing.Call) -> float:
 
 def _lines_within_budget() -> list[tuple[int, int]]:
     """The shapes that get a batch line from a calibration with deterministic call times."""
-    from canzona.runtime import engine
+    from canzona.runtime import plan_inputs
 
     params = sharded_params(full_tensors(SHAPES), mesh((2,)), {n: (Shard(0),) for n in SHAPES})
-    real, once, evict = engine.calibrate, timing.Call.once, calibrate_module._eviction_seconds
+    real, once, evict = plan_inputs.calibrate, timing.Call.once, calibrate_module._eviction_seconds
     calibrate_module._CACHE.clear()
 
     def budgeted(*args: Any, **kw: Any) -> Any:
         return real(*args, **{**kw, "budget_s": BUDGET_S})
 
-    engine.calibrate = budgeted  # type: ignore[assignment]
+    plan_inputs.calibrate = budgeted  # type: ignore[assignment]
     timing.Call.once = _fake_once  # type: ignore[method-assign]
     calibrate_module._eviction_seconds = lambda device: 0.0  # type: ignore[assignment]
     try:
@@ -52,7 +52,7 @@ def _lines_within_budget() -> list[tuple[int, int]]:
         set_grads(params, grad_steps(SHAPES, 1)[0])
         opt.step()
     finally:
-        engine.calibrate = real  # type: ignore[assignment]
+        plan_inputs.calibrate = real  # type: ignore[assignment]
         timing.Call.once = once  # type: ignore[method-assign]
         calibrate_module._eviction_seconds = evict  # type: ignore[assignment]
         calibrate_module._CACHE.clear()

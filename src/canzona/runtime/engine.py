@@ -6,14 +6,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import compress
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from canzona.plan import CostModel, GroupedCost, MatrixSpec, Plan, PlanConfig, build_plan
-from canzona.runtime.calibrate import calibrate, device_name, measures, shapes_of
-from canzona.runtime.calibration_cache import DiskCache
+from canzona.runtime.calibrate import measures
 from canzona.runtime.checks import (
     check_header,
     check_plan_digest,
@@ -24,13 +22,11 @@ from canzona.runtime.checks import (
 from canzona.runtime.config import PartialUpdateError, PipelineConfig
 from canzona.runtime.pipeline import Failure, Pipeline, StepStats
 from canzona.runtime.pipelines import build_pipeline
+from canzona.runtime.plan_inputs import calibrated, items_and_specs
 from canzona.runtime.repricing import Observation, repriced
 from canzona.runtime.routing import (
     Item,
     Route,
-    build_items,
-    item_holders,
-    plan_specs,
     route_all,
 )
 from canzona.runtime.statecomm import PlanRecord, Snapshot, snapshot
@@ -541,40 +537,23 @@ class MatrixRuntime:
             world=self.world,
             extra=f"{config}; from positions {moved}",
         )
-        splits = {
-            p: row.split for p, row in zip(table.matrix, table.rows, strict=True) if row.split
-        }
-        self.items = build_items(
-            self.topology,
-            table.matrix,
-            replica_dedup=self.plan_config.replica_dedup,
-            splits=splits,
-            flatten=frozenset(
-                p for p, row in zip(table.matrix, table.rows, strict=True) if row.flatten
-            ),
-        )
-        grouped = table.cost is not None and not isinstance(table.cost, str)
-        specs = plan_specs(
-            self.items,
-            lambda p: table.row(p).itemsize,
-            (lambda p: str(table.row(p).batch_key)) if grouped else (lambda p: None),
-            item_holders(self.items, self.topology),
+        self.items, specs = items_and_specs(
+            self.topology, table, replica_dedup=self.plan_config.replica_dedup
         )
         cost = table.cost if table.cost is not None else self.cost
         self._specs = specs
         self._observation = None
         if specs and measures(self.plan_config, table, compute, self.process_group is not None):
-            assert compute is not None and isinstance(table.cost, GroupedCost)
+            assert compute is not None
             start = time.perf_counter()
-            where = self.config.calibration_cache
-            cost = calibrate(
-                shapes_of(self.items, table, self.world),
+            cost = calibrated(
+                self.items,
                 table,
                 compute,
-                {int(k): m for k, m in table.cost.models.items()},
+                world=self.world,
+                config=self.config,
                 watchdog=self.watchdog,
                 device=self.device,
-                cache=None if where is None else DiskCache(Path(where), device_name(self.device)),
             )
             self.calibration_s = time.perf_counter() - start
             self.calibrations += 1

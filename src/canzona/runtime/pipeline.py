@@ -298,19 +298,20 @@ class _Run:
         if self.failure is None:
             self.failure = Failure(where, exc, tuple(params))
 
-    def buffer(self, make: Callable[[], _T], what: str) -> _T:
+    def buffer(self, make: Callable[[], _T], what: str, of: str = "") -> _T:
         """``make()``: a buffer this rank needs to enter a collective.
 
-        When it raises (out of memory) the step has failed here, but the rank must still
-        enter the collective, so that every rank raises the failure: it waits for its
-        all-to-alls in flight, frees the step's buffers and what it has received (nothing
-        will be applied) and makes the buffer again. Only a second failure is raised (the
-        other ranks then wait until ``timeout_s``).
+        ``what`` and ``of`` are the failure's text, joined only on a failure (a healthy step
+        formats nothing). When ``make()`` raises (out of memory) the step has failed here,
+        but the rank must still enter the collective, so that every rank raises the
+        failure: it waits for its all-to-alls in flight, frees the step's buffers and what it
+        has received (nothing will be applied) and makes the buffer again. Only a second
+        failure is raised (the other ranks then wait until ``timeout_s``).
         """
         try:
             return make()
         except Exception as exc:
-            self.fail(what, exc)
+            self.fail(f"{what} {of}" if of else what, exc)
         for wire in self.wires:  # their send buffers may be the step buffers
             self.p.watchdog.wait(wire.work, wire.label)
         self.received.clear()
@@ -421,13 +422,13 @@ class _Run:
     def _single(self, ex: Exchange) -> Pending:
         """Issue one exchange as its own all-to-all."""
         label = labels([ex])
-        where = f"allocating the receive buffer of {label}"
+        where = "allocating the receive buffer of"
         out = self.buffer(
-            partial(receive_buffer, sum(ex.out_splits), ex.inp.dtype, self.p.device), where
+            partial(receive_buffer, sum(ex.out_splits), ex.inp.dtype, self.p.device), where, label
         )
         inp = ex.inp
         if ex.what == "gather" and not self.p.schedule.held:  # a view of freed buffers?
-            inp = self.buffer(partial(torch.zeros_like, inp), where)  # (a header: declined)
+            inp = self.buffer(partial(torch.zeros_like, inp), where, label)  # (a header: declined)
         wire = self._issue(out, inp, ex.out_splits, ex.in_splits, ex.phase, label)
         self._count(ex)
         part = Pending(wire, out, ex.what, ex.micro_group)
@@ -445,7 +446,8 @@ class _Run:
             inp, in_splits, out_splits, layout = self.buffer(zeros, "packing " + label)
         out = self.buffer(
             partial(receive_buffer, sum(out_splits), inp.dtype, self.p.device),
-            f"allocating the receive buffer of {label}",
+            "allocating the receive buffer of",
+            label,
         )
         wire = self._issue(out, inp, out_splits, in_splits, exchanges[0].phase, label)
         wire.layout = layout
@@ -488,7 +490,7 @@ class _Run:
         self.p.watchdog.wait(wire.work, wire.label)
         wire.work = None  # drop the handle as soon as it completed
         self.wires.remove(wire)
-        self.buffer(partial(release, wire), f"copying out {wire.label}")  # a fused one's copies
+        self.buffer(partial(release, wire), "copying out", wire.label)  # a fused one's copies
         self.stats.wait_s += time.perf_counter() - start
 
     def _gather_exchange(self, g: GroupSchedule) -> Exchange:
