@@ -355,6 +355,10 @@ class CheckpointMixin:
         entries = self._owner.entries(params, group_of, stepped)
         if entries:
             self._sync_plan()  # collective: every rank has validated by now
+            # first: a move that fails (on any rank: all raise) leaves everything as it was
+            self._owner.load(snapshot(self._runtime), entries, owner_values)
+        else:
+            self._owner.clear()
         super().load_state_dict({**state_dict, "state": storage})  # type: ignore[misc]
         for pos, pid in enumerate(order):  # state kept in another dtype than its parameter's
             for k, v in storage.get(pid, {}).items():
@@ -371,10 +375,6 @@ class CheckpointMixin:
             p = params[pos]
             if p.numel():
                 self._owner.add_placeholders(p, self.state[p], group_of[pos])
-        if entries:
-            self._owner.load(snapshot(self._runtime), entries, owner_values)
-        else:
-            self._owner.clear()
         self._algorithms = {  # the loaded states are of these (validated) algorithms
             g: group["algorithm"] for g, group in enumerate(self.param_groups)
         }

@@ -235,10 +235,17 @@ class OwnerState:
     def load(
         self, snap: Snapshot, entries: Sequence[StateEntry], values: dict[tuple[int, str], Tensor]
     ) -> None:
-        """Replace the state with checkpoint values (collective when distributed)."""
-        self.states = {}
+        """Replace the state with checkpoint values (collective when distributed).
+
+        A load that raises (on any rank: every rank raises) keeps the state as it was.
+        """
+        old, self.states = self.states, {}
         if entries:
-            import_state(snap, entries, values, self._put)
+            try:
+                import_state(snap, entries, values, self._put)
+            except BaseException:
+                self.states = old
+                raise
 
     def migrate(
         self,

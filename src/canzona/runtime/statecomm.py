@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
+from canzona.runtime.checks import VOTE, reports_of
+from canzona.runtime.config import UpdateFailedError
 from canzona.runtime.layout import Fragment, fragment_for, full_fragment
 from canzona.runtime.routing import Item, Route, _unravel
 from canzona.runtime.topology import ParamLayout, Topology, positions_in
-from canzona.runtime.watchdog import Watchdog
+from canzona.runtime.watchdog import Watchdog, gather_ints
 
 if TYPE_CHECKING:
     from canzona.runtime.engine import MatrixRuntime
@@ -138,30 +141,123 @@ def _walk(
             yield entry, layout, item
 
 
-def _all_to_all(
+def state_buffer(
+    what: str, numel: int, dtype: torch.dtype, device: torch.device | str | None
+) -> torch.Tensor:
+    """An uninitialised flat buffer of a state exchange (``what`` names it in a failure)."""
+    return torch.empty(numel, dtype=dtype, device=device)
+
+
+@dataclass(slots=True)
+class _Exchange:
+    """One all-to-all of state pieces, its buffers allocated before any rank enters it."""
+
+    send: torch.Tensor
+    receive: torch.Tensor
+    in_splits: list[int]
+    out_splits: list[int]
+    recv_sizes: dict[int, list[int]]
+
+
+def _prepare(
     snap: Snapshot,
     sends: dict[int, list[torch.Tensor]],
     recv_sizes: dict[int, list[int]],
     dtype: torch.dtype,
-) -> dict[int, list[torch.Tensor]]:
-    world = snap.world
+    what: str,
+) -> _Exchange:
+    """Pack ``sends`` in rank order and allocate the receive buffer (may raise: no collective)."""
+    world, device = snap.world, snap.watchdog.device
     in_splits = [sum(t.numel() for t in sends.get(r, ())) for r in range(world)]
     out_splits = [sum(recv_sizes.get(r, ())) for r in range(world)]
-    chunks = [t.reshape(-1).to(dtype) for r in range(world) for t in sends.get(r, ())]
-    device = snap.watchdog.device
-    inp = torch.cat(chunks) if chunks else torch.empty(0, dtype=dtype, device=device)
-    out = torch.empty(sum(out_splits), dtype=dtype, device=device)
-    work = dist.all_to_all_single(
-        out, inp, out_splits, in_splits, group=snap.process_group, async_op=True
-    )
-    snap.watchdog.wait(work, "the optimizer-state exchange")
-    result: dict[int, list[torch.Tensor]] = {}
+    receive = state_buffer(f"{what}'s receive buffer", sum(out_splits), dtype, device)
+    send = state_buffer(f"{what}'s send buffer", sum(in_splits), dtype, device)
     offset = 0
     for r in range(world):
-        for size in recv_sizes.get(r, ()):
-            result.setdefault(r, []).append(out[offset : offset + size])
+        for t in sends.get(r, ()):
+            send[offset : offset + t.numel()].copy_(t.reshape(-1))
+            offset += t.numel()
+    return _Exchange(send, receive, in_splits, out_splits, recv_sizes)
+
+
+def _exchange(snap: Snapshot, ex: _Exchange, what: str) -> dict[int, list[torch.Tensor]]:
+    """Run a prepared exchange: per source rank, the received pieces (views)."""
+    work = dist.all_to_all_single(
+        ex.receive,
+        ex.send,
+        ex.out_splits,
+        ex.in_splits,
+        group=snap.process_group,
+        async_op=True,
+    )
+    snap.watchdog.wait(work, what)
+    result: dict[int, list[torch.Tensor]] = {}
+    offset = 0
+    for r in range(snap.world):
+        for size in ex.recv_sizes.get(r, ()):
+            result.setdefault(r, []).append(ex.receive[offset : offset + size])
             offset += size
     return result
+
+
+def _agree(snap: Snapshot, error: Exception | None, what: str) -> None:
+    """Raise on every rank when ``what`` raised on any (collective when distributed).
+
+    In one process ``error`` itself is raised; in a job, the same
+    :class:`~canzona.UpdateFailedError` on every rank, naming each failing rank and its
+    error, so that no rank enters the exchange that a failed one would never reach.
+    """
+    if snap.process_group is None:
+        if error is not None:
+            raise error
+        return
+    mine = None if error is None else f"{type(error).__name__}: {error}"
+    rows = gather_ints([int(error is not None)], watchdog=snap.watchdog, phase=VOTE, what=what)
+    reports = reports_of([r for r, (bad,) in enumerate(rows) if bad], mine, watchdog=snap.watchdog)
+    if reports:
+        text = "; ".join(f"rank {r}: {line}" for r, line in reports)
+        raise UpdateFailedError(
+            f"{what} failed on ranks {[r for r, _ in reports]} ({text}); "
+            "the owner-held state stays where it was"
+        ) from error
+
+
+_Sends = dict[int, list[torch.Tensor]]
+_Sizes = dict[int, list[int]]
+_T = TypeVar("_T")
+
+
+def _zeros(snap: Snapshot, what: str, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """A zero-filled state tensor allocated through :func:`state_buffer`."""
+    flat = state_buffer(what, math.prod(shape), dtype, snap.watchdog.device)
+    return flat.zero_().view(tuple(shape))
+
+
+def _exchange_all_or_none(
+    snap: Snapshot,
+    build: Callable[[], tuple[_Sends, _Sizes, _T]],
+    entries: Sequence[StateEntry],
+    what: str,
+) -> tuple[_Sends, _T]:
+    """``build()`` (what each rank sends, receives and keeps), then the exchange.
+
+    Everything that may raise on one rank (``build``, the buffers) runs before every rank
+    votes; a failure anywhere raises on every rank before any enters the exchange.
+
+    Returns:
+        Per source rank, the pieces received; and what ``build`` kept.
+    """
+    error: Exception | None = None
+    try:
+        sends, recv, kept = build()
+        if snap.process_group is not None:
+            ex = _prepare(snap, sends, recv, _buffer_dtype(entries), what)
+    except Exception as exc:  # e.g. out of memory: every rank raises at the vote
+        error = exc
+    _agree(snap, error, what)
+    if snap.process_group is None:
+        return {r: [t.reshape(-1) for t in ts] for r, ts in sends.items()}, kept
+    return _exchange(snap, ex, what), kept
 
 
 def _buffer_dtype(entries: Sequence[StateEntry]) -> torch.dtype:
@@ -169,6 +265,7 @@ def _buffer_dtype(entries: Sequence[StateEntry]) -> torch.dtype:
 
 
 _Place = tuple[torch.Tensor, Item, StateEntry, ParamLayout]
+_Targets = dict[int, list[tuple[Item, StateEntry, Fragment]]]
 
 
 def export_state(
@@ -190,21 +287,22 @@ def export_state(
         layout of :func:`checkpoint_placements`.
     """
     dedup = snap.replica_dedup
-    locals_: dict[StateKey, torch.Tensor] = {}
-    for entry in entries:
-        layout = snap.topology.layouts[entry.param]
-        items = _my_items(snap, entry)
-        coord = _coord(layout, items[0], snap.rank) if items else ()
-        locals_[(entry.param, entry.key)] = torch.zeros(
-            _fragment(layout, entry, coord, dedup).shape,
-            dtype=entry.dtype,
-            device=snap.watchdog.device,
-        )
-    sends, recv, places = _export_routes(snap, entries, get, locals_)
-    if snap.process_group is None:
-        received = {r: [t.reshape(-1) for t in ts] for r, ts in sends.items()}
-    else:
-        received = _all_to_all(snap, sends, recv, _buffer_dtype(entries))
+    what = "exporting the owner-held state"
+
+    def build() -> tuple[
+        _Sends, _Sizes, tuple[dict[StateKey, torch.Tensor], dict[int, list[_Place]]]
+    ]:
+        locals_: dict[StateKey, torch.Tensor] = {}
+        for entry in entries:
+            layout = snap.topology.layouts[entry.param]
+            items = _my_items(snap, entry)
+            coord = _coord(layout, items[0], snap.rank) if items else ()
+            shape = _fragment(layout, entry, coord, dedup).shape
+            locals_[(entry.param, entry.key)] = _zeros(snap, what, shape, entry.dtype)
+        sends, recv, places = _export_routes(snap, entries, get, locals_)
+        return sends, recv, (locals_, places)
+
+    received, (locals_, places) = _exchange_all_or_none(snap, build, entries, what)
     for owner, targets in places.items():
         for data, (local, item, entry, layout) in zip(
             received.get(owner, []), targets, strict=True
@@ -299,9 +397,34 @@ def import_state(
             shards[(entry.param, entry.key)] = value.to_local().to(snap.watchdog.device)
         else:
             shards[(entry.param, entry.key)] = frag.read(value).to(snap.watchdog.device)
+    what = "moving the owner-held state to its owners"
+
+    def build() -> tuple[_Sends, _Sizes, tuple[dict[tuple[str, str], torch.Tensor], _Targets]]:
+        sends, recv, places = _import_routes(snap, entries, shards)
+        assembled: dict[tuple[str, str], torch.Tensor] = {}
+        for targets in places.values():
+            for item, entry, _ in targets:
+                if (item.name, entry.key) not in assembled:
+                    assembled[(item.name, entry.key)] = _zeros(snap, what, entry.shape, entry.dtype)
+        return sends, recv, (assembled, places)
+
+    received, (assembled, places) = _exchange_all_or_none(snap, build, entries, what)
+    for src, targets in places.items():
+        for data, (item, entry, piece) in zip(received.get(src, []), targets, strict=True):
+            piece.write_(assembled[(item.name, entry.key)], data.view(piece.shape))
+    by_name = {it.name: it for it in snap.items}
+    for (name, key), full in assembled.items():
+        put(by_name[name], key, full)
+
+
+def _import_routes(
+    snap: Snapshot, entries: Sequence[StateEntry], shards: dict[StateKey, torch.Tensor]
+) -> tuple[dict[int, list[torch.Tensor]], dict[int, list[int]], _Targets]:
+    """What this rank sends to each owner, receives from each holder, and where it lands."""
+    dedup = snap.replica_dedup
     sends: dict[int, list[torch.Tensor]] = {}
     recv: dict[int, list[int]] = {}
-    places: dict[int, list[tuple[Item, StateEntry, Fragment]]] = {}
+    places: _Targets = {}
     for entry, layout, item in _walk(snap, entries):
         if snap.rank not in item.unit:
             continue
@@ -320,21 +443,7 @@ def import_state(
                 if tpiece is not None:
                     recv.setdefault(t, []).append(tpiece.numel)
                     places.setdefault(t, []).append((item, entry, tpiece))
-    if snap.process_group is None:
-        received = {r: [t.reshape(-1) for t in ts] for r, ts in sends.items()}
-    else:
-        received = _all_to_all(snap, sends, recv, _buffer_dtype(entries))
-    assembled: dict[tuple[str, str], torch.Tensor] = {}
-    for src, targets in places.items():
-        for data, (item, entry, piece) in zip(received.get(src, []), targets, strict=True):
-            full = assembled.get((item.name, entry.key))
-            if full is None:
-                full = torch.zeros(entry.shape, dtype=entry.dtype, device=data.device)
-                assembled[(item.name, entry.key)] = full
-            piece.write_(full, data.view(piece.shape))
-    by_name = {it.name: it for it in snap.items}
-    for (name, key), full in assembled.items():
-        put(by_name[name], key, full)
+    return sends, recv, places
 
 
 @dataclass(frozen=True, slots=True)

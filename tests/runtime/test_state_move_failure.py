@@ -1,0 +1,164 @@
+"""An owner-held state exchange that fails on one rank fails on every rank and moves nothing."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as tdist
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Shard
+
+import canzona
+import canzona.runtime.statecomm as statecomm
+
+from _cases import OWNER_KW, full_of, full_tensors, grad_steps, set_grads, sharded_params
+from _dist import mesh
+
+TIMEOUT = 120
+FIRST = {f"a{i}": s for i, s in enumerate([(16, 16), (24, 8), (8, 24), (7, 13)])}
+LATER = {f"b{i}": s for i, s in enumerate([(12, 12), (20, 6), (6, 20)])}
+INJECTED = "CUDA out of memory. Tried to allocate 2.00 GiB (injected)"
+EXPORT = "exporting the owner-held state"
+IMPORT = "moving the owner-held state to its owners"
+
+
+def _fulls(opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """``state_dict()`` with full tensors (collective)."""
+    out: dict[str, Any] = {}
+    for pid, entry in opt.state_dict()["state"].items():
+        for key, value in entry.items():
+            out[f"{pid}.{key}"] = value.full_tensor() if isinstance(value, DTensor) else value
+    return out
+
+
+def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return a.keys() == b.keys() and all(
+        torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else a[k] == b[k] for k in a
+    )
+
+
+def _held(opt: Any, params: list[tuple[str, Any]], *, clone: bool) -> dict[str, Any]:
+    """What this rank holds: its shards, its element-wise state and its owner-held state."""
+    take = (lambda t: t.clone()) if clone else (lambda t: t)
+    out = {f"param {n}": take(p.to_local()) for n, p in params}
+    for i, (_, p) in enumerate(params):
+        for key, v in opt.state.get(p, {}).items():
+            out[f"state {i}.{key}"] = take(v.to_local() if isinstance(v, DTensor) else v)
+    for item_key, state in opt._owner.states.items():
+        for key, v in state.items():
+            out[f"owner {item_key}.{key}"] = take(v)
+    return out
+
+
+def _run(name: str, case: dict[str, Any] | None) -> dict[str, Any]:
+    """Two steps on FIRST, ``add_param_group(LATER)`` (the next step re-plans and moves the
+    owner-held state), and three more steps; before the third, every run loads the state
+    saved after the first and saves. ``case["when"]`` says which call fails: rank
+    ``case["rank"]``'s ``case["buffer"]``-th state buffer of the exchange ``case["what"]``
+    raises in the move (``"move"``), the save (``"save"``) or the load (``"load"``).
+    The failed call is taken again."""
+    shapes = {**FIRST, **LATER}
+    grads = grad_steps(shapes, 5)
+    params = sharded_params(full_tensors(shapes), mesh((2,)), {n: (Shard(0),) for n in shapes})
+    opt = getattr(canzona, name)(
+        params[: len(FIRST)],
+        **OWNER_KW[name],
+        plan=canzona.PlanConfig(strategy="numel"),
+        pipeline=canzona.PipelineConfig(timeout_s=20.0),
+    )
+    real = statecomm.state_buffer
+    calls = [0]
+    out: dict[str, Any] = {}
+
+    def buffer(what: str, numel: int, dtype: torch.dtype, device: Any) -> torch.Tensor:
+        if case is not None and what.startswith(case["what"]) and armed[0]:
+            calls[0] += 1
+            if calls[0] == case["buffer"]:
+                armed[0] = False
+                raise torch.OutOfMemoryError(INJECTED)
+        return real(what, numel, dtype, device)
+
+    def attempt(fn: Any, when: str) -> None:
+        mine = case is not None and case["when"] == when
+        before = _held(opt, params, clone=True)  # state_dict() would move the state
+        armed[0] = mine and tdist.get_rank() == case["rank"]  # type: ignore[index]
+        try:
+            fn()
+        except canzona.UpdateFailedError as exc:
+            armed[0] = False
+            out["error"] = str(exc)
+            out["unchanged"] = _same(before, _held(opt, params, clone=False))
+            fn()  # taken again
+        if mine:
+            out["armed_left"] = armed[0]
+
+    armed = [False]
+    statecomm.state_buffer = buffer
+    try:
+        for step, g in enumerate(grads):
+            if step == 1:
+                saved = opt.state_dict()  # whose tensors the next step changes in place
+                saved["state"] = {
+                    pid: {k: v.clone() for k, v in entry.items()}
+                    for pid, entry in saved["state"].items()
+                }
+            if step == 2:
+                attempt(partial(opt.load_state_dict, saved), "load")  # back to after step 1
+                attempt(opt.state_dict, "save")
+                opt.add_param_group({"params": params[len(FIRST) :]})
+            set_grads(params if step >= 2 else params[: len(FIRST)], g)
+            if step == 2:
+                attempt(opt.step, "move")
+            else:
+                opt.step()
+    finally:
+        statecomm.state_buffer = real
+    return {**out, "params": {n: full_of(p) for n, p in params}, "state": _fulls(opt)}
+
+
+def _failing_and_straight(name: str, case: dict[str, Any]) -> dict[str, Any]:
+    failed = _run(name, case)
+    straight = _run(name, None)
+    return {
+        "error": failed.get("error"),
+        "unchanged": failed.get("unchanged"),
+        "armed_left": failed["armed_left"],
+        "params": all(torch.equal(failed["params"][n], v) for n, v in straight["params"].items()),
+        "state": _same(failed["state"], straight["state"]),
+    }
+
+
+CASES = [
+    {"when": "move", "what": EXPORT, "buffer": 1, "rank": 1},  # the exported pieces
+    {"when": "move", "what": f"{EXPORT}'s receive buffer", "buffer": 1, "rank": 0},
+    {"when": "move", "what": IMPORT, "buffer": 2, "rank": 1},  # a new owner's state
+    {"when": "move", "what": f"{IMPORT}'s send buffer", "buffer": 1, "rank": 0},
+    {"when": "save", "what": f"{EXPORT}'s send buffer", "buffer": 1, "rank": 1},
+    {"when": "load", "what": f"{IMPORT}'s receive buffer", "buffer": 1, "rank": 1},
+]
+
+
+@pytest.mark.parametrize("name", ["Shampoo", "NorMuon"])
+@pytest.mark.parametrize("case", CASES, ids=[f"{c['when']}-{c['what']}" for c in CASES])
+def test_a_state_exchange_that_fails_on_one_rank_fails_everywhere(
+    dist: Any, name: str, case: dict[str, Any]
+) -> None:
+    """Catches: a rank whose allocation for the owner-held state's exchange (after a re-plan,
+    in ``state_dict()`` or ``load_state_dict()``) raised alone while the others entered the
+    exchange and waited for it until their timeout; and a failed move or load that lost or
+    changed state. Every rank must raise the same error naming the failing rank, nothing may
+    change, and once the call is taken again the run must equal one without the failure,
+    bit for bit."""
+    phase = EXPORT if case["what"].startswith(EXPORT) else IMPORT
+    want = f"{phase} failed on ranks [{case['rank']}] (rank {case['rank']}: OutOfMemoryError: "
+    for out in dist(2).run(_failing_and_straight, name, case, timeout=TIMEOUT):
+        assert out["armed_left"] is False, out  # the injected failure happened
+        assert out["error"] is not None and out["error"].startswith(want), out["error"]
+        assert INJECTED in out["error"], out["error"]
+        assert out["error"].endswith("the owner-held state stays where it was"), out["error"]
+        assert out["unchanged"] is True
+        assert out["params"] is True
+        assert out["state"] is True
