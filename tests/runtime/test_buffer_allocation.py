@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -202,3 +204,100 @@ def test_a_rank_that_cannot_allocate_a_step_buffer_fails_the_step_everywhere(
         gives_back = case["kind"] != "copies"  # a failed buffer: the step's memory goes
         if rank == 1 and gives_back and case.get("keep") is None:  # (kept buffers too)
             assert r["held_after"] == 0, r["held_after"]
+
+
+def _fails_twice() -> dict[str, Any]:
+    """Rank 1's receive buffer of the step's third all-to-all cannot be allocated, and not
+    again after the rank gave its step memory back: it raises alone, while rank 0 waits in
+    that all-to-all (on a group of its own: the all-to-all stays in flight)."""
+    group = tdist.new_group(backend="gloo", timeout=timedelta(seconds=60))
+    fulls = full_tensors(SHAPES)
+    params = sharded_params(fulls, mesh((2,)), {n: (Shard(0),) for n in SHAPES})
+    opt = canzona.Muon(
+        params,
+        **KW,
+        plan=canzona.PlanConfig(strategy="canzona", cost="flops", capacity_mb=TINY_MB),
+        pipeline=canzona.PipelineConfig(process_group=group, fuse_bytes=0, timeout_s=50.0),
+    )
+    real = pipeline_module.receive_buffer
+    calls = [0]
+
+    def receive(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        calls[0] += 1
+        if tdist.get_rank() == 1 and calls[0] >= 3:  # the call and its retry
+            raise torch.OutOfMemoryError(INJECTED)
+        return real(numel, dtype, device)
+
+    set_grads(params, grad_steps(SHAPES, 1)[0])
+    pipeline_module.receive_buffer = receive
+    try:
+        opt.step()
+        return {"kind": "ok", "msg": ""}
+    except Exception as exc:
+        return {"kind": type(exc).__name__, "msg": str(exc)}
+    finally:
+        pipeline_module.receive_buffer = real
+
+
+def test_a_rank_that_raises_alone_is_named_at_once_by_the_ranks_waiting_for_it(
+    dist: Any,
+) -> None:
+    """Catches: a rank that raises alone (here its allocation failed again after it gave its
+    step memory back) leaving the others in the collective it never enters until
+    ``timeout_s`` (50 s here; the run's own limit is 40 s): they must raise at their next look
+    at the job's store, naming the rank and its error, and say the job must restart."""
+    out = dist(2).run(_fails_twice, timeout=40)
+    assert out[1] == {"kind": "OutOfMemoryError", "msg": INJECTED}, out[1]
+    assert out[0]["kind"] == "CollectiveTimeoutError", out[0]
+    msg = out[0]["msg"]
+    assert msg.startswith("rank 0: the scatter of micro-group 0 (step 1) cannot complete: "), msg
+    assert f"rank 1 raised OutOfMemoryError: {INJECTED}, outside the failure handling" in msg, msg
+    assert "restart the job" in msg, msg
+
+
+def _failed_then_slow() -> dict[str, Any]:
+    """Step 1 fails on every rank (rank 1's receive buffer, once: the failure every rank
+    shares); in step 2 rank 1 is late by 2.5 s, so rank 0 looks at the job's store while it
+    waits: what the ranks filed on leaving step 1 must not end step 2."""
+    fulls = full_tensors(SHAPES)
+    grads = grad_steps(SHAPES, 2)
+    params = sharded_params(fulls, mesh((2,)), {n: (Shard(0),) for n in SHAPES})
+    group = tdist.new_group(backend="gloo", timeout=timedelta(seconds=60))  # see _fails_twice
+    config = canzona.PipelineConfig(process_group=group, fuse_bytes=0, timeout_s=30.0)
+    opt = canzona.Muon(params, **KW, pipeline=config)
+    real = pipeline_module.receive_buffer
+    calls = [0]
+
+    def receive(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        calls[0] += 1
+        if tdist.get_rank() == 1 and calls[0] == 1:
+            raise torch.OutOfMemoryError(INJECTED)
+        if tdist.get_rank() == 1 and calls[0] == 4:  # step 2's first all-to-all
+            time.sleep(2.5)
+        return real(numel, dtype, device)
+
+    outcomes = []
+    pipeline_module.receive_buffer = receive
+    try:
+        for g in grads:
+            set_grads(params, g)
+            try:
+                opt.step()
+                outcomes.append("ok")
+            except Exception as exc:
+                outcomes.append(type(exc).__name__)
+    finally:
+        pipeline_module.receive_buffer = real
+    return {
+        "outcomes": outcomes,
+        "bits": compare({n: full_of(p) for n, p in params}, reference_muon(fulls, grads[1:], **KW)),
+    }
+
+
+def test_what_ranks_filed_on_leaving_a_failed_step_does_not_end_the_next(dist: Any) -> None:
+    """Catches: a rank that reads what a peer filed when it left an earlier call (here every
+    rank raised the failed step's UpdateFailedError) as if the peer had left this one: a
+    healthy but slow step would end in a CollectiveTimeoutError."""
+    for rank, out in enumerate(dist(2).run(_failed_then_slow, timeout=TIMEOUT)):
+        assert out["outcomes"] == ["UpdateFailedError", "ok"], (rank, out["outcomes"])
+        assert all(equal for equal, _ in out["bits"].values()), (rank, out["bits"])

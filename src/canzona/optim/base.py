@@ -12,6 +12,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from canzona.optim.adamw_route import AdamWRouteMixin
+from canzona.optim.calls import collective_call
 from canzona.optim.checkpoint import CheckpointMixin
 from canzona.optim.copies import CopyMixin
 from canzona.optim.owner_state import OwnerState
@@ -269,23 +270,24 @@ class MatrixOptimizer(StepTableMixin, AdamWRouteMixin, CopyMixin, CheckpointMixi
         """
         loss = None
         self._closure_failure = None
-        if closure is not None:
-            with torch.enable_grad():
-                try:
-                    loss = closure()
-                except Exception as exc:
-                    if not dist.is_initialized():  # one process: as torch.optim
-                        raise
-                    # the other ranks are in the step: they raise with this one
-                    self._closure_failure = Failure("running the closure", exc)
-        paused = self.pipeline_config.pause_gc and gc.isenabled()
-        if paused:
-            gc.disable()
-        try:
-            self._step()
-        finally:
+        with collective_call(self._runtime):
+            if closure is not None:
+                with torch.enable_grad():
+                    try:
+                        loss = closure()
+                    except Exception as exc:
+                        if not dist.is_initialized():  # one process: as torch.optim
+                            raise
+                        # the other ranks are in the step: they raise with this one
+                        self._closure_failure = Failure("running the closure", exc)
+            paused = self.pipeline_config.pause_gc and gc.isenabled()
             if paused:
-                gc.enable()
+                gc.disable()
+            try:
+                self._step()
+            finally:
+                if paused:
+                    gc.enable()
         return loss
 
     def _step(self) -> None:

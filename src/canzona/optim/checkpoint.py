@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import Tensor
 
+from canzona.optim.calls import collective_call
 from canzona.optim.group_values import loaded_groups, saved_groups
 from canzona.optim.owner_state import OwnerState, is_stack, matrix_shape
 from canzona.plan import Split
@@ -135,9 +136,10 @@ class CheckpointMixin:
         State-dict post-hooks (``register_state_dict_post_hook``) see the whole state dict,
         owner-held state and saved param groups included, and may replace it.
         """
-        with held_hooks(self, "_optimizer_state_dict_post_hooks") as (post,):
-            sd: dict[str, Any] = super().state_dict()  # type: ignore[misc]
-        sd = self._complete_state_dict(sd)
+        with collective_call(self._runtime):
+            with held_hooks(self, "_optimizer_state_dict_post_hooks") as (post,):
+                sd: dict[str, Any] = super().state_dict()  # type: ignore[misc]
+            sd = self._complete_state_dict(sd)
         for hook in post:
             result = hook(self, sd)
             if result is not None:
@@ -288,9 +290,11 @@ class CheckpointMixin:
         Raises:
             ValueError: naming the offending group, parameter or key; every rank raises
                 (a pre-hook's own exception on the rank where it raised).
+            UpdateFailedError: a rank could not allocate what placing the owner-held
+                state needs (every rank raises; nothing was loaded).
         """
         hooks = ("_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks")
-        with held_hooks(self, *hooks) as (pre, post):
+        with collective_call(self._runtime), held_hooks(self, *hooks) as (pre, post):
             self._load_state_dict(state_dict, pre)
         for hook in post:
             hook(self)

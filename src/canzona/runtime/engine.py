@@ -119,12 +119,8 @@ class MatrixRuntime:
         self.watchdog = Watchdog(None, 0, 1, pipeline_config.timeout_s)
         # (process group, rank, world, watchdog) the current plan was made for: parameters added
         # later can make the job distributed before the old plan's state is moved
-        self.planned_on: tuple[dist.ProcessGroup | None, int, int, Watchdog] = (
-            None,
-            0,
-            1,
-            self.watchdog,
-        )
+        self.planned_on: tuple[dist.ProcessGroup | None, int, int, Watchdog]
+        self.planned_on = (None, 0, 1, self.watchdog)
         self.device = torch.device("cpu")
         self.planned_ids: tuple[int, ...] = ()  # the parameters (ids) of the current plan
         self.calibration_s = 0.0  # time the last calibration took
@@ -175,6 +171,8 @@ class MatrixRuntime:
             markers=self.config.progress_markers,
             step=self.watchdog.step,
             device=self.device,
+            name=str(self._instance),
+            calls=self.watchdog.calls,
         )
 
     def layouts(self, names: Sequence[str], tensors: Sequence[torch.Tensor]) -> list[ParamLayout]:

@@ -34,6 +34,17 @@ def default_store() -> Any:
 
 
 @dataclass
+class Calls:
+    """The collective calls an optimizer began on this rank (the same count on every rank).
+
+    ``step()``, ``state_dict()`` and ``load_state_dict()``: every rank of a job makes them in
+    the same order.
+    """
+
+    begun: int = 0
+
+
+@dataclass
 class Watchdog:
     """Waits on async collectives with a deadline and names the ranks left behind.
 
@@ -55,6 +66,9 @@ class Watchdog:
         grace_s: How long a wait runs before this rank publishes its position.
         step: Steps begun so far (markers and messages name it).
         device: Device of the small check tensors (the parameters' device; None: CPU).
+        name: The optimizer's runtime in this process (its construction index), which the
+            marker of a rank that left a call (:meth:`left`) is filed under.
+        calls: The optimizer's collective calls begun (shared by its watchdogs).
 
     The default store is looked up only when a marker is published or read, never kept,
     so an optimizer does not keep it alive past ``destroy_process_group()``.
@@ -69,6 +83,8 @@ class Watchdog:
     step: int = 0
     device: Any = None
     grace_s: float = 1.0
+    name: str = ""
+    calls: Calls = field(default_factory=Calls)
     _label: str = ""
     _position: tuple[int, int] = (0, 0)
     _recent: deque[Any] = field(default_factory=lambda: deque(maxlen=RETAINED_WORKS), repr=False)
@@ -95,6 +111,44 @@ class Watchdog:
             store.set(self._key(self.rank), f"{step}|{phase}|{self._label}")
         except RuntimeError:
             self.markers = False  # the store went away: keep running without markers
+
+    def _left_key(self, rank: int) -> str:
+        return f"{_PREFIX}/{self.name}/left/{rank}"
+
+    def left(self, exc: BaseException) -> None:
+        """This rank leaves the current call with ``exc``: tell peers that may wait for it.
+
+        Filed under the call's number, so that a peer waiting in a collective of the same
+        call gives up at its next look (see :meth:`wait`) instead of at the deadline. Where
+        every rank raised together (the usual case), no rank is left waiting in that call,
+        and a marker of an earlier call is never read.
+        """
+        store = default_store() if self.markers else None
+        if store is None:
+            return
+        text = f"{type(exc).__name__}: {exc}".replace("\n", " ")[:400]
+        try:
+            store.set(self._left_key(self.rank), f"{self.calls.begun}|{text}")
+        except RuntimeError:
+            self.markers = False
+
+    def _left_peers(self) -> list[tuple[int, str]]:
+        """Peers that left the call this rank is in, with what they raised."""
+        store = default_store() if self.markers else None
+        if store is None:
+            return []
+        out: list[tuple[int, str]] = []
+        for r in range(self.world):
+            key = self._left_key(r)
+            try:
+                if r == self.rank or not store.check([key]):
+                    continue
+                call, text = store.get(key).decode().split("|", 1)
+            except (RuntimeError, ValueError):
+                continue
+            if int(call) == self.calls.begun:
+                out.append((r, text))
+        return out
 
     def behind(self) -> list[tuple[int, str]]:
         """Ranks whose last marker is before this rank's, with what they last entered."""
@@ -151,15 +205,37 @@ class Watchdog:
                 if _CLOSED.search(str(exc)):
                     raise self._error(what, exc, time.monotonic() - start) from exc
                 self._publish()  # slow: let peers see where this rank waits
-        try:
-            work.wait(timeout=timedelta(seconds=self.timeout_s - grace))
-        except RuntimeError as exc:
-            raise self._error(what, exc, time.monotonic() - start) from exc
+        deadline = start + self.timeout_s
+        while True:  # with markers: look every ``grace`` whether a peer left the call
+            begun = time.monotonic()
+            chunk = deadline - begun if grace <= 0 else min(grace, deadline - begun)
+            try:
+                work.wait(timeout=timedelta(seconds=max(chunk, 0.0)))
+                return
+            except RuntimeError as exc:
+                now = time.monotonic()
+                if now >= deadline or now - begun < 0.99 * chunk or _CLOSED.search(str(exc)):
+                    raise self._error(what, exc, now - start) from exc
+                left = self._left_peers()  # the chunk timed out; the deadline is ahead
+                if left:
+                    raise self._left_error(what, left, now - start) from exc
 
     def collective(self, phase: int, what: str, issue: Callable[[], Any]) -> None:
         """Mark ``(phase, what)``, issue a collective (``issue()`` returns its work), wait."""
         self.mark(phase, what)
         self.wait(issue(), what)
+
+    def _left_error(
+        self, what: str, left: list[tuple[int, str]], elapsed: float
+    ) -> CollectiveTimeoutError:
+        """The error of a wait for peers that left the call with an exception of their own."""
+        who = "; ".join(f"rank {r} raised {text}" for r, text in left)
+        return CollectiveTimeoutError(
+            f"rank {self.rank}: {what} (step {self.step}) cannot complete: {who}, outside the "
+            f"failure handling every rank shares, and will not enter it (gave up after "
+            f"{elapsed:.1f}s of the {self.timeout_s:g}s deadline). The process group is left "
+            "with a collective in flight: restart the job (e.g. from the last checkpoint)"
+        )
 
     def _error(self, what: str, exc: RuntimeError, elapsed: float) -> CollectiveTimeoutError:
         """The error of a failed wait: a peer that left, an early failure, or a late peer."""
