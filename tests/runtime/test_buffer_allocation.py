@@ -209,8 +209,11 @@ def test_a_rank_that_cannot_allocate_a_step_buffer_fails_the_step_everywhere(
 def _fails_twice() -> dict[str, Any]:
     """Rank 1's receive buffer of the step's third all-to-all cannot be allocated, and not
     again after the rank gave its step memory back: it raises alone, while rank 0 waits in
-    that all-to-all (on a group of its own: the all-to-all stays in flight)."""
+    that all-to-all (on a group of its own: the all-to-all stays in flight). Rank 1 has
+    built one optimizer more before: the ranks' construction indices differ."""
     group = tdist.new_group(backend="gloo", timeout=timedelta(seconds=60))
+    if tdist.get_rank() == 1:
+        canzona.Muon([torch.nn.Parameter(torch.zeros(2, 2))], lr=0.1)
     fulls = full_tensors(SHAPES)
     params = sharded_params(fulls, mesh((2,)), {n: (Shard(0),) for n in SHAPES})
     opt = canzona.Muon(
@@ -245,7 +248,9 @@ def test_a_rank_that_raises_alone_is_named_at_once_by_the_ranks_waiting_for_it(
     """Catches: a rank that raises alone (here its allocation failed again after it gave its
     step memory back) leaving the others in the collective it never enters until
     ``timeout_s`` (50 s here; the run's own limit is 40 s): they must raise at their next look
-    at the job's store, naming the rank and its error, and say the job must restart."""
+    at the job's store, naming the rank and its error, and say the job must restart. Also
+    catches ranks that file and look under their own construction indices of the
+    optimizer instead of the one they agreed on."""
     out = dist(2).run(_fails_twice, timeout=40)
     assert out[1] == {"kind": "OutOfMemoryError", "msg": INJECTED}, out[1]
     assert out[0]["kind"] == "CollectiveTimeoutError", out[0]
@@ -253,6 +258,15 @@ def test_a_rank_that_raises_alone_is_named_at_once_by_the_ranks_waiting_for_it(
     assert msg.startswith("rank 0: the scatter of micro-group 0 (step 1) cannot complete: "), msg
     assert f"rank 1 raised OutOfMemoryError: {INJECTED}, outside the failure handling" in msg, msg
     assert "restart the job" in msg, msg
+
+
+def _raised(call: Any) -> str:
+    """``"ok"``, or the name of what ``call()`` raised."""
+    try:
+        call()
+    except Exception as exc:
+        return type(exc).__name__
+    return "ok"
 
 
 def _failed_then_slow() -> dict[str, Any]:
@@ -281,11 +295,7 @@ def _failed_then_slow() -> dict[str, Any]:
     try:
         for g in grads:
             set_grads(params, g)
-            try:
-                opt.step()
-                outcomes.append("ok")
-            except Exception as exc:
-                outcomes.append(type(exc).__name__)
+            outcomes.append(_raised(opt.step))
     finally:
         pipeline_module.receive_buffer = real
     return {

@@ -81,7 +81,7 @@ class MatrixRuntime:
         cost: Cost model name or object for the planner.
     """
 
-    _instances = 0  # runtimes created in this process (names progress markers)
+    _instances = 0  # runtimes created in this process (names progress markers until a plan)
 
     def __init__(
         self, *, plan_config: PlanConfig, pipeline_config: PipelineConfig, cost: str | CostModel
@@ -136,7 +136,7 @@ class MatrixRuntime:
         self._unmoved: Snapshot | None = None
         # ranks build their optimizers in the same order: the n-th one shares a namespace
         MatrixRuntime._instances += 1
-        self._instance = MatrixRuntime._instances
+        self.watchdog.name = str(MatrixRuntime._instances)  # the ranks agree on it when planning
 
     @property
     def distributed(self) -> bool:
@@ -171,7 +171,7 @@ class MatrixRuntime:
             markers=self.config.progress_markers,
             step=self.watchdog.step,
             device=self.device,
-            name=str(self._instance),
+            name=self.watchdog.name,
             calls=self.watchdog.calls,
         )
 
@@ -300,7 +300,7 @@ class MatrixRuntime:
         )
         self._header = ride_header(header, ready)
         self._begun = (self.digest, grads)
-        self.watchdog.tag = f"{self._instance}-{structure[:16]}"
+        self.watchdog.tag = f"{self.watchdog.name}-{structure[:16]}"
         active = frozenset(compress(range(len(grads)), grads))
         payload = pipeline.schedule.payload
         return StepStart(active, False, payload, None, declined=not ready, failure=unheld)
@@ -424,7 +424,7 @@ class MatrixRuntime:
         structure = self._structure_of(layouts, table)
         config = self._config_now
         needs_setup = self._stale(structure)
-        self.watchdog.tag = f"{self._instance}-{structure[:16]}"
+        self.watchdog.tag = f"{self.watchdog.name}-{structure[:16]}"
         flagged = nonfinite
         if self.process_group is not None and (
             # the first step of a plan checks either way: the settings that skip the
@@ -534,7 +534,9 @@ class MatrixRuntime:
             rank=self.rank,
             world=self.world,
             extra=f"{config}; from positions {moved}",
+            instance=int(self.watchdog.name),
         )
+        self.watchdog.name = str(self.topology.namespace)
         self.items, specs = items_and_specs(
             self.topology, table, replica_dedup=self.plan_config.replica_dedup
         )

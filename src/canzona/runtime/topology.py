@@ -163,6 +163,9 @@ class Topology:
     copies: dict[MeshKey, tuple[tuple[int, ...], ...]]
     rank: int
     world: int
+    #: the optimizer's name for its markers in the job's store: the largest of the ranks'
+    #: construction indices (processes that built other optimizers first still agree)
+    namespace: int = 0
 
     def param_copies(self, index: int) -> tuple[tuple[int, ...], ...]:
         """Every copy (rank tuple, row-major) of the mesh parameter ``index`` lives on."""
@@ -179,8 +182,12 @@ def agree(
     rank: int,
     world: int,
     extra: str = "",
+    instance: int = 0,
 ) -> Topology:
     """Check that all ranks hold the same parameters and learn every mesh's copies.
+
+    ``instance`` is this rank's construction index of the optimizer; the result's
+    ``namespace`` is the largest over the ranks.
 
     One ``all_gather_object`` of a digest, the local meshes and this rank's first
     unreadable layout; on a mismatch a second one gathers the full descriptions so that
@@ -209,9 +216,11 @@ def agree(
     if world == 1:
         if bad is not None:
             raise bad[1]
-        return Topology(tuple(layouts), {k: (v,) for k, v in meshes.items()}, rank, world)
-    gathered: list[tuple[str, dict[MeshKey, tuple[int, ...]], str | None] | None] = [None] * world
-    dist.all_gather_object(gathered, (digest, meshes, mine), group=process_group)
+        alone: dict[MeshKey, tuple[tuple[int, ...], ...]] = {k: (v,) for k, v in meshes.items()}
+        return Topology(tuple(layouts), alone, rank, world, instance)
+    gathered: list[tuple[str, dict[MeshKey, tuple[int, ...]], str | None, int] | None]
+    gathered = [None] * world
+    dist.all_gather_object(gathered, (digest, meshes, mine, instance), group=process_group)
     problems = [(r, g[2]) for r, g in enumerate(gathered) if g is not None and g[2] is not None]
     if problems:
         raise LayoutError(
@@ -248,4 +257,5 @@ def agree(
                 )
             seen |= set(ranks)
         result[key] = ordered
-    return Topology(tuple(layouts), result, rank, world)
+    namespace = max(g[3] for g in gathered if g is not None)
+    return Topology(tuple(layouts), result, rank, world, namespace)

@@ -134,38 +134,43 @@ class Watchdog:
 
     def _left_peers(self) -> list[tuple[int, str]]:
         """Peers that left the call this rank is in, with what they raised."""
+        out: list[tuple[int, str]] = []
+        for r, value in self._peer_values(self._left_key):
+            call, _, text = (value or "").partition("|")
+            if r != self.rank and call.isdigit() and int(call) == self.calls.begun:
+                out.append((r, text))
+        return out
+
+    def _peer_values(self, key_of: Callable[[int], str]) -> list[tuple[int, str | None]]:
+        """Each rank's value under ``key_of(rank)`` in the store (None: not there).
+
+        Ranks whose value cannot be read (the store went away) are left out.
+        """
         store = default_store() if self.markers else None
         if store is None:
             return []
-        out: list[tuple[int, str]] = []
+        out: list[tuple[int, str | None]] = []
         for r in range(self.world):
-            key = self._left_key(r)
+            key = key_of(r)
             try:
-                if r == self.rank or not store.check([key]):
-                    continue
-                call, text = store.get(key).decode().split("|", 1)
-            except (RuntimeError, ValueError):
+                out.append((r, store.get(key).decode() if store.check([key]) else None))
+            except RuntimeError:
                 continue
-            if int(call) == self.calls.begun:
-                out.append((r, text))
         return out
 
     def behind(self) -> list[tuple[int, str]]:
         """Ranks whose last marker is before this rank's, with what they last entered."""
-        store = default_store() if self.markers else None
-        if store is None:
-            return []
         out: list[tuple[int, str]] = []
-        for r in range(self.world):
-            key = self._key(r)
-            try:
-                if not store.check([key]):
-                    out.append((r, "not waiting in any collective"))
-                    continue
-                step, phase, label = store.get(key).decode().split("|", 2)
-            except (RuntimeError, ValueError):
+        for r, value in self._peer_values(self._key):
+            if value is None:
+                out.append((r, "not waiting in any collective"))
                 continue
-            if (int(step), int(phase)) < self._position:
+            try:
+                step, phase, label = value.split("|", 2)
+                position = (int(step), int(phase))
+            except ValueError:
+                continue
+            if position < self._position:
                 out.append((r, f"step {step}: {label}"))
         return out
 
