@@ -134,7 +134,7 @@ class MatrixRuntime:
         # where the owner-held state lives after a re-plan, until a step hands it over to
         # be moved (a step that raises after its re-plan leaves it for the next one)
         self._unmoved: Snapshot | None = None
-        # ranks build their optimizers in the same order: the n-th one shares a namespace
+        # the n-th optimizer of each rank shares a namespace until the ranks agree on one
         MatrixRuntime._instances += 1
         self.watchdog.name = str(MatrixRuntime._instances)  # the ranks agree on it when planning
 
