@@ -303,18 +303,18 @@ def raise_failures(
     ) from (failure.error if failure is not None else None)
 
 
-def vote(report: str | None, *, watchdog: Watchdog) -> list[tuple[int, str]]:
+def vote(
+    report: str | None, *, watchdog: Watchdog, what: str = "the step's success vote"
+) -> list[tuple[int, str]]:
     """Agree on whether every rank succeeded; ``report`` is None on success.
 
-    One small gather of success flags; only when some rank failed, an
-    ``all_gather_object`` brings every failing rank's report to every rank.
+    One small gather of success flags (``what`` names it in a timeout); only when some rank
+    failed, an ``all_gather_object`` brings every failing rank's report to every rank.
 
     Returns:
         ``(rank, report)`` of every failing rank, in rank order (empty on success).
     """
-    rows = gather_ints(
-        [int(report is not None)], watchdog=watchdog, phase=VOTE, what="the step's success vote"
-    )
+    rows = gather_ints([int(report is not None)], watchdog=watchdog, phase=VOTE, what=what)
     return reports_of([r for r, (bad,) in enumerate(rows) if bad], report, watchdog=watchdog)
 
 

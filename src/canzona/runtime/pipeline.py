@@ -306,7 +306,8 @@ class _Run:
         but the rank must still enter the collective, so that every rank raises the
         failure: it waits for its all-to-alls in flight, frees the step's buffers and what it
         has received (nothing will be applied) and makes the buffer again. Only a second
-        failure is raised (the other ranks then wait until ``timeout_s``).
+        failure is raised, on this rank alone: the ranks waiting for it learn it from what it
+        files on leaving the step (:meth:`~canzona.runtime.watchdog.Watchdog.left`).
         """
         try:
             return make()

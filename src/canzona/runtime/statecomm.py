@@ -12,12 +12,12 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
-from canzona.runtime.checks import VOTE, reports_of
+from canzona.runtime.checks import vote
 from canzona.runtime.config import UpdateFailedError
 from canzona.runtime.layout import Fragment, fragment_for, full_fragment
 from canzona.runtime.routing import Item, Route, _unravel
 from canzona.runtime.topology import ParamLayout, Topology, positions_in
-from canzona.runtime.watchdog import Watchdog, gather_ints
+from canzona.runtime.watchdog import Watchdog
 
 if TYPE_CHECKING:
     from canzona.runtime.engine import MatrixRuntime
@@ -212,8 +212,7 @@ def _agree(snap: Snapshot, error: Exception | None, what: str) -> None:
             raise error
         return
     mine = None if error is None else f"{type(error).__name__}: {error}"
-    rows = gather_ints([int(error is not None)], watchdog=snap.watchdog, phase=VOTE, what=what)
-    reports = reports_of([r for r, (bad,) in enumerate(rows) if bad], mine, watchdog=snap.watchdog)
+    reports = vote(mine, watchdog=snap.watchdog, what=what)
     if reports:
         text = "; ".join(f"rank {r}: {line}" for r, line in reports)
         raise UpdateFailedError(

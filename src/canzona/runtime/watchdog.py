@@ -103,12 +103,16 @@ class Watchdog:
         self._label = label
 
     def _publish(self) -> None:
+        step, phase = self._position
+        self._set(self._key(self.rank), f"{step}|{phase}|{self._label}")
+
+    def _set(self, key: str, value: str) -> None:
+        """Write ``key`` to the default store (nothing without markers)."""
         store = default_store() if self.markers else None
         if store is None:
             return
-        step, phase = self._position
         try:
-            store.set(self._key(self.rank), f"{step}|{phase}|{self._label}")
+            store.set(key, value)
         except RuntimeError:
             self.markers = False  # the store went away: keep running without markers
 
@@ -123,14 +127,8 @@ class Watchdog:
         every rank raised together (the usual case), no rank is left waiting in that call,
         and a marker of an earlier call is never read.
         """
-        store = default_store() if self.markers else None
-        if store is None:
-            return
         text = f"{type(exc).__name__}: {exc}".replace("\n", " ")[:400]
-        try:
-            store.set(self._left_key(self.rank), f"{self.calls.begun}|{text}")
-        except RuntimeError:
-            self.markers = False
+        self._set(self._left_key(self.rank), f"{self.calls.begun}|{text}")
 
     def _left_peers(self) -> list[tuple[int, str]]:
         """Peers that left the call this rank is in, with what they raised."""
