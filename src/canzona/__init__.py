@@ -36,6 +36,7 @@ _EXPORTS: dict[str, str] = {
     "Shampoo": "canzona.optim",
     "SOAP": "canzona.optim",
     "param_groups": "canzona.optim",
+    "from_torch_state": "canzona.optim",
 }
 
 __all__ = [
@@ -59,12 +60,13 @@ __all__ = [
     "assign_owners",
     "build_plan",
     "cost_model",
+    "from_torch_state",
     "micro_groups",
     "param_groups",
 ]
 
 if TYPE_CHECKING:  # pragma: no cover - import-time only for type checkers
-    from canzona.optim import SOAP, Muon, NorMuon, Shampoo, param_groups
+    from canzona.optim import SOAP, Muon, NorMuon, Shampoo, from_torch_state, param_groups
     from canzona.plan import (
         Assignment,
         MatrixSpec,

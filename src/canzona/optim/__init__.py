@@ -1,4 +1,4 @@
-"""torch.optim front classes: Muon, NorMuon, Shampoo and SOAP, and the param-group helper."""
+"""torch.optim front classes: Muon, NorMuon, Shampoo and SOAP, the param-group helper, imports."""
 
 from canzona.optim.base import MatrixOptimizer
 from canzona.optim.muon import Muon
@@ -6,5 +6,14 @@ from canzona.optim.normuon import NorMuon
 from canzona.optim.param_groups import param_groups
 from canzona.optim.shampoo import Shampoo
 from canzona.optim.soap import SOAP
+from canzona.optim.torch_state import from_torch_state
 
-__all__ = ["SOAP", "MatrixOptimizer", "Muon", "NorMuon", "Shampoo", "param_groups"]
+__all__ = [
+    "SOAP",
+    "MatrixOptimizer",
+    "Muon",
+    "NorMuon",
+    "Shampoo",
+    "from_torch_state",
+    "param_groups",
+]

@@ -1,0 +1,200 @@
+"""A ``canzona.Muon`` state dict from ``torch.optim.Muon``'s and ``torch.optim.AdamW``'s."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from canzona.optim.group_values import plain_value, saved_groups
+from canzona.optim.muon import Muon
+from canzona.optim.normuon import NorMuon
+
+__all__ = ["from_torch_state"]
+
+#: A source: a state dict whose param groups name their parameters, or one with the names.
+Source = Mapping[str, Any] | tuple[Mapping[str, Any], Sequence[str]]
+
+_MUON_KEYS = frozenset({"momentum_buffer"})
+_ADAMW_KEYS = frozenset({"step", "exp_avg", "exp_avg_sq"})
+#: Param-group values a restored LR scheduler drives: taken from the sources.
+_SCHEDULED = ("lr", "initial_lr")
+
+
+@dataclass(frozen=True, slots=True)
+class _Saved:
+    """One parameter of a source: where it came from, its group and its state (if any)."""
+
+    source: int
+    kind: str  # "muon" or "adamw"
+    group: Mapping[str, Any]
+    entry: Mapping[str, Any] | None
+
+
+def from_torch_state(optimizer: Muon, *sources: Source) -> dict[str, Any]:
+    """Convert ``torch.optim.Muon`` and ``torch.optim.AdamW`` state dicts for ``optimizer``.
+
+    A job that trained with ``torch.optim.Muon`` on its matrices and ``torch.optim.AdamW``
+    on the rest continues with ``canzona.Muon`` (on one device or any mesh) from their
+    state: ``optimizer.load_state_dict(from_torch_state(optimizer, muon_sd, adamw_sd))``.
+    Parameters are matched by name: ``optimizer`` must be built from named parameters
+    (:func:`canzona.param_groups` or ``model.named_parameters()``), and each source either
+    names its parameters in its param groups (``torch.optim`` saves ``param_names`` when
+    built from ``named_parameters()``) or comes as a pair ``(state_dict, names)``, the names
+    in the order the source's groups hold the parameters. Every parameter of ``optimizer``
+    must be in exactly one source, and every source parameter in ``optimizer``.
+
+    The state is carried over as it is: Muon's momentum buffers to the Muon groups, AdamW's
+    step and moments to the ``algorithm="adamw"`` groups (the tensors in whatever layout
+    they were saved: full tensors are sliced for sharded parameters when loaded). A
+    parameter the source never stepped gets no state and starts afresh. ``torch.optim.Muon``
+    keeps no step count: a Muon parameter's ``step`` starts at 0 (no formula of Muon reads
+    it). Hyper-parameters are the optimizer's own, except ``lr`` (and ``initial_lr``, when
+    the sources have it), taken from the parameters' source groups, so that a restored LR
+    scheduler continues where it stopped. Collective-free: ``load_state_dict`` is the
+    collective, and every rank passes it the same sources.
+
+    Args:
+        optimizer: A :class:`canzona.Muon` (not a subclass with other state, such as
+            :class:`canzona.NorMuon`).
+        sources: ``torch.optim.Muon`` and ``torch.optim.AdamW`` (or ``Adam`` without L2
+            weight decay) state dicts, each alone or as ``(state_dict, names)``.
+
+    Returns:
+        A state dict for ``optimizer.load_state_dict``.
+
+    Raises:
+        TypeError: for an optimizer other than :class:`canzona.Muon`.
+        ValueError: naming the offending source, group, parameter or key: a source of
+            another optimizer (AMSGrad, ``maximize``, L2 weight decay included), missing
+            names, a parameter in no source or in two, a source parameter the optimizer
+            lacks, Muon state for an AdamW-routed parameter (or the reverse), or sources
+            that disagree on the ``lr`` of one of the optimizer's groups.
+    """
+    if not isinstance(optimizer, Muon) or isinstance(optimizer, NorMuon):
+        raise TypeError(
+            f"from_torch_state converts for canzona.Muon, got {type(optimizer).__name__}"
+        )
+    saved = _read_sources(sources)
+    groups: list[dict[str, Any]] = []
+    state: dict[int, dict[str, Any]] = {}
+    used: set[str] = set()
+    index = 0
+    for g, group in enumerate(optimizer.param_groups):
+        names = group.get("param_names")
+        if not names:
+            raise ValueError(
+                f"param group {g} of the optimizer has no parameter names: build it from "
+                "named parameters (canzona.param_groups(model) or model.named_parameters())"
+            )
+        packed = {k: v for k, v in group.items() if k != "params"}
+        packed["params"] = list(range(index, index + len(names)))
+        kind = "adamw" if group.get("algorithm") == "adamw" else "muon"
+        found: list[_Saved] = []
+        for pid, name in zip(packed["params"], names, strict=True):
+            entry = saved.get(name)
+            if entry is None:
+                raise ValueError(f"parameter {name!r} (param group {g}) is in no source")
+            if entry.kind != kind:
+                raise ValueError(
+                    f"parameter {name!r} is in a {kind!r} param group of the optimizer, but "
+                    f"source {entry.source} holds {entry.kind!r} state for it"
+                )
+            used.add(name)
+            found.append(entry)
+            if entry.entry is not None:
+                state[pid] = _converted(entry, name)
+        packed.update(_scheduled(found, g))
+        groups.append(packed)
+        index += len(names)
+    extra = [name for name in saved if name not in used]
+    if extra:
+        raise ValueError(
+            f"source {saved[extra[0]].source} holds parameter {extra[0]!r}, which the "
+            f"optimizer lacks ({len(extra)} such parameter(s))"
+        )
+    return {"state": state, "param_groups": saved_groups(groups)}
+
+
+def _read_sources(sources: Sequence[Source]) -> dict[str, _Saved]:
+    """Every source parameter by name, with its group and state entry."""
+    saved: dict[str, _Saved] = {}
+    for k, source in enumerate(sources):
+        sd, names = source if isinstance(source, tuple) else (source, None)
+        if not isinstance(sd, Mapping) or not {"state", "param_groups"} <= set(sd):
+            raise ValueError(f"source {k} is not a state dict with 'state' and 'param_groups'")
+        order = [(pid, group) for group in sd["param_groups"] for pid in group["params"]]
+        if names is None:
+            if not all(group.get("param_names") for group in sd["param_groups"]):
+                raise ValueError(
+                    f"source {k} does not name its parameters: pass (state_dict, names), or "
+                    "build its optimizer from model.named_parameters()"
+                )
+            names = [n for group in sd["param_groups"] for n in group["param_names"]]
+        names = list(names)
+        if len(names) != len(order):
+            raise ValueError(f"source {k} holds {len(order)} parameters, given {len(names)} names")
+        for j, group in enumerate(sd["param_groups"]):
+            _check_group(group, k, j)
+        for name, (pid, group) in zip(names, order, strict=True):
+            if name in saved:
+                raise ValueError(
+                    f"parameter {name!r} is in source {saved[name].source} and in source {k}"
+                )
+            kind = "muon" if "nesterov" in group else "adamw"
+            saved[name] = _Saved(k, kind, group, sd["state"].get(pid))
+    return saved
+
+
+def _check_group(group: Mapping[str, Any], source: int, index: int) -> None:
+    """A ``torch.optim.Muon`` group, or an AdamW (or L2-free Adam) group canzona can continue."""
+    where = f"source {source}, param group {index}"
+    if "nesterov" in group and "ns_coefficients" in group:
+        return
+    if "betas" not in group:
+        raise ValueError(
+            f"{where} is neither torch.optim.Muon's nor AdamW's (keys {sorted(group)})"
+        )
+    for flag in ("amsgrad", "maximize"):
+        if group.get(flag):
+            raise ValueError(f"{where}: {flag}=True has no counterpart in canzona's AdamW")
+    if not group.get("decoupled_weight_decay", True) and group.get("weight_decay", 0):
+        raise ValueError(
+            f"{where}: Adam's L2 weight decay (weight_decay={group['weight_decay']!r}) is not "
+            "AdamW's decoupled decay"
+        )
+
+
+def _converted(saved: _Saved, name: str) -> dict[str, Any]:
+    """One parameter's state in canzona's keys."""
+    assert saved.entry is not None
+    keys = set(saved.entry)
+    expected = _MUON_KEYS if saved.kind == "muon" else _ADAMW_KEYS
+    if keys != expected:
+        odd = sorted(keys ^ expected)
+        raise ValueError(
+            f"state of parameter {name!r} in source {saved.source} has keys {sorted(keys)}, "
+            f"expected {sorted(expected)} (differs in {odd[0]!r})"
+        )
+    if saved.kind == "muon":
+        return {"step": torch.tensor(0.0), "momentum_buffer": saved.entry["momentum_buffer"]}
+    return {key: saved.entry[key] for key in sorted(_ADAMW_KEYS)}
+
+
+def _scheduled(found: Sequence[_Saved], group: int) -> dict[str, Any]:
+    """The ``lr`` (and ``initial_lr``) of one of the optimizer's groups, from its sources."""
+    out: dict[str, Any] = {}
+    for key in _SCHEDULED:
+        values = [s.group[key] for s in found if key in s.group]
+        if not values or len(values) < len(found):
+            continue
+        if any(plain_value(v) != plain_value(values[0]) for v in values[1:]):
+            raise ValueError(
+                f"param group {group} of the optimizer takes parameters from source groups "
+                f"with different {key!r} values ({values[0]!r}, ...): give it parameters of "
+                "one source group, or set the values after loading"
+            )
+        out[key] = values[0]
+    return out

@@ -1,0 +1,105 @@
+"""A torch.optim.Muon + AdamW job, saved after a few steps and continued by canzona.Muon."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.lr_scheduler import LambdaLR
+
+import canzona
+
+from _cases import full_of, grad_steps, set_grads
+
+#: Matrices (Muon) and vectors (AdamW); odd sizes so that shards are uneven.
+SHAPES: dict[str, tuple[int, ...]] = {"up": (16, 12), "down": (12, 16), "odd": (7, 13),
+                                      "bias": (16,), "norm": (12,)}  # fmt: skip
+MUON_KW: dict[str, Any] = {"lr": 0.02, "weight_decay": 0.1, "momentum": 0.95, "nesterov": True}
+ADAMW_KW: dict[str, Any] = {"lr": 3e-3, "weight_decay": 0.01, "betas": (0.9, 0.95), "eps": 1e-8}
+SAVED, CONTINUED = 3, 3  # steps before the checkpoint, steps after it
+
+
+def schedule(step: int) -> float:
+    """A decaying LR factor: the saved lr differs from the optimizer's constructed one."""
+    return 1.0 / (1.0 + step)
+
+
+def torch_job(values: dict[str, torch.Tensor]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The torch job: ``SAVED`` steps, then its checkpoint and ``CONTINUED`` more steps.
+
+    Returns:
+        The checkpoint (parameters, both optimizers' and schedulers' state dicts, copied),
+        and the parameters after the continued steps (the reference).
+    """
+    params = {n: nn.Parameter(v.clone()) for n, v in values.items()}
+    matrices = [(n, p) for n, p in params.items() if p.ndim == 2]
+    vectors = [(n, p) for n, p in params.items() if p.ndim != 2]
+    muon = torch.optim.Muon(matrices, **MUON_KW)
+    adamw = torch.optim.AdamW(vectors, foreach=False, **ADAMW_KW)
+    schedulers = [LambdaLR(muon, schedule), LambdaLR(adamw, schedule)]
+    grads = grad_steps(SHAPES, SAVED + CONTINUED)
+    saved: dict[str, Any] = {}
+    for step, g in enumerate(grads):
+        if step == SAVED:
+            saved = copy.deepcopy(
+                {
+                    "params": {n: p.detach() for n, p in params.items()},
+                    "muon": muon.state_dict(),
+                    "adamw": adamw.state_dict(),
+                    "schedulers": [s.state_dict() for s in schedulers],
+                }
+            )
+        for n, p in params.items():
+            p.grad = g[n].clone()
+        for opt in (muon, adamw):
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        for s in schedulers:
+            s.step()
+    return saved, {n: p.detach().clone() for n, p in params.items()}
+
+
+def canzona_groups(params: list[tuple[str, nn.Parameter]]) -> list[dict[str, Any]]:
+    """canzona.Muon's groups of the job: the matrices, then the vectors routed to AdamW."""
+    adamw = {"lr": ADAMW_KW["lr"], "weight_decay": ADAMW_KW["weight_decay"]}
+    return [
+        {"params": [(n, p) for n, p in params if p.ndim == 2]},
+        {"params": [(n, p) for n, p in params if p.ndim != 2], "algorithm": "adamw", **adamw},
+    ]
+
+
+def continue_with_canzona(
+    saved: dict[str, Any],
+    params: list[tuple[str, nn.Parameter]],
+    convert: Callable[[canzona.Muon, dict[str, Any]], dict[str, Any]] | None = None,
+) -> dict[str, torch.Tensor]:
+    """canzona.Muon over ``params`` (holding the saved values) resumed from the torch job.
+
+    The resume follows torch's order: optimizer, scheduler, then both states.
+    ``convert`` replaces :func:`canzona.from_torch_state` (for a test's own sources).
+    """
+    opt = canzona.Muon(canzona_groups(params), **MUON_KW)
+    scheduler = LambdaLR(opt, schedule)
+    if convert is None:
+        state = canzona.from_torch_state(opt, saved["muon"], saved["adamw"])
+    else:
+        state = convert(opt, saved)
+    opt.load_state_dict(state)
+    muon_s, adamw_s = saved["schedulers"]
+    scheduler.load_state_dict(
+        {
+            **muon_s,
+            "base_lrs": muon_s["base_lrs"] + adamw_s["base_lrs"],
+            "_last_lr": muon_s["_last_lr"] + adamw_s["_last_lr"],
+            "lr_lambdas": [None, None],
+        }
+    )
+    for g in grad_steps(SHAPES, SAVED + CONTINUED)[SAVED:]:
+        set_grads(params, g)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        scheduler.step()
+    return {n: full_of(p).detach() for n, p in params}

@@ -1,0 +1,144 @@
+"""canzona.from_torch_state: a torch.optim.Muon + AdamW job continues with canzona.Muon."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import canzona
+
+from _cases import full_tensors
+from _torch_jobs import SHAPES, canzona_groups, continue_with_canzona, torch_job
+
+
+def _params(values: dict[str, torch.Tensor]) -> list[tuple[str, nn.Parameter]]:
+    return [(n, nn.Parameter(v.clone())) for n, v in values.items()]
+
+
+def test_a_torch_muon_and_adamw_job_continues_bit_for_bit() -> None:
+    """Catches: a state key or tensor dropped, the AdamW step count reset, the saved lr not
+    taken (the scheduler's lr of the saved step), Muon and AdamW state swapped."""
+    saved, want = torch_job(full_tensors(SHAPES))
+    got = continue_with_canzona(saved, _params(saved["params"]))
+    for name in SHAPES:
+        assert torch.equal(got[name], want[name]), name
+
+
+def test_sources_named_by_the_caller_and_params_never_stepped() -> None:
+    """Names given with the state dict match as saved ones do; a parameter the source never
+    stepped gets no state entry and starts afresh."""
+    saved, _ = torch_job(full_tensors(SHAPES))
+    for key in ("muon", "adamw"):
+        for group in saved[key]["param_groups"]:
+            names = group.pop("param_names")
+        saved[key] = (saved[key], names)
+    del saved["adamw"][0]["state"][saved["adamw"][0]["param_groups"][0]["params"][0]]
+    params = _params(saved["params"])
+    opt = canzona.Muon(canzona_groups(params), lr=0.02)
+    state = canzona.from_torch_state(opt, saved["muon"], saved["adamw"])
+    assert sorted(state["state"]) == [0, 1, 2, 4]  # "bias" (index 3) was never stepped
+    assert state["state"][0]["step"].item() == 0.0  # torch.optim.Muon counts no steps
+    assert state["state"][4]["step"].item() == 3.0
+    assert [g["param_names"] for g in state["param_groups"]] == [["up", "down", "odd"],
+                                                                  ["bias", "norm"]]  # fmt: skip
+    opt.load_state_dict(state)
+    assert [n for n, p in params if p in opt.state] == ["up", "down", "odd", "norm"]
+
+
+def _no_names(sd: dict[str, Any]) -> None:
+    for group in sd["param_groups"]:
+        del group["param_names"]
+
+
+def _rename(sd: dict[str, Any]) -> None:
+    sd["param_groups"][0]["param_names"][0] = "elsewhere"
+
+
+def _duplicate(sd: dict[str, Any]) -> None:
+    sd["param_groups"][0]["param_names"][1] = "up"
+
+
+def _flag(flag: str) -> Callable[[dict[str, Any]], None]:
+    def edit(sd: dict[str, Any]) -> None:
+        sd["param_groups"][0][flag] = True
+
+    return edit
+
+
+def _l2(sd: dict[str, Any]) -> None:
+    sd["param_groups"][0]["decoupled_weight_decay"] = False
+
+
+def _extra_key(sd: dict[str, Any]) -> None:
+    entry = next(iter(sd["state"].values()))
+    entry["max_exp_avg_sq"] = entry["exp_avg_sq"].clone()
+
+
+def _split_lr(sd: dict[str, Any]) -> None:
+    group = sd["param_groups"][0]
+    second = {**group, "params": group["params"][1:], "param_names": group["param_names"][1:]}
+    group["params"], group["param_names"] = group["params"][:1], group["param_names"][:1]
+    sd["param_groups"].append({**second, "lr": 0.5})
+
+
+BAD: dict[str, tuple[str, Callable[[dict[str, Any]], None], str]] = {
+    "no names": ("adamw", _no_names, "source 1 does not name its parameters"),
+    "a parameter in no source": ("muon", _rename, "parameter 'up' (param group 0) is in no source"),
+    "twice": ("muon", _duplicate, "parameter 'up' is in source 0 and in source 0"),
+    "amsgrad": ("adamw", _flag("amsgrad"), "source 1, param group 0: amsgrad=True has no"),
+    "maximize": ("adamw", _flag("maximize"), "source 1, param group 0: maximize=True has no"),
+    "L2": ("adamw", _l2, "Adam's L2 weight decay (weight_decay=0.01)"),
+    "extra key": ("adamw", _extra_key, "differs in 'max_exp_avg_sq'"),
+    "two lrs": ("muon", _split_lr, "param group 0 of the optimizer takes parameters from"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_sources_canzona_cannot_continue_are_named(case: str) -> None:
+    """Each refusal names the source, group, parameter or key; nothing is loaded."""
+    key, edit, message = BAD[case]
+    saved, _ = torch_job(full_tensors(SHAPES))
+    edit(saved[key])
+    opt = canzona.Muon(canzona_groups(_params(saved["params"])), lr=0.02)
+    with pytest.raises(ValueError) as info:
+        canzona.from_torch_state(opt, saved["muon"], saved["adamw"])
+    assert message in str(info.value)
+    assert not opt.state
+
+
+def test_a_parameter_the_optimizer_lacks_or_routes_elsewhere_is_named() -> None:
+    saved, _ = torch_job(full_tensors(SHAPES))
+    params = _params(saved["params"])
+    opt = canzona.Muon(canzona_groups(params[:-1]), lr=0.02)  # without "norm"
+    with pytest.raises(ValueError, match="source 1 holds parameter 'norm', which the optimizer"):
+        canzona.from_torch_state(opt, saved["muon"], saved["adamw"])
+    routed = [{"params": params[:2]}, {"params": params[2:], "algorithm": "adamw"}]
+    opt = canzona.Muon(routed, lr=0.02)  # "odd" to AdamW here, Muon's in the source
+    with pytest.raises(ValueError, match="'odd' is in a 'adamw' param group of the optimizer, but"):
+        canzona.from_torch_state(opt, saved["muon"], saved["adamw"])
+
+
+def test_other_optimizers_unnamed_params_and_non_state_dicts_are_refused() -> None:
+    saved, _ = torch_job(full_tensors(SHAPES))
+    params = _params(saved["params"])
+    normuon = canzona.NorMuon(canzona_groups(params), lr=0.02)
+    with pytest.raises(TypeError, match=r"converts for canzona\.Muon, got NorMuon"):
+        canzona.from_torch_state(normuon, saved["muon"], saved["adamw"])
+    unnamed = canzona.Muon([p for _, p in params if p.ndim == 2], lr=0.02)
+    with pytest.raises(ValueError, match="param group 0 of the optimizer has no parameter names"):
+        canzona.from_torch_state(unnamed, saved["muon"])
+    opt = canzona.Muon(canzona_groups(params), lr=0.02)
+    with pytest.raises(ValueError, match="source 1 is not a state dict"):
+        canzona.from_torch_state(opt, saved["muon"], {"state": {}})
+    sgd = copy.deepcopy(saved["adamw"])
+    del sgd["param_groups"][0]["betas"]
+    with pytest.raises(ValueError, match="source 1, param group 0 is neither"):
+        canzona.from_torch_state(opt, saved["muon"], sgd)
+    names = saved["adamw"]["param_groups"][0]["param_names"]
+    with pytest.raises(ValueError, match="source 1 holds 2 parameters, given 1 names"):
+        canzona.from_torch_state(opt, saved["muon"], (saved["adamw"], names[:1]))
