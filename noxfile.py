@@ -47,11 +47,16 @@ TORCHTITAN_TRAINER = [
 ]
 
 
+# Optimizers whose state dicts canzona.from_torch_state converts, besides torch's and
+# TorchTitan's (tests/integrations/test_muon_package_state.py); pure Python, torch only.
+STATE_SOURCES = ["muon-optimizer==0.1.0"]
+
+
 @nox.session
 def tests(session: nox.Session) -> None:
     """Run the whole test suite (multi-process gloo tests included)."""
     _install(session, "test")
-    session.install("--no-deps", *TORCHTITAN)
+    session.install("--no-deps", *TORCHTITAN, *STATE_SOURCES)
     session.run("pytest", "-q", *session.posargs, env=THREAD_ENV)
 
 

@@ -1,4 +1,4 @@
-"""A ``canzona.Muon`` state dict from ``torch.optim.Muon``'s and ``torch.optim.AdamW``'s."""
+"""A ``canzona.Muon`` state dict from the state dicts of other Muon and AdamW optimizers."""
 
 from __future__ import annotations
 
@@ -60,7 +60,9 @@ def from_torch_state(optimizer: Muon, *sources: Source) -> dict[str, Any]:
         optimizer: A :class:`canzona.Muon` (not a subclass with other state, such as
             :class:`canzona.NorMuon`).
         sources: ``torch.optim.Muon`` and ``torch.optim.AdamW`` (or ``Adam`` without L2
-            weight decay) state dicts, each alone or as ``(state_dict, names)``.
+            weight decay) state dicts, TorchTitan ``DistMuon``'s, or the ``muon`` package's
+            ``MuonWithAuxAdam``'s (both algorithms in one), each alone or as
+            ``(state_dict, names)``.
 
     Returns:
         A state dict for ``optimizer.load_state_dict``.
@@ -136,23 +138,28 @@ def _read_sources(sources: Sequence[Source]) -> dict[str, _Saved]:
         names = list(names)
         if len(names) != len(order):
             raise ValueError(f"source {k} holds {len(order)} parameters, given {len(names)} names")
-        for j, group in enumerate(sd["param_groups"]):
-            _check_group(group, k, j)
+        kinds = {id(group): _kind(group, k, j) for j, group in enumerate(sd["param_groups"])}
         for name, (pid, group) in zip(names, order, strict=True):
             if name in saved:
                 raise ValueError(
                     f"parameter {name!r} is in source {saved[name].source} and in source {k}"
                 )
-            kind = "muon" if "nesterov" in group else "adamw"
-            saved[name] = _Saved(k, kind, group, sd["state"].get(pid))
+            saved[name] = _Saved(k, kinds[id(group)], group, sd["state"].get(pid))
     return saved
 
 
-def _check_group(group: Mapping[str, Any], source: int, index: int) -> None:
-    """A ``torch.optim.Muon`` group, or an AdamW (or L2-free Adam) group canzona can continue."""
+def _kind(group: Mapping[str, Any], source: int, index: int) -> str:
+    """``"muon"`` or ``"adamw"``: which algorithm a source group's state belongs to.
+
+    ``torch.optim.Muon`` (and TorchTitan's DistMuon) groups, ``torch.optim.AdamW`` (or
+    L2-free ``Adam``) groups, and the groups of the ``muon`` package's
+    ``MuonWithAuxAdam`` (a ``use_muon`` flag); refused where canzona's AdamW cannot continue.
+    """
     where = f"source {source}, param group {index}"
+    if "use_muon" in group:
+        return "muon" if group["use_muon"] else "adamw"
     if "nesterov" in group and "ns_coefficients" in group:
-        return
+        return "muon"
     if "betas" not in group:
         raise ValueError(
             f"{where} is neither torch.optim.Muon's nor AdamW's (keys {sorted(group)})"
@@ -165,6 +172,7 @@ def _check_group(group: Mapping[str, Any], source: int, index: int) -> None:
             f"{where}: Adam's L2 weight decay (weight_decay={group['weight_decay']!r}) is not "
             "AdamW's decoupled decay"
         )
+    return "adamw"
 
 
 def _converted(saved: _Saved, name: str) -> dict[str, Any]:
@@ -180,7 +188,7 @@ def _converted(saved: _Saved, name: str) -> dict[str, Any]:
         )
     if saved.kind == "muon":
         return {"step": torch.tensor(0.0), "momentum_buffer": saved.entry["momentum_buffer"]}
-    return {key: saved.entry[key] for key in sorted(_ADAMW_KEYS)}
+    return {key: saved.entry[key] for key in sorted(_ADAMW_KEYS)}  # an int step loads too
 
 
 def _scheduled(found: Sequence[_Saved], group: int) -> dict[str, Any]:
