@@ -1,4 +1,4 @@
-"""torch.optim front classes: Muon, NorMuon, Shampoo and SOAP, the param-group helper, imports."""
+"""torch.optim front classes (Muon, NorMuon, Shampoo, SOAP), param groups, state conversion."""
 
 from canzona.optim.base import MatrixOptimizer
 from canzona.optim.muon import Muon
