@@ -8,18 +8,22 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 from torch.optim.lr_scheduler import LambdaLR
 
 import canzona
 
 from _cases import full_of, grad_steps, set_grads
 
-#: Matrices (Muon) and vectors (AdamW); odd sizes so that shards are uneven.
-SHAPES: dict[str, tuple[int, ...]] = {"up": (16, 12), "down": (12, 16), "odd": (7, 13),
-                                      "bias": (16,), "norm": (12,)}  # fmt: skip
+#: Matrices (Muon) and vectors (AdamW); odd sizes so that shards are uneven; dotted names,
+#: as a model's (DCP's flattened keys put them between dots).
+SHAPES: dict[str, tuple[int, ...]] = {"mlp.up": (16, 12), "mlp.down": (12, 16),
+                                      "attn.odd": (7, 13), "mlp.bias": (16,),
+                                      "norm.weight": (12,)}  # fmt: skip
 MUON_KW: dict[str, Any] = {"lr": 0.02, "weight_decay": 0.1, "momentum": 0.95, "nesterov": True}
 ADAMW_KW: dict[str, Any] = {"lr": 3e-3, "weight_decay": 0.01, "betas": (0.9, 0.95), "eps": 1e-8}
 SAVED, CONTINUED = 3, 3  # steps before the checkpoint, steps after it
+FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def schedule(step: int) -> float:
@@ -31,10 +35,17 @@ def torch_job(values: dict[str, torch.Tensor]) -> tuple[dict[str, Any], dict[str
     """The torch job: ``SAVED`` steps, then its checkpoint and ``CONTINUED`` more steps.
 
     Returns:
-        The checkpoint (parameters, both optimizers' and schedulers' state dicts, copied),
-        and the parameters after the continued steps (the reference).
+        The checkpoint (parameters, both optimizers' and schedulers' state dicts, copied;
+        ``dcp`` and ``flat``: both optimizers in one of DCP's state dicts, nested and
+        flattened), and the parameters after the continued steps (the reference).
     """
-    params = {n: nn.Parameter(v.clone()) for n, v in values.items()}
+    module = nn.Module()  # the parameters' names are their FQNs for DCP's state dicts
+    for n, v in values.items():
+        path, leaf = n.rsplit(".", 1)
+        if not hasattr(module, path):
+            module.add_module(path, nn.Module())
+        getattr(module, path).register_parameter(leaf, nn.Parameter(v.clone()))
+    params = dict(module.named_parameters())
     matrices = [(n, p) for n, p in params.items() if p.ndim == 2]
     vectors = [(n, p) for n, p in params.items() if p.ndim != 2]
     muon = torch.optim.Muon(matrices, **MUON_KW)
@@ -49,6 +60,9 @@ def torch_job(values: dict[str, torch.Tensor]) -> tuple[dict[str, Any], dict[str
                     "params": {n: p.detach() for n, p in params.items()},
                     "muon": muon.state_dict(),
                     "adamw": adamw.state_dict(),
+                    # DCP's forms of both optimizers at once, as TorchTitan's container saves
+                    "dcp": get_optimizer_state_dict(module, (muon, adamw)),
+                    "flat": get_optimizer_state_dict(module, (muon, adamw), options=FLAT),
                     "schedulers": [s.state_dict() for s in schedulers],
                 }
             )

@@ -29,6 +29,19 @@ def test_a_torch_muon_and_adamw_job_continues_bit_for_bit() -> None:
         assert torch.equal(got[name], want[name]), name
 
 
+@pytest.mark.parametrize("form", ["dcp", "flat"])
+def test_dcp_state_dicts_of_both_optimizers_continue_bit_for_bit(form: str) -> None:
+    """DCP's ``get_optimizer_state_dict`` of both optimizers, keyed by name (nested) or
+    flattened (``state.{name}.{key}``: TorchTitan's container). Catches: a format read as
+    another (a flattened key split at the wrong dot), parameters taken by position."""
+    saved, want = torch_job(full_tensors(SHAPES))
+    got = continue_with_canzona(
+        saved, _params(saved["params"]), lambda opt, s: canzona.from_torch_state(opt, s[form])
+    )
+    for name in SHAPES:
+        assert torch.equal(got[name], want[name]), name
+
+
 def test_sources_named_by_the_caller_and_params_never_stepped() -> None:
     """Names given with the state dict match as saved ones do; a parameter the source never
     stepped gets no state entry and starts afresh."""
@@ -41,13 +54,14 @@ def test_sources_named_by_the_caller_and_params_never_stepped() -> None:
     params = _params(saved["params"])
     opt = canzona.Muon(canzona_groups(params), lr=0.02)
     state = canzona.from_torch_state(opt, saved["muon"], saved["adamw"])
-    assert sorted(state["state"]) == [0, 1, 2, 4]  # "bias" (index 3) was never stepped
+    assert sorted(state["state"]) == [0, 1, 2, 4]  # "mlp.bias" (index 3) was never stepped
     assert state["state"][0]["step"].item() == 0.0  # torch.optim.Muon counts no steps
     assert state["state"][4]["step"].item() == 3.0
-    assert [g["param_names"] for g in state["param_groups"]] == [["up", "down", "odd"],
-                                                                  ["bias", "norm"]]  # fmt: skip
+    assert [g["param_names"] for g in state["param_groups"]] == [
+        ["mlp.up", "mlp.down", "attn.odd"], ["mlp.bias", "norm.weight"]]  # fmt: skip
     opt.load_state_dict(state)
-    assert [n for n, p in params if p in opt.state] == ["up", "down", "odd", "norm"]
+    assert [n for n, p in params if p in opt.state] == [
+        "mlp.up", "mlp.down", "attn.odd", "norm.weight"]  # fmt: skip
 
 
 def _no_names(sd: dict[str, Any]) -> None:
@@ -60,7 +74,7 @@ def _rename(sd: dict[str, Any]) -> None:
 
 
 def _duplicate(sd: dict[str, Any]) -> None:
-    sd["param_groups"][0]["param_names"][1] = "up"
+    sd["param_groups"][0]["param_names"][1] = "mlp.up"
 
 
 def _flag(flag: str) -> Callable[[dict[str, Any]], None]:
@@ -88,8 +102,12 @@ def _split_lr(sd: dict[str, Any]) -> None:
 
 BAD: dict[str, tuple[str, Callable[[dict[str, Any]], None], str]] = {
     "no names": ("adamw", _no_names, "source 1 does not name its parameters"),
-    "a parameter in no source": ("muon", _rename, "parameter 'up' (param group 0) is in no source"),
-    "twice": ("muon", _duplicate, "parameter 'up' is in source 0 and in source 0"),
+    "a parameter in no source": (
+        "muon",
+        _rename,
+        "parameter 'mlp.up' (param group 0) is in no source",
+    ),
+    "twice": ("muon", _duplicate, "parameter 'mlp.up' is in source 0 and in source 0"),
     "amsgrad": ("adamw", _flag("amsgrad"), "source 1, param group 0: amsgrad=True has no"),
     "maximize": ("adamw", _flag("maximize"), "source 1, param group 0: maximize=True has no"),
     "L2": ("adamw", _l2, "Adam's L2 weight decay (weight_decay=0.01)"),
@@ -114,13 +132,15 @@ def test_sources_canzona_cannot_continue_are_named(case: str) -> None:
 def test_a_parameter_the_optimizer_lacks_or_routes_elsewhere_is_named() -> None:
     saved, _ = torch_job(full_tensors(SHAPES))
     params = _params(saved["params"])
-    opt = canzona.Muon(canzona_groups(params[:-1]), lr=0.02)  # without "norm"
-    with pytest.raises(ValueError, match="source 1 holds parameter 'norm', which the optimizer"):
+    opt = canzona.Muon(canzona_groups(params[:-1]), lr=0.02)  # without "norm.weight"
+    with pytest.raises(ValueError) as lacks:
         canzona.from_torch_state(opt, saved["muon"], saved["adamw"])
+    assert "source 1 holds parameter 'norm.weight', which the optimizer lacks" in str(lacks.value)
     routed = [{"params": params[:2]}, {"params": params[2:], "algorithm": "adamw"}]
-    opt = canzona.Muon(routed, lr=0.02)  # "odd" to AdamW here, Muon's in the source
-    with pytest.raises(ValueError, match="'odd' is in a 'adamw' param group of the optimizer, but"):
+    opt = canzona.Muon(routed, lr=0.02)  # "attn.odd" to AdamW here, Muon's in the source
+    with pytest.raises(ValueError) as elsewhere:
         canzona.from_torch_state(opt, saved["muon"], saved["adamw"])
+    assert "'attn.odd' is in a 'adamw' param group of the optimizer, but" in str(elsewhere.value)
 
 
 def test_other_optimizers_unnamed_params_and_non_state_dicts_are_refused() -> None:
@@ -142,3 +162,17 @@ def test_other_optimizers_unnamed_params_and_non_state_dicts_are_refused() -> No
     names = saved["adamw"]["param_groups"][0]["param_names"]
     with pytest.raises(ValueError, match="source 1 holds 2 parameters, given 1 names"):
         canzona.from_torch_state(opt, saved["muon"], (saved["adamw"], names[:1]))
+
+
+def test_flattened_sources_that_cannot_be_read_are_named() -> None:
+    saved, _ = torch_job(full_tensors(SHAPES))
+    opt = canzona.Muon(canzona_groups(_params(saved["params"])), lr=0.02)
+    flat = saved["flat"]
+    with pytest.raises(ValueError, match="source 0 is flattened: its keys name its parameters"):
+        canzona.from_torch_state(opt, (flat, list(SHAPES)))
+    orphan = {k: v for k, v in flat.items() if not k.startswith("param_groups.mlp.up.")}
+    with pytest.raises(ValueError) as info:
+        canzona.from_torch_state(opt, orphan)
+    assert "source 0 holds state for 'mlp.up' but no param-group values" in str(info.value)
+    with pytest.raises(ValueError, match="source 0 is not a state dict: neither"):
+        canzona.from_torch_state(opt, {**flat, "optimizer": 1})

@@ -43,8 +43,11 @@ def from_torch_state(optimizer: Muon, *sources: Source) -> dict[str, Any]:
     (:func:`canzona.param_groups` or ``model.named_parameters()``), and each source either
     names its parameters in its param groups (``torch.optim`` saves ``param_names`` when
     built from ``named_parameters()``) or comes as a pair ``(state_dict, names)``, the names
-    in the order the source's groups hold the parameters. Every parameter of ``optimizer``
-    must be in exactly one source, and every source parameter in ``optimizer``.
+    in the order the source's groups hold the parameters. DCP's state dicts
+    (``get_optimizer_state_dict``, of one optimizer or several) name them by themselves,
+    nested or flattened (``state.{name}.{key}``, as TorchTitan's container saves them).
+    Every parameter of ``optimizer`` must be in exactly one source, and every source
+    parameter in ``optimizer``.
 
     The state is carried over as it is: Muon's momentum buffers to the Muon groups, AdamW's
     step and moments to the ``algorithm="adamw"`` groups (the tensors in whatever layout
@@ -121,41 +124,79 @@ def from_torch_state(optimizer: Muon, *sources: Source) -> dict[str, Any]:
 
 
 def _read_sources(sources: Sequence[Source]) -> dict[str, _Saved]:
-    """Every source parameter by name, with its group and state entry."""
+    """Every source parameter by name, with its group's values and its state entry."""
     saved: dict[str, _Saved] = {}
     for k, source in enumerate(sources):
         sd, names = source if isinstance(source, tuple) else (source, None)
-        if not isinstance(sd, Mapping) or not {"state", "param_groups"} <= set(sd):
-            raise ValueError(f"source {k} is not a state dict with 'state' and 'param_groups'")
-        order = [(pid, group) for group in sd["param_groups"] for pid in group["params"]]
-        if names is None:
-            if not all(group.get("param_names") for group in sd["param_groups"]):
-                raise ValueError(
-                    f"source {k} does not name its parameters: pass (state_dict, names), or "
-                    "build its optimizer from model.named_parameters()"
-                )
-            names = [n for group in sd["param_groups"] for n in group["param_names"]]
-        names = list(names)
-        if len(names) != len(order):
-            raise ValueError(f"source {k} holds {len(order)} parameters, given {len(names)} names")
-        kinds = {id(group): _kind(group, k, j) for j, group in enumerate(sd["param_groups"])}
-        for name, (pid, group) in zip(names, order, strict=True):
+        for name, where, group, entry in _parameters(sd, names, k):
             if name in saved:
                 raise ValueError(
                     f"parameter {name!r} is in source {saved[name].source} and in source {k}"
                 )
-            saved[name] = _Saved(k, kinds[id(group)], group, sd["state"].get(pid))
+            saved[name] = _Saved(k, _kind(group, f"source {k}, {where}"), group, entry)
     return saved
 
 
-def _kind(group: Mapping[str, Any], source: int, index: int) -> str:
+def _parameters(
+    sd: Any, names: Sequence[str] | None, k: int
+) -> list[tuple[str, str, Mapping[str, Any], Mapping[str, Any] | None]]:
+    """A source's parameters: name, where they are (for messages), group values, state.
+
+    Three layouts: ``torch.optim``'s (``params`` as indices, named by ``param_names`` or
+    ``names``), DCP's ``get_optimizer_state_dict`` (``params`` as names) and its flattened
+    form (``state.{name}.{key}``, ``param_groups.{name}.{key}``: TorchTitan's container).
+    """
+    if isinstance(sd, Mapping) and {"state", "param_groups"} <= set(sd):
+        order = [(pid, j, g) for j, g in enumerate(sd["param_groups"]) for pid in g["params"]]
+        if names is None and order and all(isinstance(pid, str) for pid, _, _ in order):
+            names = [pid for pid, _, _ in order]
+        elif names is None:
+            if not all(g.get("param_names") for g in sd["param_groups"]):
+                raise ValueError(
+                    f"source {k} does not name its parameters: pass (state_dict, names), or "
+                    "build its optimizer from model.named_parameters()"
+                )
+            names = [n for g in sd["param_groups"] for n in g["param_names"]]
+        names = list(names)
+        if len(names) != len(order):
+            raise ValueError(f"source {k} holds {len(order)} parameters, given {len(names)} names")
+        return [
+            (name, f"param group {j}", g, sd["state"].get(pid))
+            for name, (pid, j, g) in zip(names, order, strict=True)
+        ]
+    if (
+        not isinstance(sd, Mapping)
+        or not sd
+        or not all(
+            isinstance(key, str) and key.startswith(("state.", "param_groups.")) and "." in key[6:]
+            for key in sd
+        )
+    ):
+        raise ValueError(
+            f"source {k} is not a state dict: neither 'state' and 'param_groups' nor the "
+            "flattened 'state.{name}.{key}' and 'param_groups.{name}.{key}' entries"
+        )
+    if names is not None:
+        raise ValueError(f"source {k} is flattened: its keys name its parameters, give no names")
+    groups: dict[str, dict[str, Any]] = {}
+    states: dict[str, dict[str, Any]] = {}
+    for key, value in sd.items():
+        prefix, rest = key.split(".", 1)
+        name, leaf = rest.rsplit(".", 1)
+        (states if prefix == "state" else groups).setdefault(name, {})[leaf] = value
+    for name in states:
+        if name not in groups:
+            raise ValueError(f"source {k} holds state for {name!r} but no param-group values")
+    return [(name, f"parameter {name!r}", g, states.get(name)) for name, g in groups.items()]
+
+
+def _kind(group: Mapping[str, Any], where: str) -> str:
     """``"muon"`` or ``"adamw"``: which algorithm a source group's state belongs to.
 
     ``torch.optim.Muon`` (and TorchTitan's DistMuon) groups, ``torch.optim.AdamW`` (or
     L2-free ``Adam``) groups, and the groups of the ``muon`` package's
     ``MuonWithAuxAdam`` (a ``use_muon`` flag); refused where canzona's AdamW cannot continue.
     """
-    where = f"source {source}, param group {index}"
     if "use_muon" in group:
         return "muon" if group["use_muon"] else "adamw"
     if "nesterov" in group and "ns_coefficients" in group:
