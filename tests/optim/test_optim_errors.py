@@ -448,6 +448,10 @@ def test_load_state_dict_refuses_torch_adamw(name: str) -> None:
     adamw.step()
     match = "param group 0 of the state dict has no 'algorithm' entry"
     _assert_refused(name, opt, params, adamw.state_dict(), match)
+    with pytest.raises(ValueError) as info:
+        opt.load_state_dict(adamw.state_dict())
+    way = "; torch.optim.Muon's and AdamW's convert with canzona.from_torch_state)"
+    assert (way in str(info.value)) == (name == "muon")  # the way out, where there is one
 
 
 @pytest.mark.parametrize(

@@ -216,9 +216,14 @@ class CheckpointMixin:
                     "another group?); build the optimizer with the checkpoint's param groups"
                 )
             if "algorithm" not in saved:
+                way = (
+                    "; torch.optim.Muon's and AdamW's convert with canzona.from_torch_state"
+                    if type(self).__name__ == "Muon"
+                    else ""
+                )
                 raise ValueError(
                     f"param group {g} of the state dict has no 'algorithm' entry: it was not "
-                    f"saved by a canzona optimizer ({type(self).__name__} expected)"
+                    f"saved by a canzona optimizer ({type(self).__name__} expected{way})"
                 )
             if saved["algorithm"] != mine["algorithm"]:
                 raise ValueError(
