@@ -13,6 +13,7 @@ from torch.distributed.tensor.placement_types import Shard
 
 import canzona
 import canzona.runtime.pipeline as pipeline_module
+import canzona.runtime.topology as topology_module
 from canzona.runtime.buffers import FlatBuffer
 
 from _cases import (
@@ -258,6 +259,50 @@ def test_a_rank_that_raises_alone_is_named_at_once_by_the_ranks_waiting_for_it(
     assert msg.startswith("rank 0: the scatter of micro-group 0 (step 1) cannot complete: "), msg
     assert f"rank 1 raised OutOfMemoryError: {INJECTED}, outside the failure handling" in msg, msg
     assert "restart the job" in msg, msg
+
+
+def _raises_before_the_agreement() -> dict[str, Any]:
+    """Rank 1 raises alone in its first step, before the layout agreement (a bug, simulated
+    in the structure digest), while rank 0 waits in the agreement (on a group of its own).
+    Rank 1 built one optimizer more before: the ranks' construction indices differ."""
+    group = tdist.new_group(backend="gloo", timeout=timedelta(seconds=60))
+    if tdist.get_rank() == 1:
+        canzona.Muon([torch.nn.Parameter(torch.zeros(2, 2))], lr=0.1)
+    params = sharded_params(full_tensors(SHAPES), mesh((2,)), {n: (Shard(0),) for n in SHAPES})
+    opt = canzona.Muon(
+        params, **KW, pipeline=canzona.PipelineConfig(process_group=group, timeout_s=50.0)
+    )
+    real = topology_module.structure_digest
+
+    def digest(*args: Any) -> str:
+        if tdist.get_rank() == 1:
+            raise RuntimeError("a bug (simulated)")
+        return real(*args)
+
+    set_grads(params, grad_steps(SHAPES, 1)[0])
+    topology_module.structure_digest = digest
+    try:
+        opt.step()
+        return {"kind": "ok", "msg": ""}
+    except Exception as exc:
+        return {"kind": type(exc).__name__, "msg": str(exc)}
+    finally:
+        topology_module.structure_digest = real
+
+
+def test_a_rank_that_raises_alone_before_the_layout_agreement_is_named_at_once(
+    dist: Any,
+) -> None:
+    """Catches: the first step's layout agreement waiting without a deadline (an
+    ``all_gather_object``: until the process group's timeout, 60 s here, past the run's
+    40 s), and ranks that file and look under their own construction indices of the
+    optimizer before they have agreed on a name."""
+    out = dist(2).run(_raises_before_the_agreement, timeout=40)
+    assert out[1] == {"kind": "RuntimeError", "msg": "a bug (simulated)"}, out[1]
+    assert out[0]["kind"] == "CollectiveTimeoutError", out[0]
+    msg = out[0]["msg"]
+    assert msg.startswith("rank 0: the layout agreement (sizes) (step 1) cannot complete: "), msg
+    assert "rank 1 raised RuntimeError: a bug (simulated), outside the failure handling" in msg
 
 
 def _raised(call: Any) -> str:

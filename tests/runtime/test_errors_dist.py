@@ -15,6 +15,7 @@ from torch.distributed.tensor.placement_types import Partial, Shard
 
 import canzona
 from canzona.runtime.topology import agree, describe
+from canzona.runtime.watchdog import Watchdog
 
 from _cases import (
     SHAPES,
@@ -442,7 +443,7 @@ def _unreadable_shards(bad_ranks: tuple[int, ...], when: str) -> tuple[str, str]
         "load": lambda: opt.load_state_dict(saved),
         "agree": lambda: agree(
             [describe(0, "proj.weight", p, None, tdist.get_rank())],
-            process_group=None,
+            watchdog=Watchdog(process_group=None, rank=tdist.get_rank(), world=4, timeout_s=30),
             rank=tdist.get_rank(),
             world=4,
         ),

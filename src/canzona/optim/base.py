@@ -97,6 +97,7 @@ class MatrixOptimizer(StepTableMixin, AdamWRouteMixin, CopyMixin, CheckpointMixi
         defaults = typed_defaults({"algorithm": self.algorithm, **defaults}, type(self))
         self._check_values(defaults)
         super().__init__(params, defaults)
+        self._identify()
 
     def _reset(self, owner: OwnerState) -> None:
         """A fresh runtime and empty step caches around ``owner`` (construction, copies)."""
@@ -117,6 +118,12 @@ class MatrixOptimizer(StepTableMixin, AdamWRouteMixin, CopyMixin, CheckpointMixi
         # per param group: the values that shaped its owner-held state (``_state_shape``)
         self._state_shapes: dict[int, tuple[tuple[str, Any], ...]] = {}
         self.last_step_stats: StepStats | None = None
+
+    def _identify(self) -> None:
+        """Name the runtime's markers by this optimizer's class and parameters."""
+        params, names, _ = self._flat()
+        shapes = [(n, tuple(p.shape)) for n, p in zip(names, params, strict=True)]
+        self._runtime.identify(f"{type(self).__name__} {shapes}")
 
     def _new_runtime(self) -> MatrixRuntime:
         return MatrixRuntime(

@@ -39,6 +39,8 @@ class CopyMixin:
 
         def _reset(self, owner: OwnerState) -> None: ...
 
+        def _identify(self) -> None: ...
+
         def _fresh_item_state(self, item: Any) -> Any: ...
 
         def _owner_specs(self, p: Any, group: dict[str, Any]) -> Any: ...
@@ -97,5 +99,6 @@ class CopyMixin:
         owner = OwnerState(self._fresh_item_state, self._owner_specs)
         owner.states = owner_states
         self._reset(owner)
+        self._identify()
         self._runtime.inherited = owner_plan
         self._algorithms = algorithms

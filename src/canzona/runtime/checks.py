@@ -9,11 +9,10 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
-import torch.distributed as dist
 
 from canzona.runtime.config import GradientMismatchError, PlanMismatchError, UpdateFailedError
 from canzona.runtime.tensors import REDISTRIBUTED
-from canzona.runtime.watchdog import Watchdog, gather_ints
+from canzona.runtime.watchdog import Watchdog, gather_ints, gather_objects
 
 if TYPE_CHECKING:
     from canzona.runtime.engine import MatrixRuntime
@@ -21,6 +20,7 @@ if TYPE_CHECKING:
 
 _CHUNKS = 3  # 40-bit chunks per digest: exact in int64
 VOTE = 1_000_000  # progress-marker phase of the success vote: after every micro-group
+AGREE = -1  # progress-marker phase of the layout agreement: before the step's own check
 _FIXED = 1 + 3 * _CHUNKS  # header words before the gradients' digest
 #: int64 words of the header that rides a step's first gather: the header, the ready flag
 #: and padding to 16 bytes (the slot is reinterpreted in the gather's dtype)
@@ -215,8 +215,9 @@ def _raise_mismatch(
     hparams = spans["the param groups' hyper-parameters"]
     if describe is not None and (a[layouts] != b[layouts] or a[hparams] != b[hparams]):
         # every rank saw the same rows, so every rank gathers here (an error path only)
-        full: list[list[str] | None] = [None] * watchdog.world
-        dist.all_gather_object(full, list(describe()), group=watchdog.process_group)
+        full: list[list[str]] = gather_objects(
+            list(describe()), watchdog=watchdog, phase=0, what="the check's descriptions"
+        )
         lists = [f or [] for f in full]
         detail = f" (first difference: {first_difference(lists, ranks_a[0], ranks_b[0])})"
     raise PlanMismatchError(
@@ -309,7 +310,7 @@ def vote(
     """Agree on whether every rank succeeded; ``report`` is None on success.
 
     One small gather of success flags (``what`` names it in a timeout); only when some rank
-    failed, an ``all_gather_object`` brings every failing rank's report to every rank.
+    failed, a gather of objects brings every failing rank's report to every rank.
 
     Returns:
         ``(rank, report)`` of every failing rank, in rank order (empty on success).
@@ -324,8 +325,9 @@ def reports_of(
     """``(rank, report)`` of the failing ranks (a collective when any failed, else none)."""
     if not failed:
         return []
-    reports: list[str | None] = [None] * watchdog.world
-    dist.all_gather_object(reports, report, group=watchdog.process_group)
+    reports: list[str | None] = gather_objects(
+        report, watchdog=watchdog, phase=VOTE, what="the failing ranks' reports"
+    )
     return [(r, reports[r] or "failed") for r in failed]
 
 

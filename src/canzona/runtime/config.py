@@ -62,8 +62,7 @@ class PipelineConfig:
         timeout_s: Deadline of every wait on a collective the optimizer issues during
             a step or a state-dict conversion; a wait that exceeds it raises
             :class:`CollectiveTimeoutError` naming the collective and the ranks left
-            behind. (The one-time layout agreement uses ``all_gather_object``, bounded by
-            the process group's own timeout.)
+            behind (the first step's layout agreement included).
         check_every_step: Run the small per-step cross-rank check (parameter set,
             plan digest, hyper-parameters, gradient presence) before any owner computes.
             In a steady step (with ``atomic``) it rides the first micro-group's gather

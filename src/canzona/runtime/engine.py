@@ -40,7 +40,7 @@ from canzona.runtime.topology import (
     positions_in,
     structure_digest,
 )
-from canzona.runtime.watchdog import Watchdog
+from canzona.runtime.watchdog import Watchdog, marker_name
 
 _SCHEDULES = 4  # schedules kept per plan (one per set of parameters with gradients)
 
@@ -80,8 +80,6 @@ class MatrixRuntime:
         pipeline_config: Pipeline configuration.
         cost: Cost model name or object for the planner.
     """
-
-    _instances = 0  # runtimes created in this process (names progress markers until a plan)
 
     def __init__(
         self, *, plan_config: PlanConfig, pipeline_config: PipelineConfig, cost: str | CostModel
@@ -134,9 +132,10 @@ class MatrixRuntime:
         # where the owner-held state lives after a re-plan, until a step hands it over to
         # be moved (a step that raises after its re-plan leaves it for the next one)
         self._unmoved: Snapshot | None = None
-        # the n-th optimizer of each rank shares a namespace until the ranks agree on one
-        MatrixRuntime._instances += 1
-        self.watchdog.name = str(MatrixRuntime._instances)  # the ranks agree on it when planning
+
+    def identify(self, description: str) -> None:
+        """Name the markers by what the optimizer optimizes (the ranks agree when planning)."""
+        self.watchdog.name = marker_name(description)
 
     @property
     def distributed(self) -> bool:
@@ -530,13 +529,13 @@ class MatrixRuntime:
         self.planned_ids = self._layout_key[0]
         self.topology = agree(
             layouts,
-            process_group=self.process_group,
+            watchdog=self.watchdog,
             rank=self.rank,
             world=self.world,
             extra=f"{config}; from positions {moved}",
-            instance=int(self.watchdog.name),
+            name=self.watchdog.name,
         )
-        self.watchdog.name = str(self.topology.namespace)
+        self.watchdog.name = self.topology.namespace
         self.items, specs = items_and_specs(
             self.topology, table, replica_dedup=self.plan_config.replica_dedup
         )

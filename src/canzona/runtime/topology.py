@@ -11,9 +11,10 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement, Replicate
 
-from canzona.runtime.checks import first_difference, ranks_by_value
+from canzona.runtime.checks import AGREE, first_difference, ranks_by_value
 from canzona.runtime.config import PlanMismatchError
 from canzona.runtime.layout import LayoutError, check_placements, fragment_for
+from canzona.runtime.watchdog import Watchdog, gather_objects
 
 MeshKey = tuple[tuple[int, ...], tuple[str, ...] | None]
 
@@ -164,8 +165,9 @@ class Topology:
     rank: int
     world: int
     #: the optimizer's name for its markers in the job's store: the largest of the ranks'
-    #: construction indices (processes that built other optimizers first still agree)
-    namespace: int = 0
+    #: (:func:`~canzona.runtime.watchdog.marker_name`: equal unless some process built
+    #: more optimizers over the same parameters than another)
+    namespace: str = ""
 
     def param_copies(self, index: int) -> tuple[tuple[int, ...], ...]:
         """Every copy (rank tuple, row-major) of the mesh parameter ``index`` lives on."""
@@ -178,21 +180,22 @@ class Topology:
 def agree(
     layouts: Sequence[ParamLayout],
     *,
-    process_group: dist.ProcessGroup | None,
+    watchdog: Watchdog,
     rank: int,
     world: int,
     extra: str = "",
-    instance: int = 0,
+    name: str = "",
 ) -> Topology:
     """Check that all ranks hold the same parameters and learn every mesh's copies.
 
-    ``instance`` is this rank's construction index of the optimizer; the result's
+    ``name`` is this rank's name of the optimizer in the job's store; the result's
     ``namespace`` is the largest over the ranks.
 
-    One ``all_gather_object`` of a digest, the local meshes and this rank's first
-    unreadable layout; on a mismatch a second one gathers the full descriptions so that
-    every rank raises the same :class:`PlanMismatchError` naming the ranks that disagree
-    and the first difference.
+    One gather of a digest, the local meshes and this rank's first unreadable layout
+    (:func:`~canzona.runtime.watchdog.gather_objects`: its waits have the watchdog's
+    deadline); on a mismatch a second one gathers the full descriptions so that every
+    rank raises the same :class:`PlanMismatchError` naming the ranks that disagree and
+    the first difference.
 
     Raises:
         canzona.runtime.layout.LayoutError: on every rank, when some rank holds a local
@@ -217,10 +220,14 @@ def agree(
         if bad is not None:
             raise bad[1]
         alone: dict[MeshKey, tuple[tuple[int, ...], ...]] = {k: (v,) for k, v in meshes.items()}
-        return Topology(tuple(layouts), alone, rank, world, instance)
-    gathered: list[tuple[str, dict[MeshKey, tuple[int, ...]], str | None, int] | None]
-    gathered = [None] * world
-    dist.all_gather_object(gathered, (digest, meshes, mine, instance), group=process_group)
+        return Topology(tuple(layouts), alone, rank, world, name)
+    gathered: list[tuple[str, dict[MeshKey, tuple[int, ...]], str | None, str] | None]
+    gathered = gather_objects(
+        (digest, meshes, mine, name),
+        watchdog=watchdog,
+        phase=AGREE,
+        what="the layout agreement",
+    )
     problems = [(r, g[2]) for r, g in enumerate(gathered) if g is not None and g[2] is not None]
     if problems:
         raise LayoutError(
@@ -229,9 +236,11 @@ def agree(
     digests = [g[0] for g in gathered if g is not None]
     if len(set(digests)) != 1:
         parts = [ranks for _, ranks in ranks_by_value(digests)]
-        full: list[list[str] | None] = [None] * world
-        dist.all_gather_object(
-            full, [extra, *(lo.structure() for lo in layouts)], group=process_group
+        full: list[list[str]] = gather_objects(
+            [extra, *(lo.structure() for lo in layouts)],
+            watchdog=watchdog,
+            phase=AGREE,
+            what="the layout agreement's descriptions",
         )
         lists = [f or [] for f in full]
         detail = first_difference(lists, parts[0][0], parts[1][0])

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
+import pickle
 import re
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -60,14 +62,15 @@ class Watchdog:
         rank: This rank in ``group``.
         world: Size of ``group``.
         timeout_s: Deadline of every wait.
-        tag: Namespace shared by the ranks of one optimizer (its construction index and
+        tag: Namespace shared by the ranks of one optimizer (its :attr:`name` and
             a prefix of its parameter-structure digest).
         markers: Publish progress markers on slow waits.
         grace_s: How long a wait runs before this rank publishes its position.
         step: Steps begun so far (markers and messages name it).
         device: Device of the small check tensors (the parameters' device; None: CPU).
-        name: The optimizer's runtime in this process (its construction index), which the
-            marker of a rank that left a call (:meth:`left`) is filed under.
+        name: The optimizer's name in the job's store (:func:`marker_name`, then what the
+            ranks agree on when planning), which the marker of a rank that left a call
+            (:meth:`left`) is filed under.
         calls: The optimizer's collective calls begun (shared by its watchdogs).
 
     The default store is looked up only when a marker is published or read, never kept,
@@ -267,6 +270,22 @@ class Watchdog:
         )
 
 
+#: Optimizers built in this process, per description digest (see :func:`marker_name`).
+_NAMES: Counter[str] = Counter()
+
+
+def marker_name(description: str) -> str:
+    """The name an optimizer files its markers under: what it optimizes, and how many.
+
+    A digest of ``description`` (its class and its parameters' names and shapes) and how
+    many optimizers of that description this process built before: the same on every rank
+    that builds it, whatever other optimizers each process built first.
+    """
+    digest = hashlib.sha1(description.encode()).hexdigest()[:12]
+    _NAMES[digest] += 1
+    return f"{digest}.{_NAMES[digest]}"
+
+
 def gather_ints(values: list[int], *, watchdog: Watchdog, phase: int, what: str) -> list[list[int]]:
     """All-gather a short int64 vector (same length on every rank); rows in rank order.
 
@@ -283,3 +302,27 @@ def gather_ints(values: list[int], *, watchdog: Watchdog, phase: int, what: str)
     watchdog.collective(phase, what, lambda: all_to_all(out, mine, (), (), watchdog.process_group))
     rows: list[list[int]] = out.view(world, n).tolist()
     return rows
+
+
+def gather_objects(obj: Any, *, watchdog: Watchdog, phase: int, what: str) -> list[Any]:
+    """All-gather a picklable object; every rank's, in rank order.
+
+    ``dist.all_gather_object`` waits without a deadline; here both collectives (the sizes,
+    then the padded bytes, each an all-to-all) wait as every other one of the optimizer:
+    until ``timeout_s``, and no longer than it takes to see that a peer left the call.
+    """
+    data = pickle.dumps(obj)
+    sizes = [size for (size,) in gather_ints([len(data)], watchdog=watchdog, phase=phase,
+                                             what=f"{what} (sizes)")]  # fmt: skip
+    width, world = max(sizes), watchdog.world
+    mine = torch.zeros((world, width), dtype=torch.uint8)
+    mine[:, : len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    device = mine.device if watchdog.device is None else torch.device(watchdog.device)
+    if device.type != "cpu":
+        mine = mine.pin_memory().to(device, non_blocking=True)
+    out = torch.empty((world, width), dtype=torch.uint8, device=device)
+    watchdog.collective(
+        phase, what, lambda: all_to_all(out.view(-1), mine.view(-1), (), (), watchdog.process_group)
+    )
+    rows = out.cpu()
+    return [pickle.loads(bytes(rows[r, :size].tolist())) for r, size in enumerate(sizes)]
