@@ -207,6 +207,19 @@ def test_a_rank_that_cannot_allocate_a_step_buffer_fails_the_step_everywhere(
             assert r["held_after"] == 0, r["held_after"]
 
 
+def _step_patched(opt: Any, module: Any, attr: str, patch: Any) -> dict[str, Any]:
+    """One ``opt.step()`` with ``module.attr`` replaced by ``patch``: what it raised, if any."""
+    real = getattr(module, attr)
+    setattr(module, attr, patch)
+    try:
+        opt.step()
+        return {"kind": "ok", "msg": ""}
+    except Exception as exc:
+        return {"kind": type(exc).__name__, "msg": str(exc)}
+    finally:
+        setattr(module, attr, real)
+
+
 def _fails_twice() -> dict[str, Any]:
     """Rank 1's receive buffer of the step's third all-to-all cannot be allocated, and not
     again after the rank gave its step memory back: it raises alone, while rank 0 waits in
@@ -233,14 +246,7 @@ def _fails_twice() -> dict[str, Any]:
         return real(numel, dtype, device)
 
     set_grads(params, grad_steps(SHAPES, 1)[0])
-    pipeline_module.receive_buffer = receive
-    try:
-        opt.step()
-        return {"kind": "ok", "msg": ""}
-    except Exception as exc:
-        return {"kind": type(exc).__name__, "msg": str(exc)}
-    finally:
-        pipeline_module.receive_buffer = real
+    return _step_patched(opt, pipeline_module, "receive_buffer", receive)
 
 
 def test_a_rank_that_raises_alone_is_named_at_once_by_the_ranks_waiting_for_it(
@@ -280,14 +286,7 @@ def _raises_before_the_agreement() -> dict[str, Any]:
         return real(*args)
 
     set_grads(params, grad_steps(SHAPES, 1)[0])
-    topology_module.structure_digest = digest
-    try:
-        opt.step()
-        return {"kind": "ok", "msg": ""}
-    except Exception as exc:
-        return {"kind": type(exc).__name__, "msg": str(exc)}
-    finally:
-        topology_module.structure_digest = real
+    return _step_patched(opt, topology_module, "structure_digest", digest)
 
 
 def test_a_rank_that_raises_alone_before_the_layout_agreement_is_named_at_once(
