@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from canzona.optim.checkpoint import ADAMW
 from canzona.optim.group_values import plain_value, saved_groups
 from canzona.optim.muon import Muon
 from canzona.optim.normuon import NorMuon
@@ -96,7 +97,7 @@ def from_torch_state(optimizer: Muon, *sources: Source) -> dict[str, Any]:
             )
         packed = {k: v for k, v in group.items() if k != "params"}
         packed["params"] = list(range(index, index + len(names)))
-        kind = "adamw" if group.get("algorithm") == "adamw" else "muon"
+        kind = ADAMW if group.get("algorithm") == ADAMW else "muon"
         found: list[_Saved] = []
         for pid, name in zip(packed["params"], names, strict=True):
             entry = saved.get(name)
@@ -198,7 +199,7 @@ def _kind(group: Mapping[str, Any], where: str) -> str:
     ``MuonWithAuxAdam`` (a ``use_muon`` flag); refused where canzona's AdamW cannot continue.
     """
     if "use_muon" in group:
-        return "muon" if group["use_muon"] else "adamw"
+        return "muon" if group["use_muon"] else ADAMW
     if "nesterov" in group and "ns_coefficients" in group:
         return "muon"
     if "betas" not in group:
@@ -213,7 +214,7 @@ def _kind(group: Mapping[str, Any], where: str) -> str:
             f"{where}: Adam's L2 weight decay (weight_decay={group['weight_decay']!r}) is not "
             "AdamW's decoupled decay"
         )
-    return "adamw"
+    return ADAMW
 
 
 def _converted(saved: _Saved, name: str) -> dict[str, Any]:

@@ -286,6 +286,13 @@ def marker_name(description: str) -> str:
     return f"{digest}.{_NAMES[digest]}"
 
 
+def _on_device(host: torch.Tensor, watchdog: Watchdog) -> torch.Tensor:
+    """A small host tensor on the watchdog's device (from pinned memory: no host block)."""
+    if watchdog.device is None or torch.device(watchdog.device).type == "cpu":
+        return host
+    return host.pin_memory().to(torch.device(watchdog.device), non_blocking=True)
+
+
 def gather_ints(values: list[int], *, watchdog: Watchdog, phase: int, what: str) -> list[list[int]]:
     """All-gather a short int64 vector (same length on every rank); rows in rank order.
 
@@ -294,11 +301,8 @@ def gather_ints(values: list[int], *, watchdog: Watchdog, phase: int, what: str)
     times as long on loopback).
     """
     n, world = len(values), watchdog.world
-    mine = torch.tensor(values * world, dtype=torch.int64)
-    device = mine.device if watchdog.device is None else torch.device(watchdog.device)
-    if device.type != "cpu":  # from pinned memory the copy does not block the host
-        mine = mine.pin_memory().to(device, non_blocking=True)
-    out = torch.empty(world * n, dtype=torch.int64, device=device)
+    mine = _on_device(torch.tensor(values * world, dtype=torch.int64), watchdog)
+    out = torch.empty(world * n, dtype=torch.int64, device=mine.device)
     watchdog.collective(phase, what, lambda: all_to_all(out, mine, (), (), watchdog.process_group))
     rows: list[list[int]] = out.view(world, n).tolist()
     return rows
@@ -317,10 +321,8 @@ def gather_objects(obj: Any, *, watchdog: Watchdog, phase: int, what: str) -> li
     width, world = max(sizes), watchdog.world
     mine = torch.zeros((world, width), dtype=torch.uint8)
     mine[:, : len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    device = mine.device if watchdog.device is None else torch.device(watchdog.device)
-    if device.type != "cpu":
-        mine = mine.pin_memory().to(device, non_blocking=True)
-    out = torch.empty((world, width), dtype=torch.uint8, device=device)
+    mine = _on_device(mine, watchdog)
+    out = torch.empty((world, width), dtype=torch.uint8, device=mine.device)
     watchdog.collective(
         phase, what, lambda: all_to_all(out.view(-1), mine.view(-1), (), (), watchdog.process_group)
     )
