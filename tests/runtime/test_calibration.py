@@ -326,7 +326,7 @@ def _measured_muon_on_own_group(timeout_s: float) -> tuple[Any, Any, Any, Any, A
     fulls = full_tensors(SHAPES)
     grads = grad_steps(SHAPES, 2)
     params = sharded_params(fulls, mesh((2,)), {n: (Shard(0),) for n in SHAPES})
-    group = tdist.new_group(backend="gloo", timeout=timedelta(seconds=20))
+    group = tdist.new_group(backend="gloo", timeout=timedelta(seconds=6))
     config = canzona.PipelineConfig(process_group=group, timeout_s=timeout_s)
     opt = canzona.Muon(params, **MUON_KW, plan=plan(cost="measured"), pipeline=config)
     return fulls, grads, params, group, opt

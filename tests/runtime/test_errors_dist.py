@@ -623,7 +623,7 @@ def _storage_bytes(opt: torch.optim.Optimizer) -> list[tuple[bool, int]]:
 
 
 def _timeout_with_gathers_in_flight() -> dict[str, Any]:
-    group = tdist.new_group(backend="gloo", timeout=timedelta(seconds=20))
+    group = tdist.new_group(backend="gloo", timeout=timedelta(seconds=6))
     params = _params(tuple(SHAPES))  # 10 matrices for 4 ranks
     opt = canzona.Muon(
         params,
