@@ -60,6 +60,22 @@ def tests(session: nox.Session) -> None:
     session.run("pytest", "-q", *session.posargs, env=THREAD_ENV)
 
 
+# The newest torch release the suite is checked on. Its PyPI wheel is the CUDA build (about
+# 3 GB with its NVIDIA libraries; it runs on CPU-only machines), and it brings the triton
+# release it pins, so TorchTitan goes in without ours.
+TORCH_NEXT = "torch==2.14.1"
+
+
+@nox.session
+def tests_next(session: nox.Session) -> None:
+    """Run the whole test suite on the newest torch release checked (see TORCH_NEXT)."""
+    session.install(TORCH_NEXT)
+    session.install(".[test]")
+    titan = [p for p in TORCHTITAN if not p.startswith("triton==")]
+    session.install("--no-deps", *titan, *STATE_SOURCES)
+    session.run("pytest", "-q", *session.posargs, env=THREAD_ENV)
+
+
 @nox.session
 def lint(session: nox.Session) -> None:
     """Ruff lint and format check."""

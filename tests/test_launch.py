@@ -140,3 +140,80 @@ def test_a_rank_that_dies_leaving_a_forked_child_is_reported_at_once() -> None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(child, signal.SIGKILL)
     assert str(info.value).startswith("rank 0 failed:\ndied (exit code 3) without a result")
+
+
+def _backward_in_a_rank(progress: Any) -> float:
+    """A backward pass through an FSDP2 module on the job's mesh: the gradient's sum."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    fully_shard(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
+    model(torch.randn(2, 4)).sum().backward()
+    return float(model.weight.grad.full_tensor().sum())  # type: ignore[union-attr]
+
+
+_WARM_UP_PROBE = """
+import torch
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+import canzona.launch as launch
+
+
+class DTensorOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(isinstance(a, DTensor) for a in tree_flatten((args, kwargs or {}))[0]):
+            self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+backwards = []
+real_backward = torch.autograd.backward
+torch.autograd.backward = lambda *a, **k: (backwards.append(1), real_backward(*a, **k))[1]
+with DTensorOps() as seen:
+    launch.prepare_parent()
+print(seen.ops, len(backwards))
+"""
+
+
+def test_the_parent_warm_up_dispatches_no_dtensor_op_and_runs_no_backward() -> None:
+    """Catches: a warm-up that runs a DTensor op or a backward pass in the parent. With
+    torch 2.14 (CUDA build, no GPU) a process that dispatched a DTensor op and then ran any
+    backward pass forks ranks whose first ``backward()`` raises "Unable to handle autograd's
+    threading in combination with fork-based multiprocessing" (``canzona demo`` failed so)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", _WARM_UP_PROBE],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        check=True,
+    )
+    assert out.stdout.strip().splitlines()[-1] == "[] 0", out.stdout + out.stderr
+
+
+def test_ranks_run_backward_after_the_parent_warmed_up_and_ran_one() -> None:
+    """Catches (on torch 2.14's CUDA build, where the bug shows): ranks forked from a
+    parent whose warm-up dispatched DTensor ops and which then ran a backward pass of its
+    own cannot run ``backward()``. On torch 2.13 this passes either way; the test above
+    catches the cause there."""
+    import torch
+
+    from canzona.launch import prepare_parent
+
+    prepare_parent()
+    x = torch.ones(3, requires_grad=True)
+    (2 * x).sum().backward()  # the parent trains a little before it forks ranks
+    sums = run_ranks(2, _backward_in_a_rank)
+    assert sums[0] == sums[1] != 0.0
