@@ -6,9 +6,8 @@ healthy: the parent runs one OpenMP thread (``OMP_NUM_THREADS=1`` before torch i
 a child forked after a multi-threaded OpenMP pool has run can hang in its first parallel
 kernel), and the parent holds no process group when it forks. :func:`prepare_parent` checks
 the second and warms torch's lazy imports up once per process on a ``fake`` process group,
-so the ranks inherit them (measured on 2 cores with torch 2.13: a fresh rank's first DTensor
-op, backward pass and FSDP2 step take ~0.06 s after it and ~0.54 s without it; running them
-in the warm-up too would save ~0.04 s more, but see :func:`_warm_up`).
+so the ranks inherit them and a fresh rank's first DTensor op, backward pass and FSDP2 step
+do not pay those imports (the ops themselves are left to the ranks: see :func:`_warm_up`).
 
     results = run_ranks(4, job)  # job(progress) on every rank; results in rank order
 """
