@@ -118,6 +118,10 @@ def _rank_main(
         dist.init_process_group(
             "gloo", rank=rank, world_size=world, store=store, timeout=PG_TIMEOUT
         )
+        # every rank connected before any runs the job: a rank whose job raises at once
+        # would otherwise exit while a peer still connects, and the peer would report
+        # gloo's "Connection closed by peer" as a failure of its own
+        dist.barrier()
 
         def progress(payload: dict[str, Any]) -> None:
             conn.send_bytes(pickle.dumps(("progress", payload)))
