@@ -29,6 +29,8 @@ LABELS = {
 }
 #: Small all-to-alls timed per case for the collective's floor (``overhead.FLOOR_CALLS``).
 FLOOR_CALLS = 100
+#: Steps a profiled case records, and takes in turn with its replay (``_replay.replay``).
+REPLAY_TURNS = 30
 #: Implementations with one collective per matrix (seconds per step at large N): timed steps.
 SLOW_STEPS = {"redistribute": 3}
 #: Implementations that run only in the target case (shape, world): diagnostics.
@@ -164,6 +166,11 @@ def _render_profile(rows: Sequence[dict[str, Any]]) -> list[str]:
         before = p["step_s"] - p["total_s"]
         rest = p["total_s"] - p["compute_s"] - p["wait_s"] - p["apply_s"]
         spread = [f"{p[k] * 1e3:.2f}" if k in p else "–" for k in ("skew_s", "from_last_s")]
+        calls = [
+            f"{p[k] * 1e3:.2f}" if k in p else "–"
+            for k in ("host_gaps_s", "step_calls_s", "replay_calls_s")
+        ]
+        turn = f"{p['replay_s'] / p['paired_step_s']:.2f}" if "replay_s" in p else "–"
         body.append(
             [
                 r["n"],
@@ -172,6 +179,8 @@ def _render_profile(rows: Sequence[dict[str, Any]]) -> list[str]:
                 int(p["collectives"]),
                 int(p["batches"]),
                 *spread,
+                *calls,
+                turn,
             ]
         )
     floors = [r["profile"]["all_to_all_s"] for r in shown if "all_to_all_s" in r["profile"]]
@@ -198,6 +207,10 @@ def _render_profile(rows: Sequence[dict[str, Any]]) -> list[str]:
         "batches",
         "ranks' start spread (ms)",
         "from the last rank's start (ms)",
+        "between the all-to-all calls (ms)",
+        "inside them (ms)",
+        "replayed: inside them (ms)",
+        "replay / step",
     ]
     return [
         "### Where a `canzona` step goes (world 2, 8x8, rank 0)",
@@ -216,7 +229,16 @@ def _render_profile(rows: Sequence[dict[str, Any]]) -> list[str]:
         "the last at the first gather, and the step time, the slowest rank's, includes "
         "it); *from the last rank's start*: from the last rank's entry to the last rank's "
         "return. The intercept of the fit (the fixed cost) is what remains at N = 0 of "
-        "these columns." + floor,
+        "these columns. *Between the all-to-all calls*: rank 0's host time in a step outside "
+        "the calls that issue and wait for its all-to-alls (its Python, its kernels, its "
+        "owner math), summed over the gaps' medians; *inside them*: in those calls. "
+        "*Replayed*: every rank replays its median step without canzona (`benchmarks/"
+        "_replay.py`): it busy-waits through each of its gaps and makes the same calls on "
+        "buffers of the same sizes; *inside them* is rank 0's time in the replay's calls, "
+        "*replay / step* the slowest rank's replayed step over the real one, the two taken "
+        f"in turn ({REPLAY_TURNS} times each, medians). The replay holds no canzona code, so "
+        "what its calls take is what these collectives cost when the ranks enter them at "
+        "the step's moments on this machine." + floor,
         "",
         markdown_table(headers, body),
         "",
@@ -404,4 +426,43 @@ def _machine_reference(payload: dict[str, Any]) -> str:
         f"world 2 is {ours['slope_us'] / adamw['slope_us']:.2f}× that; one small all-to-all "
         f"takes {floor:.2f} ms (median over the rows), so the fixed cost is "
         f"{ours['fixed_ms'] / floor:.1f} of them (a steady step makes two)."
+        + _replay_sentence(payload["rows"], ours["fixed_ms"], _fixed_limit(payload))
+    )
+
+
+def _fixed_limit(payload: dict[str, Any]) -> float:
+    """The fixed-cost target's limit in ms (the target whose name starts with "fixed")."""
+    return next(float(t["limit"]) for t in payload["targets"] if t["target"].startswith("fixed"))
+
+
+def _replay_sentence(rows: Sequence[dict[str, Any]], fixed_ms: float, limit_ms: float) -> str:
+    """The smallest target-case step split into host work and collectives, from its replay."""
+    case = sorted(
+        (
+            r
+            for r in rows
+            if (r["shape"], r["world"]) == ("8x8", 2) and "replay_calls_s" in r.get("profile", {})
+        ),
+        key=lambda r: r["n"],
+    )
+    if not case:
+        return ""
+    p = case[0]["profile"]
+    calls, replayed = p["step_calls_s"] * 1e3, p["replay_calls_s"] * 1e3
+    gaps, count = p["host_gaps_s"] * 1e3, int(p["collectives"])
+    return (
+        f" Where the fixed cost goes, at N = {case[0]['n']} (see the table): rank 0 spends "
+        f"{gaps:.2f} ms of host work between its all-to-all calls and {calls:.2f} ms inside "
+        f"them; replayed without canzona, at the same moments, the same {count} calls take "
+        f"{replayed:.2f} ms, {replayed / (count * p['all_to_all_s'] * 1e3):.1f}× what "
+        f"{count} all-to-alls entered right after a barrier take. So the collectives of a "
+        "step cost this machine about what the replay's calls take, whatever the code around "
+        + (
+            f"them: they alone take more than a fixed cost of {limit_ms:g} ms allows (now "
+            f"{fixed_ms:.2f})."
+            if replayed >= limit_ms
+            else f"them, and a fixed cost of {limit_ms:g} ms (now {fixed_ms:.2f}) leaves at most "
+            f"{limit_ms - replayed:.2f} ms for a step's host work at N = 0, against {gaps:.2f} "
+            f"ms between the calls at N = {case[0]['n']}."
+        )
     )

@@ -16,7 +16,9 @@ and writes ``benchmarks/results/overhead.json`` (with the commit it ran on), the
 section of ``docs/benchmarks.md`` and a plot of step time against N. After the timed steps,
 rank 0's shards of the distributed runs that do the same fp32 math (``SAME_MATH``) are
 compared bit for bit with the same rows of the one-process ``canzona.Muon`` (same matrices,
-gradients and number of steps).
+gradients and number of steps). Each distributed ``canzona`` case then records its steps'
+all-to-all calls and takes turns with their replay without canzona (``_replay.py``): rank 0's
+host time between the calls, its time inside them, and the replay's.
 
     python benchmarks/overhead.py --quick      # a reduced grid, about a minute; under
                                                # benchmarks/results/quick/
@@ -46,8 +48,18 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _peers
 import canzona
-from _overhead_report import FLOOR_CALLS, IMPLS, ONLY_IN, SLOW_STEPS, draw, fit_line, render
+from _overhead_report import (
+    FLOOR_CALLS,
+    IMPLS,
+    ONLY_IN,
+    REPLAY_TURNS,
+    SLOW_STEPS,
+    draw,
+    fit_line,
+    render,
+)
 from _ranks import WARMUP, launch
+from _replay import replay
 from kernels import cpu_description
 
 from _report import (
@@ -280,6 +292,9 @@ def _distributed_case(
             continue
         if impl in SAME_MATH and timed == steps:  # comparable with the one-process reference
             prints[impl] = _fingerprint([_local(p) for _, p in named])
+        if phases is not None:  # after the fingerprint: the replay takes more steps
+            turns = max(timed, REPLAY_TURNS)
+            profile.update(replay(opt, [p for _, p in named], grads, turns, _gather_times))
     if profile:
         floor = _all_to_all_floor(world)
         profile["all_to_all_s"] = floor["latency"]

@@ -293,8 +293,16 @@ def test_overhead_tiny(tmp_path: Path) -> None:
     assert {(1, "canzona"), (2, "canzona"), (2, "replicated"), (1, "adamw_foreach")} <= fitted
     names = {t["target"] for t in payload["targets"]}
     assert "slope (µs per matrix)" in names and "fixed (ms per step)" in names
+    for row in saved["rows"]:  # the profiled steps and their replay without canzona
+        if row["world"] > 1:
+            prof = row["profile"]
+            assert prof["collectives"] == 2  # a steady step: the gather and the scatter
+            for key in ("host_gaps_s", "step_calls_s", "replay_calls_s", "replay_s"):
+                assert prof[key] > 0, (key, row)
+            assert prof["host_gaps_s"] + prof["step_calls_s"] < 2 * prof["step_s"]
     section = _section(doc, "overhead")
     assert f"commit `{saved['commit']}`" in section and "### Fit" in section
+    assert "replayed without canzona, at the same moments, the same 2 calls take" in section
 
 
 def test_fused_exchanges_tiny(tmp_path: Path) -> None:
@@ -358,6 +366,27 @@ def test_gc_in_step_tiny(tmp_path: Path) -> None:
     section = _section(doc, "gc_in_step")
     assert f"commit `{saved['commit']}`" in section
     assert "| 64 | `pause_gc=True` |" in section and "| 64 | `pause_gc=False` |" in section
+
+
+def test_replay_timeline_takes_each_gap_from_the_previous_call_s_end() -> None:
+    from _replay import _timeline
+
+    def step(shift: float, length: float) -> tuple[list[tuple[object, ...]], float]:
+        issue = ("issue", 1.0 + shift, 1.5 + shift, (2, 2), (2, 2), "f32", 0)
+        wait = ("wait", 2.0 + 2 * shift, 4.0 + 2 * shift, 0)
+        return [issue, wait], length
+
+    plan = _timeline([step(0.0, 5.0), step(0.2, 6.0), step(0.4, 7.0)])
+    assert plan is not None
+    gaps = [round(gap, 9) for gap, _ in plan]
+    # issue after 1.2 s (median start), wait 0.5 + shift after the issue ended, tail to the end
+    assert gaps == [1.2, 0.7, 1.6]
+    assert [e[0] for _, e in plan] == ["issue", "wait", "end"]
+    other = step(0.0, 5.0)
+    other[0][0] = (*other[0][0][:3], (1, 3), (2, 2), "f32", 0)  # other splits: no one timeline
+    assert _timeline([step(0.0, 5.0), other]) is None
+    foreign = ([("wait", 1.0, 2.0, -1)], 3.0)  # a wait for a collective it did not record
+    assert _timeline([foreign, foreign]) is None
 
 
 def test_overhead_report_fits_each_launch() -> None:
