@@ -455,13 +455,13 @@ def _replay_sentence(rows: Sequence[dict[str, Any]], fixed_ms: float, limit_ms: 
         f"{gaps:.2f} ms of host work between its all-to-all calls and {calls:.2f} ms inside "
         f"them; replayed without canzona, at the same moments, the same {count} calls take "
         f"{replayed:.2f} ms, {replayed / (count * p['all_to_all_s'] * 1e3):.1f}× what "
-        f"{count} all-to-alls entered right after a barrier take. So the collectives of a "
-        "step cost this machine about what the replay's calls take, whatever the code around "
+        f"{count} all-to-alls entered right after a barrier take: what these collectives "
+        "cost at these moments with no canzona code around them. "
         + (
-            f"them: they alone take more than a fixed cost of {limit_ms:g} ms allows (now "
+            f"They alone take more than a fixed cost of {limit_ms:g} ms allows (now "
             f"{fixed_ms:.2f})."
             if replayed >= limit_ms
-            else f"them, and a fixed cost of {limit_ms:g} ms (now {fixed_ms:.2f}) leaves at most "
+            else f"A fixed cost of {limit_ms:g} ms (now {fixed_ms:.2f}) therefore leaves at most "
             f"{limit_ms - replayed:.2f} ms for a step's host work at N = 0, against {gaps:.2f} "
             f"ms between the calls at N = {case[0]['n']}."
         )
