@@ -96,7 +96,7 @@ def _timeline(steps_seen: list[tuple[list[Event], float]]) -> list[tuple[float, 
 
 
 def _replay_step(plan: list[tuple[float, Event]], group: Any, buffers: dict[int, Any]) -> float:
-    """One replayed step after a barrier; returns the seconds spent in the calls."""
+    """One replayed step (the caller passes a barrier first); returns the seconds in the calls."""
     from canzona.runtime.alltoall import all_to_all
 
     works: dict[int, Any] = {}
