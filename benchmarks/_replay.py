@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -76,15 +77,29 @@ def _record(
     return steps_seen, (groups[0] if groups else None)
 
 
+def _steady(steps_seen: list[tuple[list[Event], float]]) -> list[tuple[list[Event], float]]:
+    """The steps that make the calls most of them make (their kinds, sizes and order).
+
+    Empty unless more than half of the steps make them: a stray step (one that checks its
+    header on its own, say) drops out; steps with no common sequence have no timeline.
+    """
+    shapes = [tuple((e[0], *e[3:]) for e in events) for events, _ in steps_seen]
+    common = Counter(shapes).most_common(1)
+    if not common or 2 * common[0][1] <= len(steps_seen):
+        return []
+    return [seen for seen, shape in zip(steps_seen, shapes, strict=True) if shape == common[0][0]]
+
+
 def _timeline(steps_seen: list[tuple[list[Event], float]]) -> list[tuple[float, Event]] | None:
     """The median gap before each call (and the last one to the step's end), or None.
 
-    None when the steps differ in their calls, or a wait is not for an all-to-all the step
-    issued (another collective): such a step has no single timeline to replay.
+    Over the steps that make the calls most steps make (:func:`_steady`); None when there
+    are none, or a wait is not for an all-to-all the step issued (another collective, such
+    as the vote of a step without a scatter): such steps have no timeline to replay.
     """
-    shapes = {tuple((e[0], *e[3:]) for e in events) for events, _ in steps_seen}
-    first = steps_seen[0][0]
-    if len(shapes) != 1 or not first or any(e[0] == "wait" and e[3] < 0 for e in first):
+    steps_seen = _steady(steps_seen)
+    first = steps_seen[0][0] if steps_seen else []
+    if not first or any(e[0] == "wait" and e[3] < 0 for e in first):
         return None
     plan: list[tuple[float, Event]] = []
     for i, event in enumerate(first):
@@ -158,5 +173,7 @@ def replay(
         times["replay_calls_s"].append(inside)
     out = {k: statistics.median(v) for k, v in times.items()}
     out["host_gaps_s"] = sum(gap for gap, _ in plan)
-    out["step_calls_s"] = statistics.median(sum(e[2] - e[1] for e in events) for events, _ in seen)
+    out["step_calls_s"] = statistics.median(
+        sum(e[2] - e[1] for e in events) for events, _ in _steady(seen)
+    )
     return out

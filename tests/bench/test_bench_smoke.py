@@ -382,8 +382,10 @@ def test_replay_timeline_takes_each_gap_from_the_previous_call_s_end() -> None:
     # issue after 1.2 s (median start), wait 0.5 + shift after the issue ended, tail to the end
     assert gaps == [1.2, 0.7, 1.6]
     assert [e[0] for _, e in plan] == ["issue", "wait", "end"]
-    other = step(0.0, 5.0)
-    other[0][0] = (*other[0][0][:3], (1, 3), (2, 2), "f32", 0)  # other splits: no one timeline
+    other = step(9.0, 50.0)
+    other[0][0] = (*other[0][0][:3], (1, 3), (2, 2), "f32", 0)  # other splits
+    # a stray step drops out; without a majority there is no timeline
+    assert _timeline([step(0.0, 5.0), other, step(0.2, 6.0), step(0.4, 7.0)]) == plan
     assert _timeline([step(0.0, 5.0), other]) is None
     foreign = ([("wait", 1.0, 2.0, -1)], 3.0)  # a wait for a collective it did not record
     assert _timeline([foreign, foreign]) is None
