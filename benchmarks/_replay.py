@@ -21,6 +21,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+import canzona.runtime.pipeline as pipeline
+import canzona.runtime.watchdog as watchdog
+from canzona.runtime.alltoall import all_to_all
+
 #: One recorded call: ("issue", start, end, out_splits, in_splits, dtype, key) or
 #: ("wait", start, end, key); times in seconds from the step's start.
 Event = tuple[Any, ...]
@@ -36,19 +40,17 @@ def _record(
     opt: Any, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], steps: int
 ) -> tuple[list[tuple[list[Event], float]], Any]:
     """This rank's all-to-all calls in ``steps`` steps of ``opt``, and each step's length."""
-    import canzona.runtime.pipeline as pipeline
-    import canzona.runtime.watchdog as watchdog
-
     issue, wait = pipeline.all_to_all, watchdog.Watchdog.wait
     events: list[Event] = []
     keys: dict[int, int] = {}
-    groups: list[Any] = []
+    group: list[Any] = []  # the process group of the calls (one for all)
 
-    def issuing(out: Any, inp: Any, out_splits: Any, in_splits: Any, group: Any) -> Any:
+    def issuing(out: Any, inp: Any, out_splits: Any, in_splits: Any, pg: Any) -> Any:
         start = time.perf_counter()
-        work = issue(out, inp, out_splits, in_splits, group)
+        work = issue(out, inp, out_splits, in_splits, pg)
         keys[id(work)] = len(keys)
-        groups.append(group)
+        if not group:
+            group.append(pg)
         splits = (tuple(out_splits), tuple(in_splits))
         events.append(("issue", start, time.perf_counter(), *splits, inp.dtype, keys[id(work)]))
         return work
@@ -74,7 +76,7 @@ def _record(
             steps_seen.append((shifted, length))
     finally:
         pipeline.all_to_all, watchdog.Watchdog.wait = issue, wait  # type: ignore[assignment]
-    return steps_seen, (groups[0] if groups else None)
+    return steps_seen, (group[0] if group else None)
 
 
 def _steady(steps_seen: list[tuple[list[Event], float]]) -> list[tuple[list[Event], float]]:
@@ -112,8 +114,6 @@ def _timeline(steps_seen: list[tuple[list[Event], float]]) -> list[tuple[float, 
 
 def _replay_step(plan: list[tuple[float, Event]], group: Any, buffers: dict[int, Any]) -> float:
     """One replayed step (the caller passes a barrier first); returns the seconds in the calls."""
-    from canzona.runtime.alltoall import all_to_all
-
     works: dict[int, Any] = {}
     inside = 0.0
     clock = time.perf_counter()

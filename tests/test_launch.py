@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -189,9 +191,6 @@ def test_the_parent_warm_up_dispatches_no_dtensor_op_and_runs_no_backward() -> N
     torch 2.14 (CUDA build, no GPU) a process that dispatched a DTensor op and then ran any
     backward pass forks ranks whose first ``backward()`` raises "Unable to handle autograd's
     threading in combination with fork-based multiprocessing" (``canzona demo`` failed so)."""
-    import subprocess
-    import sys
-
     out = subprocess.run(
         [sys.executable, "-c", _WARM_UP_PROBE],
         capture_output=True,
