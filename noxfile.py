@@ -63,7 +63,7 @@ def tests(session: nox.Session) -> None:
 # The newest torch release the suite is checked on. Its PyPI wheel is the CUDA build (about
 # 3 GB with its NVIDIA libraries; it runs on CPU-only machines), and it brings the triton
 # release it pins, so TorchTitan goes in without ours.
-TORCH_NEXT = "torch==2.14.1"
+TORCH_NEXT = "torch==2.15.0"
 
 
 @nox.session

@@ -188,9 +188,10 @@ print(seen.ops, len(backwards))
 
 def test_the_parent_warm_up_dispatches_no_dtensor_op_and_runs_no_backward() -> None:
     """Catches: a warm-up that runs a DTensor op or a backward pass in the parent. With
-    torch 2.14 (CUDA build, no GPU) a process that dispatched a DTensor op and then ran any
-    backward pass forks ranks whose first ``backward()`` raises "Unable to handle autograd's
-    threading in combination with fork-based multiprocessing" (``canzona demo`` failed so)."""
+    torch 2.14 and 2.15 (CUDA builds, no GPU) a process that dispatched a DTensor op and
+    then ran any backward pass forks ranks whose first ``backward()`` raises "Unable to
+    handle autograd's threading in combination with fork-based multiprocessing" (``canzona
+    demo`` failed so)."""
     out = subprocess.run(
         [sys.executable, "-c", _WARM_UP_PROBE],
         capture_output=True,
@@ -203,7 +204,7 @@ def test_the_parent_warm_up_dispatches_no_dtensor_op_and_runs_no_backward() -> N
 
 
 def test_ranks_run_backward_after_the_parent_warmed_up_and_ran_one() -> None:
-    """Catches (on torch 2.14's CUDA build, where the bug shows): ranks forked from a
+    """Catches (on the CUDA builds of torch 2.14 and 2.15, where the bug shows): ranks forked from a
     parent whose warm-up dispatched DTensor ops and which then ran a backward pass of its
     own cannot run ``backward()``. On torch 2.13 this passes either way; the test above
     catches the cause there."""

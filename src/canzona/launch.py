@@ -83,7 +83,7 @@ def prepare_parent() -> None:
 def _warm_up() -> None:
     """What the ranks import and a mesh on a ``fake`` process group, destroyed afterwards.
 
-    No DTensor op runs here: with torch 2.14 (its CUDA build, on a machine without a GPU) a
+    No DTensor op runs here: with torch 2.14 and 2.15 (CUDA builds, on a machine without a GPU) a
     process that dispatched one and then ran a backward pass has started autograd's device
     threads, and a rank forked from it raises "Unable to handle autograd's threading in
     combination with fork-based multiprocessing" at its first ``backward()``.
