@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from canzona.launch import RankFailure, run_ranks
@@ -186,27 +187,33 @@ print(seen.ops, len(backwards))
 """
 
 
-def test_the_parent_warm_up_dispatches_no_dtensor_op_and_runs_no_backward() -> None:
-    """Catches: a warm-up that runs a DTensor op or a backward pass in the parent. With
-    torch 2.14 and 2.15 (CUDA builds, no GPU) a process that dispatched a DTensor op and
-    then ran any backward pass forks ranks whose first ``backward()`` raises "Unable to
-    handle autograd's threading in combination with fork-based multiprocessing" (``canzona
-    demo`` failed so)."""
+def _last_line(script: str) -> tuple[str, str]:
+    """The last line ``script`` prints in a fresh process, and everything it wrote."""
     out = subprocess.run(
-        [sys.executable, "-c", _WARM_UP_PROBE],
+        [sys.executable, "-c", script],
         capture_output=True,
         text=True,
         timeout=120,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
         check=True,
     )
-    assert out.stdout.strip().splitlines()[-1] == "[] 0", out.stdout + out.stderr
+    return out.stdout.strip().splitlines()[-1], out.stdout + out.stderr
+
+
+def test_the_parent_warm_up_dispatches_no_dtensor_op_and_runs_no_backward() -> None:
+    """Catches: a warm-up that runs a DTensor op or a backward pass in the parent. With
+    torch 2.14 and 2.15 (CUDA builds, no GPU) a process that dispatched a DTensor op and
+    then ran any backward pass forks ranks whose first ``backward()`` raises "Unable to
+    handle autograd's threading in combination with fork-based multiprocessing" (``canzona
+    demo`` failed so)."""
+    last, output = _last_line(_WARM_UP_PROBE)
+    assert last == "[] 0", output
 
 
 def test_ranks_run_backward_after_the_parent_warmed_up_and_ran_one() -> None:
-    """Catches (on the CUDA builds of torch 2.14 and 2.15, where the bug shows): ranks forked from a
-    parent whose warm-up dispatched DTensor ops and which then ran a backward pass of its
-    own cannot run ``backward()``. On torch 2.13 this passes either way; the test above
+    """Catches (on the CUDA builds of torch 2.14 and 2.15, where the bug shows): ranks
+    forked from a parent whose warm-up dispatched DTensor ops and which then ran a backward
+    pass of its own cannot run ``backward()``. On torch 2.13 this passes either way; the test above
     catches the cause there."""
     import torch
 
@@ -217,3 +224,56 @@ def test_ranks_run_backward_after_the_parent_warmed_up_and_ran_one() -> None:
     (2 * x).sum().backward()  # the parent trains a little before it forks ranks
     sums = run_ranks(2, _backward_in_a_rank)
     assert sums[0] == sums[1] != 0.0
+
+
+_POISONED_PARENT = """
+import os
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from canzona.launch import RankFailure, _FORK_HINT, run_ranks
+
+with tempfile.TemporaryDirectory() as tmp:
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
+    mesh = init_device_mesh("cpu", (1,))
+    w = distribute_tensor(torch.ones(4, 4, requires_grad=True), mesh, [Shard(0)])
+    (2 * w).sum().backward()  # the parent trains a little, on DTensors, before it forks
+    dist.destroy_process_group()
+
+pid = os.fork()  # does this torch refuse backward() in a child of such a process?
+if pid == 0:
+    try:
+        torch.ones(1, requires_grad=True).sum().backward()
+    except RuntimeError:
+        os._exit(3)
+    os._exit(0)
+if os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) != 3:
+    print("backward runs in forked children")
+    sys.exit(0)
+
+
+def job(progress):
+    x = torch.ones(3, requires_grad=True)
+    (2 * x).sum().backward()
+
+
+try:
+    run_ranks(2, job)
+except RankFailure as failure:
+    print(str(failure).count(_FORK_HINT))
+"""
+
+
+def test_ranks_that_cannot_run_backward_after_the_parent_trained_say_what_to_do() -> None:
+    """Catches: a rank's report without the hint when torch refuses its ``backward()``
+    because the parent ran a backward pass after a DTensor op (the CUDA builds of torch
+    2.14 and 2.15; skipped where torch runs it, as the CPU build of 2.13 does)."""
+    last, output = _last_line(_POISONED_PARENT)
+    if last == "backward runs in forked children":
+        pytest.skip(f"torch {torch.__version__} runs backward() in such a parent's forked ranks")
+    assert last == "2", output  # both ranks' reports carry it

@@ -132,9 +132,25 @@ def _rank_main(
         conn.send_bytes(pickle.dumps(("done", result)))
     except BaseException:
         with contextlib.suppress(Exception):
-            conn.send_bytes(pickle.dumps(("error", traceback.format_exc())))
+            conn.send_bytes(pickle.dumps(("error", _with_hint(traceback.format_exc()))))
         os._exit(1)
     os._exit(0)
+
+
+#: What torch raises at a forked rank's first ``backward()`` when the parent had started
+#: autograd's device threads (torch 2.14 and 2.15, CUDA builds, with or without a GPU).
+_AUTOGRAD_FORK = "Unable to handle autograd's threading in combination with fork-based"
+
+_FORK_HINT = (
+    "canzona.launch: this rank was forked from a process that had run a backward pass "
+    "after a DTensor op (or an FSDP2 forward), and torch cannot run backward() in a rank "
+    "forked from such a process. Train in the ranks only, or fork them from a fresh process."
+)
+
+
+def _with_hint(report: str) -> str:
+    """A failing rank's traceback, with what to do where the cause lies in the parent."""
+    return f"{report.rstrip()}\n{_FORK_HINT}" if _AUTOGRAD_FORK in report else report
 
 
 def _loopback() -> None:
