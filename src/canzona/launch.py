@@ -83,10 +83,10 @@ def prepare_parent() -> None:
 def _warm_up() -> None:
     """What the ranks import and a mesh on a ``fake`` process group, destroyed afterwards.
 
-    No DTensor op runs here: with torch 2.14 and 2.15 (CUDA builds, on a machine without a GPU) a
-    process that dispatched one and then ran a backward pass has started autograd's device
-    threads, and a rank forked from it raises "Unable to handle autograd's threading in
-    combination with fork-based multiprocessing" at its first ``backward()``.
+    No DTensor op runs here: with torch 2.14 and 2.15 (CUDA builds, on a machine without a
+    GPU too) a process that dispatched one and then ran a backward pass has set up
+    autograd's device threads, and a rank forked from it raises "Unable to handle autograd's
+    threading in combination with fork-based multiprocessing" at its first ``backward()``.
     """
     import torch
     import torch.distributed as dist
@@ -137,8 +137,8 @@ def _rank_main(
     os._exit(0)
 
 
-#: What torch raises at a forked rank's first ``backward()`` when the parent had started
-#: autograd's device threads (torch 2.14 and 2.15, CUDA builds, with or without a GPU).
+#: What torch raises at a forked rank's first ``backward()`` when the parent had run a
+#: backward pass after a DTensor op (torch 2.14 and 2.15, CUDA builds, with or without a GPU).
 _AUTOGRAD_FORK = "Unable to handle autograd's threading in combination with fork-based"
 
 _FORK_HINT = (
