@@ -99,6 +99,20 @@ def demo(session: nox.Session) -> None:
     session.run("canzona", "demo", *session.posargs, env=THREAD_ENV)
 
 
+# Other Python releases the suite is checked on, with the pinned torch (CI runs 3.11). For
+# these Pythons the PyPI wheel of torch 2.13.0 is the CUDA build (about 3 GB; it runs on
+# CPU-only machines), and TORCHTITAN pins the triton release it requires.
+OTHER_PYTHONS = ["3.12", "3.13"]
+
+
+@nox.session(python=OTHER_PYTHONS)
+def tests_python(session: nox.Session) -> None:
+    """Run the whole test suite on another Python release (see OTHER_PYTHONS)."""
+    _install(session, "test")
+    session.install("--no-deps", *TORCHTITAN, *STATE_SOURCES)
+    session.run("pytest", "-q", *session.posargs, env=THREAD_ENV)
+
+
 # The other distributed Muon implementations the step-latency benchmark runs side by side
 # with canzona (benchmarks/_peers.py); --no-deps keeps torch pinned (muon-fsdp2 and heavyball
 # compile with triton, installed with TORCHTITAN; opt-einsum is heavyball's only other import).

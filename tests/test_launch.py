@@ -202,7 +202,7 @@ def _last_line(script: str) -> tuple[str, str]:
 
 def test_the_parent_warm_up_dispatches_no_dtensor_op_and_runs_no_backward() -> None:
     """Catches: a warm-up that runs a DTensor op or a backward pass in the parent. With
-    torch 2.14 and 2.15 (CUDA builds, no GPU) a process that dispatched a DTensor op and
+    torch's CUDA builds (2.13 to 2.15, no GPU) a process that dispatched a DTensor op and
     then ran any backward pass forks ranks whose first ``backward()`` raises "Unable to
     handle autograd's threading in combination with fork-based multiprocessing" (``canzona
     demo`` failed so)."""
@@ -211,10 +211,10 @@ def test_the_parent_warm_up_dispatches_no_dtensor_op_and_runs_no_backward() -> N
 
 
 def test_ranks_run_backward_after_the_parent_warmed_up_and_ran_one() -> None:
-    """Catches (on the CUDA builds of torch 2.14 and 2.15, where the bug shows): ranks
-    forked from a parent whose warm-up dispatched DTensor ops and which then ran a backward
-    pass of its own cannot run ``backward()``. On torch 2.13 this passes either way; the test above
-    catches the cause there."""
+    """Catches (on torch's CUDA builds, 2.13 to 2.15, where the bug shows): ranks forked
+    from a parent whose warm-up dispatched DTensor ops and which then ran a backward pass of
+    its own cannot run ``backward()``. On the CPU build of torch 2.13.0 (CI's) this passes
+    either way; the test above catches the cause there."""
     import torch
 
     from canzona.launch import prepare_parent
@@ -271,8 +271,8 @@ except RankFailure as failure:
 
 def test_ranks_that_cannot_run_backward_after_the_parent_trained_say_what_to_do() -> None:
     """Catches: a rank's report without the hint when torch refuses its ``backward()``
-    because the parent ran a backward pass after a DTensor op (the CUDA builds of torch
-    2.14 and 2.15; skipped where torch runs it, as the CPU build of 2.13 does)."""
+    because the parent ran a backward pass after a DTensor op (torch's CUDA builds, 2.13 to
+    2.15; skipped where torch runs it, as the CPU build of 2.13.0, CI's, does)."""
     last, output = _last_line(_POISONED_PARENT)
     if last == "backward runs in forked children":
         pytest.skip(f"torch {torch.__version__} runs backward() in such a parent's forked ranks")

@@ -83,7 +83,7 @@ def prepare_parent() -> None:
 def _warm_up() -> None:
     """What the ranks import and a mesh on a ``fake`` process group, destroyed afterwards.
 
-    No DTensor op runs here: with torch 2.14 and 2.15 (CUDA builds, on a machine without a
+    No DTensor op runs here: with torch's CUDA builds (2.13 to 2.15, on a machine without a
     GPU too) a process that dispatched one and then ran a backward pass has set up
     autograd's device threads, and a rank forked from it raises "Unable to handle autograd's
     threading in combination with fork-based multiprocessing" at its first ``backward()``.
@@ -138,7 +138,7 @@ def _rank_main(
 
 
 #: What torch raises at a forked rank's first ``backward()`` when the parent had run a
-#: backward pass after a DTensor op (torch 2.14 and 2.15, CUDA builds, with or without a GPU).
+#: backward pass after a DTensor op (torch's CUDA builds, 2.13 to 2.15, with or without a GPU).
 _AUTOGRAD_FORK = "Unable to handle autograd's threading in combination with fork-based"
 
 _FORK_HINT = (
