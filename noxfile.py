@@ -101,7 +101,8 @@ def demo(session: nox.Session) -> None:
 
 # Other Python releases the suite is checked on, with the pinned torch (CI runs 3.11). For
 # these Pythons the PyPI wheel of torch 2.13.0 is the CUDA build (about 3 GB; it runs on
-# CPU-only machines), and TORCHTITAN pins the triton release it requires.
+# CPU-only machines), and TORCHTITAN pins the triton release it requires. A release that is
+# not on PATH as pythonX.Y is skipped, and nox says so.
 OTHER_PYTHONS = ["3.12", "3.13"]
 
 
