@@ -52,12 +52,17 @@ TORCHTITAN_TRAINER = [
 STATE_SOURCES = ["muon-optimizer==0.1.0"]
 
 
-@nox.session
-def tests(session: nox.Session) -> None:
-    """Run the whole test suite (multi-process gloo tests included)."""
+def _suite(session: nox.Session) -> None:
+    """The whole test suite with the pinned torch, TorchTitan and the state sources."""
     _install(session, "test")
     session.install("--no-deps", *TORCHTITAN, *STATE_SOURCES)
     session.run("pytest", "-q", *session.posargs, env=THREAD_ENV)
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """Run the whole test suite (multi-process gloo tests included)."""
+    _suite(session)
 
 
 # The newest torch release the suite is checked on. Its PyPI wheel is the CUDA build (about
@@ -109,9 +114,7 @@ OTHER_PYTHONS = ["3.12", "3.13"]
 @nox.session(python=OTHER_PYTHONS)
 def tests_python(session: nox.Session) -> None:
     """Run the whole test suite on another Python release (see OTHER_PYTHONS)."""
-    _install(session, "test")
-    session.install("--no-deps", *TORCHTITAN, *STATE_SOURCES)
-    session.run("pytest", "-q", *session.posargs, env=THREAD_ENV)
+    _suite(session)
 
 
 # The other distributed Muon implementations the step-latency benchmark runs side by side

@@ -215,8 +215,6 @@ def test_ranks_run_backward_after_the_parent_warmed_up_and_ran_one() -> None:
     from a parent whose warm-up dispatched DTensor ops and which then ran a backward pass of
     its own cannot run ``backward()``. On the CPU build of torch 2.13.0 (CI's) this passes
     either way; the test above catches the cause there."""
-    import torch
-
     from canzona.launch import prepare_parent
 
     prepare_parent()
