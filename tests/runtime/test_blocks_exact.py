@@ -300,11 +300,24 @@ def _two_rank_case(layout: str) -> dict[str, Any]:
         opt.step()
     want = reference_blocks(fulls, grads, lambda ps: torch.optim.Muon(ps), TWO_SPLITS)
     got = {n: p.full_tensor() for n, p in params}
+    (qkv_group,) = [g for g in opt.param_groups if g["param_names"] == ["qkv.weight"]]
+    declared = qkv_group["split"]
+    qkv_group["split"] = Split(dim=0, sizes=(8, 4))  # edited between steps: 12 of 20 rows
+    edited = []
+    for _ in range(2):  # refused at every step until resolved
+        try:
+            opt.step()
+            edited.append("no error")
+        except canzona.UpdateFailedError as exc:
+            edited.append(str(exc))
+    qkv_group["split"] = declared
+    opt.step()  # resolved: the step goes on
     return {
         "same": compare(got, want),
         "placements": placements,
         "errors": errors,
         "collectives": collectives,
+        "edited": edited,
     }
 
 
@@ -315,7 +328,8 @@ def test_blocks_on_two_ranks_with_defaults_match_torch_muon(dist: Any, layout: s
 
     Catches: a block straddling the one shard boundary gathered from the wrong offset (or
     from its first rank only), defaults that differ from torch's, a declaration checked after
-    (or inside) a collective, and a message that differs between ranks."""
+    (or inside) a collective, a message that differs between ranks, and a split edited into
+    a bad one between steps failing the step without naming its parameter."""
     out = dist(2).run(_two_rank_case, layout)
     assert_bitwise([{layout: r["same"]} for r in out], BLOCKS_VS_TORCH)
     assert all(r["placements"] == TWO_PLACEMENTS[layout] for r in out), out[0]["placements"]
@@ -327,6 +341,8 @@ def test_blocks_on_two_ranks_with_defaults_match_torch_muon(dist: Any, layout: s
     assert f"parameter 'qkv.weight': {sums}" in summed
     assert f"parameter 'qkv.weight': {sums}" in raw
     assert [r["collectives"] for r in out] == [0, 0]
+    edited = "parameter 'qkv.weight': Split sizes (8, 4) sum to 12, but dimension 0 of the matrix"
+    assert all(edited in message for r in out for message in r["edited"]), out[0]["edited"]
 
 
 #: Equal row blocks (heads) and experts split into blocks: 3-D targets of 30 and 24 elements.

@@ -106,6 +106,7 @@ def _marking(monkeypatch: pytest.MonkeyPatch, store: _Store, rank: int, world: i
     from canzona.runtime import watchdog as module
 
     monkeypatch.setattr(module, "default_store", lambda: store)
+    monkeypatch.setattr(module.dist, "get_process_group_ranks", lambda _: list(range(world)))
     watchdog = Watchdog(object(), rank, world, 5.0, tag="t")  # type: ignore[arg-type]
     assert watchdog.markers
     return watchdog
@@ -116,14 +117,13 @@ def test_ranks_behind_in_the_same_step_or_in_none_are_named(
 ) -> None:
     """Catches: ranks compared by step alone (a rank stuck at an earlier collective of the
     same step would not be named)."""
-    store = _Store(
-        {
-            "canzona/progress/t/1": "7|1|the gather of micro-group 0",
-            "canzona/progress/t/2": "7|3|the scatter of micro-group 1",
-            "canzona/progress/t/3": "6|9|the step's success vote",
-        }
-    )
+    store = _Store({})
     watchdog = _marking(monkeypatch, store, 2, 5)
+    store.entries = {
+        watchdog._key(1): "7|1|the gather of micro-group 0",
+        watchdog._key(2): "7|3|the scatter of micro-group 1",
+        watchdog._key(3): "6|9|the step's success vote",
+    }
     watchdog.step = 7
     watchdog.mark(3, "the scatter of micro-group 1")
     assert watchdog.behind() == [
@@ -169,3 +169,60 @@ def test_a_peer_that_leaves_is_named_as_a_closed_connection(dist: Any) -> None:
     kind, message = out[0]
     assert kind == "CollectiveTimeoutError", message
     assert "of the 30s deadline: a peer rank closed its connection" in message
+
+
+def _stages_with_equal_names() -> tuple[str, str]:
+    """Two pipeline stages (mesh ``(pp, dp)``), each with its own optimizer on its dp group,
+    over parameters of the same name and shape; at the second step stage 1 misses a
+    gradient on its second rank, and stage 0's second rank comes late (healthy)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    rank = tdist.get_rank()
+    stage = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))["dp"]
+    full = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
+    p = torch.nn.Parameter(distribute_tensor(full, stage, [Shard(0)], src_data_rank=None))
+    pipeline = canzona.PipelineConfig(process_group=stage.get_group(), timeout_s=30.0)
+    opt = canzona.Muon([("w", p)], lr=0.02, pipeline=pipeline)
+    for step in range(2):
+        missing = step == 1 and rank == 3
+        ones = torch.ones(8, 4)
+        p.grad = None if missing else distribute_tensor(ones, stage, [Shard(0)], src_data_rank=None)
+        if step == 1 and rank == 1:
+            time.sleep(2.5)  # past the grace and one look at the store of the peer waiting
+        try:
+            opt.step()
+        except Exception as exc:
+            return type(exc).__name__, str(exc)
+        opt.zero_grad()
+    return "ok", ""
+
+
+def test_optimizers_on_disjoint_groups_keep_their_markers_apart(dist: Any) -> None:
+    """Catches: the markers keyed by the optimizer's name and group rank only, so that a
+    stage's healthy rank waiting for a late peer reads the other stage's failure as its
+    own peer leaving (``CollectiveTimeoutError``, a collective left in flight); and an
+    error of a stage's group naming its ranks without saying which global ranks they are."""
+    out = dist(4).run(_stages_with_equal_names, timeout=90)
+    assert out[:2] == [("ok", ""), ("ok", "")]
+    note = (
+        "(rank numbers here are ranks of the optimizer's process group, whose ranks 0 and 1 "
+        "are global ranks 2, 3)"
+    )
+    for kind, message in out[2:]:
+        assert kind == "GradientMismatchError", message
+        assert message.endswith(
+            f"(missing on ranks [1]). Every rank must produce a gradient "
+            f"for the same parameters (or none), in the same placements. {note}"
+        )
+
+
+def test_a_group_of_the_global_ranks_in_order_adds_no_note() -> None:
+    """Catches: the note appended where rank numbers already are the global ones."""
+    assert Watchdog(None, 0, 1, 1.0).rank_note() == ""
+    identity = Watchdog(None, 0, 3, 1.0)
+    identity.global_ranks = (0, 1, 2)
+    assert identity.rank_note() == ""
+    shifted = Watchdog(None, 0, 3, 1.0)
+    shifted.global_ranks = (4, 5, 6)
+    assert shifted.rank_note().endswith("whose ranks 0 to 2 are global ranks 4, 5, 6)")

@@ -164,11 +164,12 @@ class OwnerState:
         self._end()
 
     # ------------------------------------------------------------------ keys
-    def specs(self, p: Tensor, group: dict[str, Any]) -> Specs:
+    def specs(self, p: Tensor, group: dict[str, Any], *, name: str = "the parameter") -> Specs:
         """Owner-held state of ``p``'s matrices: key -> (shape, dtype, block).
 
         A split parameter has one state per block, under ``"<key>#<block>"``; a
         matricised N-D weight (``flatten``) the state of its ``(shape[0], rest)`` matrix.
+        ``name`` names ``p`` in the error of a split that does not tile its matrix.
         """
         m, n = matrix_shape(p, group)
         split = group.get("split")
@@ -178,17 +179,22 @@ class OwnerState:
                 k: (shape, dt, None) for k, (shape, dt) in self.matrix_specs(mat, group).items()
             }
         out: Specs = {}
-        for j, shape in enumerate(split.shapes(m, n)):
+        for j, shape in enumerate(split.shapes(m, n, name=name)):
             block = torch.empty(shape, dtype=p.dtype, device="meta")
             for k, (s, dt) in self.matrix_specs(block, group).items():
                 out[f"{k}#{j}"] = (s, dt, j)
         return out
 
-    def kind(self, p: Tensor, group: dict[str, Any]) -> tuple[object, ...]:
-        """What state ``p`` has in ``group``: its algorithm and owner-held keys and shapes."""
+    def kind(
+        self, p: Tensor, group: dict[str, Any], *, name: str = "the parameter"
+    ) -> tuple[object, ...]:
+        """What state ``p`` has in ``group``: its algorithm and owner-held keys and shapes.
+
+        ``name`` names ``p`` in the error of a split that does not tile its matrix.
+        """
         if group["algorithm"] == ADAMW or p.numel() == 0:
             return (group["algorithm"],)
-        return (group["algorithm"], *sorted(self.specs(p, group).items()))
+        return (group["algorithm"], *sorted(self.specs(p, group, name=name).items()))
 
     def add_placeholders(self, p: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
         """List ``p``'s owner-held keys in its ``optimizer.state`` entry, as empty tensors.

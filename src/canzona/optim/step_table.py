@@ -116,6 +116,13 @@ class StepTableMixin:
             shapes(params),  # ``p.data`` replaced by another shape: another table
         )
         if self._table is None or key != self._table_key:
+            # first what may raise (a split that does not tile its matrix): the key is kept
+            # only with a table built, so the check runs again at every step until resolved
+            names = self._flat()[1]
+            kinds = [
+                self._owner.kind(p, groups[g], name=f"parameter {n!r}")
+                for p, g, n in zip(params, gids, names, strict=True)
+            ]
             matrix = [
                 i
                 for i, (p, gid) in enumerate(zip(params, gids, strict=True))
@@ -152,8 +159,7 @@ class StepTableMixin:
                 calibration=tuple(self._calibration_phases(g) for g in groups),
             )
             self._table_key = key
-            kinds = [self._owner.kind(p, groups[g]) for p, g in zip(params, gids, strict=True)]
-            self._moved = check_moves(params, self._flat()[1], kinds, self.state, self._kinds)
+            self._moved = check_moves(params, names, kinds, self.state, self._kinds)
             if self._moved is not None:
                 self._table_key = ()  # checked again at every step until resolved
         hparams = step_hparams(groups)

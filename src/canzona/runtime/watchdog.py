@@ -72,6 +72,10 @@ class Watchdog:
             ranks agree on when planning), which the marker of a rank that left a call
             (:meth:`left`) is filed under.
         calls: The optimizer's collective calls begun (shared by its watchdogs).
+        global_ranks: The default group's rank of each rank of ``process_group``, in order
+            (empty without a process group). Its digest is part of every key in the store:
+            optimizers on disjoint groups (pipeline stages) never read each other's markers,
+            even where they optimize parameters of the same names and shapes.
 
     The default store is looked up only when a marker is published or read, never kept,
     so an optimizer does not keep it alive past ``destroy_process_group()``.
@@ -88,6 +92,8 @@ class Watchdog:
     grace_s: float = 1.0
     name: str = ""
     calls: Calls = field(default_factory=Calls)
+    global_ranks: tuple[int, ...] = field(init=False, default=())
+    _space: str = field(init=False, default="")
     _label: str = ""
     _position: tuple[int, int] = (0, 0)
     _recent: deque[Any] = field(default_factory=lambda: deque(maxlen=RETAINED_WORKS), repr=False)
@@ -96,9 +102,13 @@ class Watchdog:
         self.markers = (
             self.markers and self.process_group is not None and default_store() is not None
         )
+        if self.process_group is not None:
+            self.global_ranks = tuple(dist.get_process_group_ranks(self.process_group))
+            ranks = ",".join(map(str, self.global_ranks))
+            self._space = hashlib.sha1(ranks.encode()).hexdigest()[:8]
 
     def _key(self, rank: int) -> str:
-        return f"{_PREFIX}/{self.tag}/{rank}"
+        return f"{_PREFIX}/{self._space}/{self.tag}/{rank}"
 
     def mark(self, phase: int, label: str) -> None:
         """Record that this rank is about to enter collective ``phase`` of the step."""
@@ -120,7 +130,23 @@ class Watchdog:
             self.markers = False  # the store went away: keep running without markers
 
     def _left_key(self, rank: int) -> str:
-        return f"{_PREFIX}/{self.name}/left/{rank}"
+        return f"{_PREFIX}/{self._space}/{self.name}/left/{rank}"
+
+    def rank_note(self) -> str:
+        """What the rank numbers of this optimizer's messages are, where not global ranks.
+
+        Empty where the process group's ranks are the default group's (rank ``r`` is global
+        rank ``r``); else a sentence that maps them, e.g. for a pipeline stage's group.
+        """
+        ranks = self.global_ranks
+        if ranks == tuple(range(len(ranks))):
+            return ""
+        shown = ", ".join(map(str, ranks[:16])) + (", ..." if len(ranks) > 16 else "")
+        own = "0 and 1" if len(ranks) == 2 else f"0 to {len(ranks) - 1}"
+        return (
+            f"(rank numbers here are ranks of the optimizer's process group, whose ranks {own} "
+            f"are global ranks {shown})"
+        )
 
     def left(self, exc: BaseException) -> None:
         """This rank leaves the current call with ``exc``: tell peers that may wait for it.
