@@ -73,6 +73,36 @@ def test_a_late_peer_is_reported_after_the_deadline() -> None:
     assert "closed" not in message
 
 
+class _GlooWork:
+    """A collective whose peer never comes, waited on as gloo does: the timeout in whole
+    milliseconds, rounded down, and no limit at all for 0 ms (the peer arrives then, much
+    later: the wait returns)."""
+
+    def __init__(self) -> None:
+        self.timeouts: list[int] = []
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        assert timeout is not None
+        ms = int(timeout.total_seconds() * 1000)
+        self.timeouts.append(ms)
+        if ms == 0:
+            return True
+        time.sleep(ms / 1000)
+        raise RuntimeError(f"Timed out waiting {ms}ms for recv operation to complete")
+
+
+@pytest.mark.parametrize("timeout_s", [0.0505, 0.0005])
+def test_a_deadline_of_a_fraction_of_a_millisecond_still_ends_the_wait(timeout_s: float) -> None:
+    """Catches: a wait woken less than a millisecond before the deadline (gloo rounds its
+    timeout down to whole milliseconds) waiting again with a timeout of 0 ms, which gloo
+    takes as no limit: the step went on waiting for a late peer past ``timeout_s``."""
+    watchdog = Watchdog(None, 0, 2, timeout_s)
+    work = _GlooWork()
+    with pytest.raises(CollectiveTimeoutError, match=f"did not complete within {timeout_s:g}s"):
+        watchdog.wait(work, "the gather of micro-group 0")
+    assert work.timeouts and min(work.timeouts) >= 1, work.timeouts
+
+
 def test_an_early_failure_is_not_reported_as_the_deadline() -> None:
     """Catches: the process group's own (shorter) timeout reported as ``timeout_s`` passing."""
     watchdog = Watchdog(None, 1, 2, 60.0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import math
 import pickle
 import re
 import time
@@ -231,7 +232,7 @@ class Watchdog:
         grace = min(self.grace_s, self.timeout_s / 2) if self.markers else 0.0
         if grace > 0:
             try:
-                work.wait(timeout=timedelta(seconds=grace))
+                work.wait(timeout=_limit(grace))
                 return
             except RuntimeError as exc:
                 if _CLOSED.search(str(exc)):
@@ -242,7 +243,7 @@ class Watchdog:
             begun = time.monotonic()
             chunk = deadline - begun if grace <= 0 else min(grace, deadline - begun)
             try:
-                work.wait(timeout=timedelta(seconds=max(chunk, 0.0)))
+                work.wait(timeout=_limit(chunk))
                 return
             except RuntimeError as exc:
                 now = time.monotonic()
@@ -294,6 +295,16 @@ class Watchdog:
         return CollectiveTimeoutError(
             f"{where} did not complete within {self.timeout_s:g}s; {who} ({exc})"
         )
+
+
+def _limit(seconds: float) -> timedelta:
+    """A wait's timeout in whole milliseconds, rounded up, at least one.
+
+    gloo takes a timeout in whole milliseconds, rounded down, and waits without a limit for
+    0 ms: a wait woken a fraction of a millisecond before the deadline would otherwise wait
+    again for as long as the peers take, past the deadline.
+    """
+    return timedelta(milliseconds=max(1, math.ceil(seconds * 1000)))
 
 
 #: Optimizers built in this process, per description digest (see :func:`marker_name`).
