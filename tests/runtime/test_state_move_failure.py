@@ -53,15 +53,9 @@ def _held(opt: Any, params: list[tuple[str, Any]], *, clone: bool) -> dict[str, 
     return out
 
 
-def _run(name: str, case: dict[str, Any] | None) -> dict[str, Any]:
-    """Two steps on FIRST, ``add_param_group(LATER)`` (the next step re-plans and moves the
-    owner-held state), and three more steps; before the third, every run loads the state
-    saved after the first and saves. ``case["when"]`` says which call fails: rank
-    ``case["rank"]``'s ``case["buffer"]``-th state buffer of the exchange ``case["what"]``
-    raises in the move (``"move"``), the save (``"save"``) or the load (``"load"``).
-    The failed call is taken again."""
+def _setup(name: str) -> tuple[list[tuple[str, Any]], Any]:
+    """FIRST and LATER sharded on a (2,) mesh; an optimizer over FIRST."""
     shapes = {**FIRST, **LATER}
-    grads = grad_steps(shapes, 5)
     params = sharded_params(full_tensors(shapes), mesh((2,)), {n: (Shard(0),) for n in shapes})
     opt = getattr(canzona, name)(
         params[: len(FIRST)],
@@ -69,6 +63,18 @@ def _run(name: str, case: dict[str, Any] | None) -> dict[str, Any]:
         plan=canzona.PlanConfig(strategy="numel"),
         pipeline=canzona.PipelineConfig(timeout_s=20.0),
     )
+    return params, opt
+
+
+def _run(name: str, case: dict[str, Any] | None) -> dict[str, Any]:
+    """Two steps on FIRST, ``add_param_group(LATER)`` (the next step re-plans and moves the
+    owner-held state), and three more steps; before the third, every run loads the state
+    saved after the first and saves. ``case["when"]`` says which call fails: rank
+    ``case["rank"]``'s ``case["buffer"]``-th state buffer of the exchange ``case["what"]``
+    raises in the move (``"move"``), the save (``"save"``) or the load (``"load"``).
+    The failed call is taken again."""
+    params, opt = _setup(name)
+    grads = grad_steps({**FIRST, **LATER}, 5)
     real = statecomm.state_buffer
     calls = [0]
     out: dict[str, Any] = {}
@@ -162,3 +168,53 @@ def test_a_state_exchange_that_fails_on_one_rank_fails_everywhere(
         assert out["unchanged"] is True
         assert out["params"] is True
         assert out["state"] is True
+
+
+def _cleared_on_one_rank(name: str) -> dict[str, Any]:
+    """Two steps, then rank 1 alone clears the first parameter's ``optimizer.state`` entry;
+    ``state_dict()`` and a step that re-plans (after ``add_param_group``) are tried, then
+    rank 0 clears it too and the step is taken again."""
+    params, opt = _setup(name)
+    grads = grad_steps({**FIRST, **LATER}, 3)
+    for g in grads[:2]:
+        set_grads(params[: len(FIRST)], g)
+        opt.step()
+    first = params[0][1]
+    if tdist.get_rank() == 1:
+        opt.state.pop(first)
+    out: dict[str, Any] = {}
+    try:
+        opt.state_dict()
+    except canzona.UpdateFailedError as exc:
+        out["save"] = str(exc)
+    opt.add_param_group({"params": params[len(FIRST) :]})
+    set_grads(params, grads[2])
+    before = _held(opt, params, clone=True)
+    try:
+        opt.step()
+    except canzona.UpdateFailedError as exc:
+        out["move"] = str(exc)
+        out["unchanged"] = _same(before, _held(opt, params, clone=False))
+    opt.state.pop(first, None)  # cleared on every rank: the step goes on
+    opt.step()
+    out["stepped"] = "step" in opt.state[first]
+    return out
+
+
+@pytest.mark.parametrize("name", ["Shampoo", "NorMuon"])
+def test_a_state_entry_cleared_on_one_rank_fails_the_exchange_everywhere(
+    dist: Any, name: str
+) -> None:
+    """Catches: ranks that read different owner-held state entries from their own
+    ``optimizer.state`` entering different exchanges (gloo aborted the job with a
+    collective mismatch; a rank without entries skipped the exchange the others waited in).
+    Every rank must raise the same error naming the parameter, change nothing, and step on
+    once the entry is cleared on every rank."""
+    detail = "('a0' on ranks [0] only), as when an optimizer.state entry is cleared on some"
+    for out in dist(2).run(_cleared_on_one_rank, name, timeout=TIMEOUT):
+        assert out["save"].startswith(f"{EXPORT}: the ranks hold owner-held state"), out
+        assert detail in out["save"], out["save"]
+        assert out["move"].startswith(f"{IMPORT}: the ranks hold owner-held state"), out
+        assert detail in out["move"], out["move"]
+        assert out["unchanged"] is True
+        assert out["stepped"] is True

@@ -18,6 +18,7 @@ from canzona.plan import Split
 from canzona.runtime import (
     Snapshot,
     StateEntry,
+    agree_entries,
     as_storage_layout,
     check_all_ok,
     first_problem,
@@ -100,10 +101,20 @@ class CheckpointMixin:
         """
         return None
 
-    def _stepped_entries(self, params: list[Tensor], gids: list[int]) -> list[StateEntry]:
-        """The owner-held state tensors of the parameters that have stepped."""
+    def _stepped_entries(
+        self, params: list[Tensor], gids: list[int], what: str
+    ) -> list[StateEntry]:
+        """The owner-held state tensors of the parameters that have stepped.
+
+        In a job the ranks agree on them first (collective; ``what`` names the call that
+        moves them): each rank reads its own ``optimizer.state``.
+        """
         stepped = {i for i, p in enumerate(params) if "step" in self.state.get(p, {})}
-        return self._owner.entries(params, [self.param_groups[g] for g in gids], stepped)
+        entries = self._owner.entries(params, [self.param_groups[g] for g in gids], stepped)
+        if self._runtime.distributed:
+            names = self._flat()[1]
+            agree_entries(entries, names, watchdog=self._runtime.watchdog, what=what)
+        return entries
 
     def _sync_plan(self) -> None:
         """Agree on the plan with every rank (collective); re-plans and moves state if needed."""
@@ -122,7 +133,7 @@ class CheckpointMixin:
         A move that raises leaves the state where ``previous`` holds it, and the next step
         (or ``state_dict()``) plans again and moves it.
         """
-        entries = self._stepped_entries(params, gids)
+        entries = self._stepped_entries(params, gids, "moving the owner-held state to its owners")
         try:
             self._owner.migrate(previous, snapshot(self._runtime), params, entries)
         except BaseException:
@@ -150,7 +161,7 @@ class CheckpointMixin:
         """The state dict of torch.optim with saved param-group values and owner-held state."""
         sd["param_groups"] = saved_groups(sd["param_groups"])
         params, _, gids = self._flat()
-        entries = self._stepped_entries(params, gids)
+        entries = self._stepped_entries(params, gids, "exporting the owner-held state")
         if not entries:
             return sd
         self._sync_plan()

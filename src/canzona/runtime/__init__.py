@@ -15,7 +15,14 @@ from canzona.runtime.engine import MatrixRuntime, StepStart
 from canzona.runtime.layout import Fragment, LayoutError, fragment_for
 from canzona.runtime.pipeline import Failure, StepDeclined, StepStats
 from canzona.runtime.routing import Item
-from canzona.runtime.statecomm import Snapshot, StateEntry, export_state, import_state, snapshot
+from canzona.runtime.statecomm import (
+    Snapshot,
+    StateEntry,
+    agree_entries,
+    export_state,
+    import_state,
+    snapshot,
+)
 from canzona.runtime.table import ApplyBatch, ComputeBatch, ParamRow, StepTable
 from canzona.runtime.tensors import (
     all_finite,
@@ -55,6 +62,7 @@ __all__ = [
     "StepStats",
     "StepTable",
     "UpdateFailedError",
+    "agree_entries",
     "all_finite",
     "as_storage_layout",
     "check_all_ok",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -12,12 +13,12 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
-from canzona.runtime.checks import vote
+from canzona.runtime.checks import VOTE, vote
 from canzona.runtime.config import UpdateFailedError
 from canzona.runtime.layout import Fragment, fragment_for, full_fragment
 from canzona.runtime.routing import Item, Route, _unravel
 from canzona.runtime.topology import ParamLayout, Topology, positions_in
-from canzona.runtime.watchdog import Watchdog
+from canzona.runtime.watchdog import Watchdog, gather_ints, gather_objects
 
 if TYPE_CHECKING:
     from canzona.runtime.engine import MatrixRuntime
@@ -230,6 +231,42 @@ def _zeros(snap: Snapshot, what: str, shape: Sequence[int], dtype: torch.dtype) 
     """A zero-filled state tensor allocated through :func:`state_buffer`."""
     flat = state_buffer(what, math.prod(shape), dtype, snap.watchdog.device)
     return flat.zero_().view(tuple(shape))
+
+
+def agree_entries(
+    entries: Sequence[StateEntry], names: Sequence[str], *, watchdog: Watchdog, what: str
+) -> None:
+    """Raise the same error on every rank unless all hold the same entries (collective).
+
+    Which parameters have owner-held state is read from each rank's ``optimizer.state``
+    (a parameter has it once it stepped): an entry cleared on some ranks only would have
+    the ranks exchange different state, a collective mismatch that aborts the job.
+
+    Raises:
+        UpdateFailedError: naming the parameters whose state only some ranks hold.
+    """
+    text = repr([(e.param, e.key, e.shape, str(e.dtype), e.block, e.stack) for e in entries])
+    digest = int(hashlib.sha1(text.encode()).hexdigest()[:15], 16)
+    rows = gather_ints(
+        [len(entries), digest], watchdog=watchdog, phase=VOTE, what=f"{what} (its entries)"
+    )
+    if all(row == rows[0] for row in rows):
+        return
+    held: list[list[int]] = gather_objects(
+        sorted({e.param for e in entries}), watchdog=watchdog, phase=VOTE, what=f"{what} (params)"
+    )
+    anywhere, everywhere = set().union(*held), set(held[0]).intersection(*held)
+    differ = sorted(anywhere - everywhere)
+    detail = "; ".join(
+        f"{names[i]!r} on ranks {[r for r, h in enumerate(held) if i in h]} only"
+        for i in differ[:3]
+    ) + (f" and {len(differ) - 3} more" if len(differ) > 3 else "")
+    raise UpdateFailedError(
+        f"{what}: the ranks hold owner-held state for different parameters "
+        f"({detail or 'the same parameters, different entries'}), as when an optimizer.state "
+        "entry is cleared on some ranks only; clear it on every rank, or load a checkpoint on "
+        "every rank. Nothing changed"
+    )
 
 
 def _exchange_all_or_none(
