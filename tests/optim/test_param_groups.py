@@ -568,6 +568,47 @@ def test_flatten_leaves_a_convolution_forced_to_adamw_there() -> None:
     assert "conv.weight" in [n for n, _ in groups[-1]["params"]]
 
 
+class _Vision(nn.Module):
+    """A ViT/SAM-like stem: a patch convolution, 4-D embeddings and tokens, a conv head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.patch = nn.Conv2d(3, 8, 2)
+        self.pos_embed = nn.Parameter(torch.zeros(1, 4, 4, 8))
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, 1, 8))
+        self.conv1d = nn.Conv1d(1, 8, 4, bias=False)
+        self.output = nn.Conv2d(8, 5, 1)
+
+
+def _flattened(groups: list[dict[str, Any]]) -> list[str]:
+    return [n for g in groups if g.get("flatten") for n, _ in g["params"]]
+
+
+def test_flatten_takes_no_weight_that_adamws_rules_claim() -> None:
+    """Catches: flatten=True taking every >3-D or convolution weight left to AdamW, among
+    them positional embeddings and class tokens registered as 4-D parameters (a 1×8 token
+    orthogonalised as a matrix) and an output head that is a convolution."""
+    groups = canzona.param_groups(_Vision(), flatten=True)
+    assert _flattened(groups) == ["patch.weight", "conv1d.weight"]
+    adamw = [n for n, _ in groups[-1]["params"]]
+    assert adamw == ["pos_embed", "cls_token", "patch.bias", "output.weight", "output.bias"]
+
+
+def test_to_matrix_with_flatten_matricises_a_convolution() -> None:
+    """Catches: a to_matrix pattern taking a convolution weight before flatten could: a
+    Conv1d weight updated as a stack of (in, k) matrices, a Conv2d one refused as 4-D."""
+    model = _Vision()
+    groups = canzona.param_groups(model, flatten=True, to_matrix=["conv1d.*", "output.weight"])
+    assert _flattened(groups) == ["patch.weight", "conv1d.weight", "output.weight"]
+    assert not [g for g in groups if not g.get("flatten") and g.get("algorithm") != "adamw"]
+    with pytest.raises(
+        ValueError,
+        match=r"'output\.weight' is 4-D and cannot use the matrix "
+        r"algorithm \(flatten=True sends it as its \(shape\[0\], rest\) matrix\)",
+    ):
+        canzona.param_groups(model, to_matrix=["output.weight"])
+
+
 def test_a_split_of_a_flattened_convolution_is_muon_per_block() -> None:
     """Catches: ``flatten=True`` with a split naming a convolution refused (it is not among
     the 2-D/3-D matrices), or its blocks cut from the 4-D weight instead of its

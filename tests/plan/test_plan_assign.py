@@ -406,6 +406,15 @@ def test_round_robin_deals_restricted_matrices_from_the_first_eligible_rank() ->
     assert [a.owner[s.name] for s in specs] == [0, 1, 0, 1]
 
 
+def test_round_robin_keeps_every_rank_of_alternating_disjoint_sets_busy() -> None:
+    """Catches: one cursor for every set of eligible ranks. Matrices alternating between the
+    replicas (0, 1) and (2, 3) of an HSDP mesh without deduplication each restarted at the
+    first rank of their set: ranks 1 and 3 got none ([4, 0, 4, 0] matrices per rank)."""
+    specs = [MatrixSpec(f"w{i}", (8, 8), ranks=(0, 1) if i % 2 == 0 else (2, 3)) for i in range(8)]
+    a = assign_owners(specs, 4, strategy="round_robin")
+    assert [a.owner[s.name] for s in specs] == [0, 2, 1, 3, 0, 2, 1, 3]
+
+
 def test_refinement_swaps_toward_half_the_gap() -> None:
     """Catches: the swap search aiming at a partner that closes the whole gap between the
     two ranks instead of half of it (a worse swap is found: makespan 17, not 16)."""

@@ -198,6 +198,12 @@ def test_plan_config_validation() -> None:
         ({"capacity_mb": 0}, "capacity_mb"),
         ({"capacity_mb": True}, "capacity_mb must be a positive finite number, got True"),
         ({"capacity_mb": float("inf")}, "capacity_mb"),
+        # finite, but no count of bytes (an OverflowError later, in capacity_bytes)
+        (
+            {"capacity_mb": 1e308},
+            r"capacity_mb must be a positive finite number of bytes, got 1e\+308",
+        ),
+        ({"capacity_mb": 10**400}, "capacity_mb must be a positive finite number of bytes"),
         ({"refine": 1}, "refine"),
         ({"replica_dedup": "yes"}, "replica_dedup"),
     ]:

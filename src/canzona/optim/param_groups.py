@@ -75,6 +75,20 @@ def split_params(
         ValueError: when a pattern forces a parameter that is not 2-D or 3-D to the
             matrix algorithm (a pattern that matches nothing: a ``UserWarning``).
     """
+    matrix_params, _, adamw_params = _route(model, to_adamw, to_matrix, flatten=False)
+    return matrix_params, adamw_params
+
+
+def _route(
+    model: nn.Module, to_adamw: Iterable[str], to_matrix: Iterable[str], *, flatten: bool
+) -> tuple[NamedParams, NamedParams, NamedParams]:
+    """(matrices and stacks, weights to matricise (``flatten``), AdamW), in model order.
+
+    With ``flatten``, a convolution weight or a weight of more than three dimensions goes
+    to the matrix algorithm as its matricisation, unless AdamW's rules claim it first
+    (an embedding, the head, a router, a name that says bias, embedding or token); one a
+    ``to_matrix`` pattern names is matricised too.
+    """
     if not isinstance(model, nn.Module):
         raise TypeError(
             f"pass the model (an nn.Module), not its parameters: got {type(model).__name__}"
@@ -92,23 +106,33 @@ def split_params(
                     stacklevel=3,
                 )
     # a Conv1d weight (out, in, k) is 3-D but one matrix's worth, not a stack of (in, k)
-    special = _embedding_head_and_router_ids(model) | _convolution_weight_ids(model)
+    heads, convs = _embedding_head_and_router_ids(model), _convolution_weight_ids(model)
     matrix_params: NamedParams = []
+    nd: NamedParams = []
     adamw_params: NamedParams = []
     for name, p in model.named_parameters():
+        matricised = flatten and (p.ndim > 3 or id(p) in convs)
         if _matches(name, to_adamw):
             adamw_params.append((name, p))
         elif _matches(name, to_matrix):
-            if p.ndim not in (2, 3):
+            if matricised:
+                nd.append((name, p))
+            elif p.ndim in (2, 3):
+                matrix_params.append((name, p))
+            else:
+                hint = " (flatten=True sends it as its (shape[0], rest) matrix)" * (p.ndim > 3)
                 raise ValueError(
-                    f"parameter {name!r} is {p.ndim}-D and cannot use the matrix algorithm"
+                    f"parameter {name!r} is {p.ndim}-D and cannot use the matrix algorithm{hint}"
                 )
-            matrix_params.append((name, p))
-        elif p.ndim in (2, 3) and id(p) not in special and not _not_a_weight(name):
+        elif id(p) in heads or _not_a_weight(name):
+            adamw_params.append((name, p))
+        elif matricised:
+            nd.append((name, p))
+        elif p.ndim in (2, 3) and id(p) not in convs:
             matrix_params.append((name, p))
         else:
             adamw_params.append((name, p))
-    return matrix_params, adamw_params
+    return matrix_params, nd, adamw_params
 
 
 def param_groups(
@@ -153,8 +177,9 @@ def param_groups(
         split: Name pattern -> how the matching matrices split into blocks.
         flatten: Send convolution weights (``nn.Conv1d`` to ``nn.Conv3d``) and other
             weights of more than three dimensions to the matrix algorithm as their
-            ``(shape[0], rest)`` matricisation (their own group, with ``flatten=True``);
-            without it they go to AdamW.
+            ``(shape[0], rest)`` matricisation (their own group, with ``flatten=True``),
+            but for those AdamW's rules claim (a head, a ``pos_embed``); a ``to_matrix``
+            pattern naming a convolution matricises it too. Without it they go to AdamW.
         **matrix: Extra entries of the matrix groups (e.g. ``lr=0.02``).
 
     Returns:
@@ -171,17 +196,7 @@ def param_groups(
             or whose blocks do not tile the parameter's dimension (naming the pattern or
             the parameter).
     """
-    matrix_params, adamw_params = split_params(model, to_adamw=to_adamw, to_matrix=to_matrix)
-    nd: NamedParams = []
-    if flatten:
-        convs = _convolution_weight_ids(model)
-        nd = [
-            (n, p)
-            for n, p in adamw_params
-            if (p.ndim > 3 or id(p) in convs) and not _matches(n, to_adamw)
-        ]
-        taken = {id(p) for _, p in nd}
-        adamw_params = [(n, p) for n, p in adamw_params if id(p) not in taken]
+    matrix_params, nd, adamw_params = _route(model, to_adamw, to_matrix, flatten=flatten)
     groups: list[dict[str, Any]] = []
     (plain, blocks), (flat, flat_blocks) = _split_groups(model, (matrix_params, nd), split or {})
     if plain:

@@ -180,16 +180,22 @@ def _lpt(
 
 
 def _round_robin(specs: Sequence[MatrixSpec], num_ranks: int) -> list[int]:
-    owners, cursor = [], 0
+    """Each set of eligible ranks deals its matrices to its ranks in turn.
+
+    One cursor per set: matrices alternating between disjoint sets (the replicas of an
+    HSDP mesh without deduplication) keep every rank of each set busy.
+    """
+    owners: list[int] = []
+    cursors: dict[tuple[int, ...] | None, int] = {}
     for spec in specs:
-        start = cursor % num_ranks
+        start = cursors.get(spec.ranks, 0) % num_ranks
         if spec.ranks is None:
             rank = start
         else:
             pos = bisect.bisect_left(spec.ranks, start)
             rank = spec.ranks[pos % len(spec.ranks)]
         owners.append(rank)
-        cursor = rank + 1
+        cursors[spec.ranks] = rank + 1
     return owners
 
 

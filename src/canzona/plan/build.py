@@ -57,6 +57,12 @@ class PlanConfig:
         cap = self.capacity_mb
         if isinstance(cap, bool) or not isinstance(cap, int | float) or not 0 < cap < math.inf:
             raise ValueError(f"capacity_mb must be a positive finite number, got {cap!r}")
+        try:  # 1e308 MiB, 10**400: bytes past a float's range
+            finite = float(cap) * MIB < math.inf
+        except OverflowError:
+            finite = False
+        if not finite:
+            raise ValueError(f"capacity_mb must be a positive finite number of bytes, got {cap!r}")
         if not isinstance(self.refine, bool):
             raise ValueError(f"refine must be a bool, got {self.refine!r}")
         if not isinstance(self.replica_dedup, bool):
