@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
     set_state_dict,
 )
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import canzona
@@ -276,6 +277,11 @@ def _bad_load(kind: str) -> dict[str, Any]:
         sd["state"][0]["bogus"] = torch.zeros(1)
     elif kind == "other_optimizer":
         sd = torch.optim.AdamW(model.parameters()).state_dict()
+    elif kind == "other_mesh":  # the same ranks, another mesh: rank 1's dict only
+        other = init_device_mesh("cpu", (tdist.get_world_size(),), mesh_dim_names=("other",))
+        if rank == 1:
+            key, v = next((k, v) for k, v in sd["state"][0].items() if isinstance(v, DTensor))
+            sd["state"][0][key] = DTensor.from_local(v.to_local(), other, v.placements)
     try:
         opt.load_state_dict(sd)
         outcome = ("ok", "")
@@ -288,7 +294,7 @@ def _bad_load(kind: str) -> dict[str, Any]:
     return {"outcome": outcome, "unchanged": unchanged}
 
 
-@pytest.mark.parametrize("kind", ["missing_key", "extra_key", "other_optimizer"])
+@pytest.mark.parametrize("kind", ["missing_key", "extra_key", "other_optimizer", "other_mesh"])
 def test_bad_state_dict_raises_everywhere_and_changes_nothing(dist: Any, kind: str) -> None:
     """Catches: a rank that loads its good dict while another rank's is bad (the ranks would
     then disagree), a partial load before the error, and an error without the key's name."""
@@ -296,6 +302,8 @@ def test_bad_state_dict_raises_everywhere_and_changes_nothing(dist: Any, kind: s
     for rank, o in enumerate(out):
         assert o["unchanged"], (rank, o)
         assert o["outcome"][0] == "ValueError", (rank, o)
-    if kind == "missing_key":  # only rank 1's dict is bad: it names the key, the others the rank
-        assert "'factor_left'" in out[1]["outcome"][1]
-        assert "failed on ranks [1]" in out[0]["outcome"][1]
+    if kind in ("missing_key", "other_mesh"):  # only rank 1's dict is bad: it names the key,
+        named = "'factor_left'" if kind == "missing_key" else "of parameter 'up.weight': state on"
+        assert named in out[1]["outcome"][1]
+        for o in out[:1] + out[2:]:  # the others the rank
+            assert "failed on ranks [1]" in o["outcome"][1]

@@ -21,6 +21,7 @@ from canzona.runtime import (
     agree_entries,
     as_storage_layout,
     check_all_ok,
+    check_loadable,
     first_problem,
     param_mesh,
     snapshot,
@@ -333,6 +334,7 @@ class CheckpointMixin:
                 groups = loaded_groups(state_dict["param_groups"])
                 state_dict = {**state_dict, "param_groups": groups}
                 self._validate(state_dict)
+                _check_meshes(state_dict, params, names)
             except ValueError as exc:
                 error = exc
             except (KeyError, TypeError, AttributeError, IndexError) as exc:
@@ -418,3 +420,19 @@ def _same_blocks(ours: Any, theirs: Any, group: dict[str, Any]) -> bool:
         except ValueError:  # blocks that do not tile the matrix
             return False
     return True
+
+
+def _check_meshes(state_dict: dict[str, Any], params: list[Tensor], names: list[str]) -> None:
+    """Every loaded state tensor on its parameter's mesh (checked before the ranks vote).
+
+    Raises:
+        ValueError: naming the parameter and the key of one that is not.
+    """
+    order = [pid for group in state_dict["param_groups"] for pid in group["params"]]
+    for pos, pid in enumerate(order):
+        for key, value in (state_dict["state"].get(pid) or {}).items():
+            if isinstance(value, Tensor):
+                try:
+                    check_loadable(value, params[pos])
+                except ValueError as exc:
+                    raise ValueError(f"state {key!r} of parameter {names[pos]!r}: {exc}") from None

@@ -27,6 +27,7 @@ from canzona.runtime.table import ApplyBatch, ComputeBatch, ParamRow, StepTable
 from canzona.runtime.tensors import (
     all_finite,
     as_storage_layout,
+    check_loadable,
     fingerprint,
     grad_codes,
     local_grad,
@@ -66,6 +67,7 @@ __all__ = [
     "all_finite",
     "as_storage_layout",
     "check_all_ok",
+    "check_loadable",
     "export_state",
     "fingerprint",
     "first_problem",

@@ -185,6 +185,18 @@ def read_gradients(
         local_grads(names, idxs, [params[i] for i in idxs], raw, codes)
 
 
+def check_loadable(value: torch.Tensor, p: torch.Tensor) -> None:
+    """Raise what :func:`as_storage_layout` raises for ``value``, without a collective.
+
+    Raises:
+        ValueError: for a DTensor on another mesh than the DTensor parameter's.
+    """
+    if isinstance(p, DTensor) and isinstance(value, DTensor) and value.device_mesh != p.device_mesh:
+        raise ValueError(
+            f"state on mesh {value.device_mesh} cannot be loaded for a parameter on {p.device_mesh}"
+        )
+
+
 def as_storage_layout(value: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """Element-wise state in ``p``'s storage layout, from a loaded value.
 
@@ -199,11 +211,8 @@ def as_storage_layout(value: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     if not isinstance(p, DTensor):
         return value.full_tensor() if isinstance(value, DTensor) else value
     mesh, placements = p.device_mesh, tuple(p.placements)
+    check_loadable(value, p)
     if isinstance(value, DTensor):
-        if value.device_mesh != mesh:
-            raise ValueError(
-                f"state on mesh {value.device_mesh} cannot be loaded for a parameter on {mesh}"
-            )
         if tuple(value.placements) == placements:
             return value
         return value.redistribute(mesh, placements)
