@@ -163,3 +163,32 @@ def test_a_gradient_in_other_placements_on_some_ranks_is_named_everywhere(
         # the steps are steady again later
         assert o["rode"][odd] == (when != "first step"), o["rode"]
         assert not o["rode"][odd + 1] and any(o["rode"][odd + 2 :]), o["rode"]
+
+
+def _gradient_on_another_mesh() -> dict[str, Any]:
+    """A gradient in its parameter's placements on a mesh of the same ranks in the other
+    order (each rank's local rows are the other's)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    a = DeviceMesh("cpu", [0, 1], mesh_dim_names=("dp",))
+    b = DeviceMesh("cpu", [1, 0], mesh_dim_names=("dp",))
+    gen = torch.Generator().manual_seed(0)
+    w, g = torch.randn(8, 6, generator=gen), torch.randn(8, 6, generator=gen)
+    p = nn.Parameter(distribute_tensor(w, a, [Shard(0)], src_data_rank=None))
+    p.grad = distribute_tensor(g, b, [Shard(0)], src_data_rank=None)
+    opt = canzona.Muon([("w", p)], lr=0.02)
+    try:
+        opt.step()
+        outcome = "no error"
+    except canzona.UpdateFailedError as exc:
+        outcome = str(exc)
+    return {"outcome": outcome, "unchanged": torch.equal(p.full_tensor(), w)}
+
+
+def test_a_gradient_on_another_mesh_fails_the_step_everywhere(dist: Any) -> None:
+    """Catches: a gradient compared with its parameter by placements alone, its local shard
+    taken as the parameter's: each rank stepped with the other rank's rows, silently."""
+    for out in dist(2).run(_gradient_on_another_mesh):
+        assert "raised RuntimeError: parameter 'w' is on DeviceMesh(" in out["outcome"], out
+        assert "but its gradient on DeviceMesh(" in out["outcome"], out
+        assert out["unchanged"] is True

@@ -74,6 +74,11 @@ def all_finite(grads: Sequence[torch.Tensor]) -> bool:
     return bool(torch.stack(flags).all()) if flags else True
 
 
+def _other_mesh(grad: DTensor, p: DTensor) -> bool:
+    """Whether ``grad`` lies on another mesh than ``p`` (whose local shards do not match)."""
+    return grad._spec.mesh is not p._spec.mesh and grad._spec.mesh != p._spec.mesh
+
+
 def local_grad(name: str, p: torch.Tensor) -> torch.Tensor:
     """This rank's shard of ``p.grad`` in ``p``'s storage layout.
 
@@ -91,6 +96,11 @@ def local_grad(name: str, p: torch.Tensor) -> torch.Tensor:
             raise TypeError(
                 f"parameter {name!r} is a DTensor but its gradient is a plain tensor; "
                 "set .grad to a DTensor with the parameter's placements"
+            )
+        if _other_mesh(grad, p):
+            raise RuntimeError(
+                f"parameter {name!r} is on {p.device_mesh} but its gradient on "
+                f"{grad.device_mesh}; set .grad to a DTensor on the parameter's mesh"
             )
         # the specs' own tuples: the ``placements`` properties cost a Python call each
         if grad._spec.placements != p._spec.placements:
@@ -146,8 +156,9 @@ def grad_codes(params: Sequence[torch.Tensor], raw: Sequence[torch.Tensor | None
     """Per parameter, how its gradient is read: ``NO_GRAD``, ``GRAD`` or ``REDISTRIBUTED``.
 
     A DTensor in other placements than its parameter's is redistributed as it is read: a
-    collective every rank must enter. The ranks compare the codes before any such read (a
-    rank redistributing alone would wait forever).
+    collective every rank must enter (one on another mesh is coded alike, and raises
+    there). The ranks compare the codes before any such read (a rank redistributing alone
+    would wait forever).
     """
     out: list[int] = []
     append = out.append
@@ -158,7 +169,7 @@ def grad_codes(params: Sequence[torch.Tensor], raw: Sequence[torch.Tensor | None
             isinstance(grad, DTensor)
             and isinstance(p, DTensor)
             and grad._spec is not p._spec  # FSDP2 gives the gradient its parameter's spec
-            and grad._spec.placements != p._spec.placements
+            and (grad._spec.placements != p._spec.placements or _other_mesh(grad, p))
         ):
             append(REDISTRIBUTED)
         else:
