@@ -203,8 +203,11 @@ def test_hyper_parameter_mismatch_raises_everywhere(dist: Any, how: str) -> None
     assert all("hyper-parameters" in msg and seen in msg for _, msg in out), out[0][1]
 
 
-def _closure_raises_on_one_rank(check_every_step: bool) -> tuple[str, str, bool, bool]:
-    """Rank 1's closure raises in the third step; every rank catches and steps on."""
+def _closure_raises_on_one_rank(
+    check_every_step: bool, source: str = "closure"
+) -> tuple[str, str, bool, bool]:
+    """Rank 1's closure (or a step pre-hook: ``source``) raises in the third step; every
+    rank catches and steps on."""
     shapes = {"square": SHAPES["square"], "odd": SHAPES["odd"]}
     fulls = full_tensors(shapes)
     grads = grad_steps(shapes, 4)
@@ -218,10 +221,19 @@ def _closure_raises_on_one_rank(check_every_step: bool) -> tuple[str, str, bool,
     local = [(n, nn.Parameter(t.clone())) for n, t in fulls.items()]
     ref = canzona.Shampoo(local, start_preconditioning_step=1, **kwargs)
     outcome: tuple[str, str] = ("ok", "")
+    now = [0]
+
+    def pre_hook(o: Any, args: Any, kwargs: Any) -> None:
+        if now[0] == 2 and tdist.get_rank() == 1:
+            raise RuntimeError("the data loader broke")
+
+    if source == "pre_hook":
+        opt.register_step_pre_hook(pre_hook)
     for step, g in enumerate(grads):
+        now[0] = step
 
         def closure(step: int = step, g: dict[str, torch.Tensor] = g) -> None:
-            if step == 2 and tdist.get_rank() == 1:
+            if source == "closure" and step == 2 and tdist.get_rank() == 1:
                 raise RuntimeError("the data loader broke")
             for n, p in params:  # each rank its own shard: no collective in the closure
                 p.grad = distribute_tensor(g[n], p.device_mesh, p.placements, src_data_rank=None)
@@ -242,17 +254,21 @@ def _closure_raises_on_one_rank(check_every_step: bool) -> tuple[str, str, bool,
     return (*outcome, unchanged, same)
 
 
-@pytest.mark.parametrize("check_every_step", [True, False])
+@pytest.mark.parametrize(
+    ("check_every_step", "source"), [(True, "closure"), (False, "closure"), (True, "pre_hook")]
+)
 def test_a_closure_that_raises_on_one_rank_fails_the_step_everywhere(
-    dist: Any, check_every_step: bool
+    dist: Any, check_every_step: bool, source: str
 ) -> None:
-    """Catches: the closure's exception raised on its rank only (the others went on into
-    the step and waited for it, or paired this step with that rank's next one); without
-    the per-step check, the failing rank voting before the pipeline (gloo aborted)."""
-    out = dist(4).run(_closure_raises_on_one_rank, check_every_step, timeout=TIMEOUT)
+    """Catches: the closure's (or a step pre-hook's) exception raised on its rank only (the
+    others went on into the step and waited for it, or paired this step with that rank's
+    next one); without the per-step check, the failing rank voting before the pipeline
+    (gloo aborted)."""
+    out = dist(4).run(_closure_raises_on_one_rank, check_every_step, source, timeout=TIMEOUT)
+    what = "running the closure" if source == "closure" else "running a step pre-hook"
     for kind, msg, unchanged, same in out:
         assert kind == "UpdateFailedError", msg
-        assert "ranks [1]" in msg and "running the closure" in msg, msg
+        assert "ranks [1]" in msg and f"{what} raised" in msg, msg
         assert "RuntimeError: the data loader broke" in msg, msg
         assert unchanged and same
 
@@ -827,3 +843,39 @@ def test_a_group_value_set_between_steps_is_checked_before_the_step(
         assert out["kind"] == "UpdateFailedError", f"rank {rank}: {out}"
         assert f"param group {group}:" in out["msg"], f"rank {rank}: {out['msg']}"
         assert out["unchanged"], f"rank {rank}: the failed step changed something"
+
+
+def _state_dict_pre_hook_on_one_rank() -> tuple[str, str, str]:
+    """A state-dict pre-hook raises on rank 1 only; every rank catches and steps on."""
+    shapes = {"square": SHAPES["square"], "odd": SHAPES["odd"]}
+    grads = grad_steps(shapes, 3)
+    params = sharded_params(full_tensors(shapes), mesh((2,)), {n: (Shard(0),) for n in shapes})
+    opt = canzona.Shampoo(params, lr=0.01, pipeline=canzona.PipelineConfig(timeout_s=20.0))
+    armed = [False]
+
+    def pre_hook(o: Any) -> None:
+        if armed[0] and tdist.get_rank() == 1:
+            raise RuntimeError("the checkpoint disk is full")
+
+    opt.register_state_dict_pre_hook(pre_hook)
+    set_grads(params, grads[0])
+    opt.step()
+    armed[0] = True
+    saved = _outcome(opt.state_dict)
+    armed[0] = False
+    set_grads(params, grads[1])
+    stepped = _outcome(opt.step)
+    return (*saved, stepped[0])
+
+
+def test_a_state_dict_pre_hook_that_raises_on_one_rank_raises_everywhere(dist: Any) -> None:
+    """Catches: a state-dict pre-hook's exception leaving ``state_dict()`` on its rank alone
+    while the others went on into its collectives: the ranks' next calls paired with them
+    (gloo aborted the job). The rank raises its own error, the others name it."""
+    out = dist(2).run(_state_dict_pre_hook_on_one_rank, timeout=TIMEOUT)
+    assert out[1] == ("RuntimeError", "the checkpoint disk is full", "ok")
+    assert out[0] == (
+        "RuntimeError",
+        "state_dict failed on ranks [1] (a state-dict pre-hook raised there); nothing was saved",
+        "ok",
+    )

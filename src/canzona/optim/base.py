@@ -17,6 +17,7 @@ from canzona.optim.checkpoint import CheckpointMixin
 from canzona.optim.copies import CopyMixin
 from canzona.optim.owner_state import OwnerState
 from canzona.optim.prepare import GroupWork, SeenState, StepWork, build_work
+from canzona.optim.step_hooks import hooked_step
 from canzona.optim.step_table import StepTableMixin
 from canzona.optim.transaction import Backup, StepTransaction
 from canzona.optim.validation import (
@@ -72,6 +73,7 @@ class MatrixOptimizer(StepTableMixin, AdamWRouteMixin, CopyMixin, CheckpointMixi
 
     algorithm: ClassVar[str] = ""
     _closure_failure: Failure | None = None  # this step's closure raised (distributed)
+    _hook_failure: Failure | None = None  # a step pre-hook raised before this step (distributed)
     _partial: Failure | None = None  # a step applied in part here: every later step fails
     cost_model: ClassVar[str] = "muon"
     storage_keys: ClassVar[tuple[str, ...]] = ()
@@ -262,6 +264,7 @@ class MatrixOptimizer(StepTableMixin, AdamWRouteMixin, CopyMixin, CheckpointMixi
 
     # ------------------------------------------------------------------ table
     # ------------------------------------------------------------------ step
+    @hooked_step  # torch's hooks, with a pre-hook's failure shared by every rank
     @_eager  # a compiled training step runs the optimizer step eagerly
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -276,7 +279,8 @@ class MatrixOptimizer(StepTableMixin, AdamWRouteMixin, CopyMixin, CheckpointMixi
                 ``PipelineConfig(atomic=True)``, no optimizer state) changed anywhere.
         """
         loss = None
-        self._closure_failure = None
+        # a step pre-hook that raised here (in a job) fails the step on every rank
+        self._closure_failure, self._hook_failure = self._hook_failure, None
         with collective_call(self._runtime):
             if closure is not None:
                 with torch.enable_grad():
@@ -286,7 +290,8 @@ class MatrixOptimizer(StepTableMixin, AdamWRouteMixin, CopyMixin, CheckpointMixi
                         if not dist.is_initialized():  # one process: as torch.optim
                             raise
                         # the other ranks are in the step: they raise with this one
-                        self._closure_failure = Failure("running the closure", exc)
+                        failure = Failure("running the closure", exc)
+                        self._closure_failure = self._closure_failure or failure
             paused = self.pipeline_config.pause_gc and gc.isenabled()
             if paused:
                 gc.disable()

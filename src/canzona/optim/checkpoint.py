@@ -145,11 +145,28 @@ class CheckpointMixin:
     def state_dict(self) -> dict[str, Any]:
         """The optimizer state (collective on a distributed mesh); see the class doc.
 
-        State-dict post-hooks (``register_state_dict_post_hook``) see the whole state dict,
-        owner-held state and saved param groups included, and may replace it.
+        State-dict pre-hooks (``register_state_dict_pre_hook``) run first; one that raises
+        on some ranks raises there, and ``RuntimeError`` naming those ranks on the others.
+        Post-hooks (``register_state_dict_post_hook``) see the whole state dict, owner-held
+        state and saved param groups included, and may replace it.
         """
+        hooks = ("_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks")
         with collective_call(self._runtime):
-            with held_hooks(self, "_optimizer_state_dict_post_hooks") as (post,):
+            with held_hooks(self, *hooks) as (pre, post):
+                error: Exception | None = None
+                try:
+                    for hook in pre:
+                        hook(self)
+                except Exception as exc:  # raised below, once every rank knows a rank failed
+                    error = exc
+                failed = check_all_ok(error is None, self._runtime)
+                if error is not None:
+                    raise error
+                if failed:
+                    raise RuntimeError(
+                        f"state_dict failed on ranks {failed} (a state-dict pre-hook raised "
+                        "there); nothing was saved"
+                    )
                 sd: dict[str, Any] = super().state_dict()  # type: ignore[misc]
             sd = self._complete_state_dict(sd)
         for hook in post:
