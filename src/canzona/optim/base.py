@@ -341,7 +341,7 @@ class MatrixOptimizer(StepTableMixin, AdamWRouteMixin, CopyMixin, CheckpointMixi
         )
         try:
             if start.previous is not None:
-                self._migrate_owner_state(start.previous, params, gids)
+                self._migrate_owner_state(start.previous, params, names, gids)
             if not start.declined:
                 self._steps_without_grads = watch_gradients(
                     type(self).__name__, self._steps_without_grads, start.active, table.matrix

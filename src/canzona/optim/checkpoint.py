@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from itertools import zip_longest
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -103,7 +103,7 @@ class CheckpointMixin:
         return None
 
     def _stepped_entries(
-        self, params: list[Tensor], gids: list[int], what: str
+        self, params: list[Tensor], names: list[str], gids: list[int], what: str
     ) -> list[StateEntry]:
         """The owner-held state tensors of the parameters that have stepped.
 
@@ -113,9 +113,21 @@ class CheckpointMixin:
         stepped = {i for i, p in enumerate(params) if "step" in self.state.get(p, {})}
         entries = self._owner.entries(params, [self.param_groups[g] for g in gids], stepped)
         if self._runtime.distributed:
-            names = self._flat()[1]
             agree_entries(entries, names, watchdog=self._runtime.watchdog, what=what)
         return entries
+
+    def _raise_together(
+        self, error: Exception | None, elsewhere: Callable[[list[int]], Exception]
+    ) -> None:
+        """Vote on ``error`` (collective), then raise on every rank if any failed.
+
+        ``error`` where it was raised, ``elsewhere(ranks)`` on the other ranks.
+        """
+        failed = check_all_ok(error is None, self._runtime)
+        if error is not None:
+            raise error
+        if failed:
+            raise elsewhere(failed)
 
     def _sync_plan(self) -> None:
         """Agree on the plan with every rank (collective); re-plans and moves state if needed."""
@@ -124,17 +136,18 @@ class CheckpointMixin:
             names, params, self._step_table(params, gids), compute=self._directions
         )
         if previous is not None:
-            self._migrate_owner_state(previous, params, gids)
+            self._migrate_owner_state(previous, params, names, gids)
 
     def _migrate_owner_state(
-        self, previous: Snapshot, params: list[Tensor], gids: list[int]
+        self, previous: Snapshot, params: list[Tensor], names: list[str], gids: list[int]
     ) -> None:
         """After a re-plan, move owner-held state from the old owners to the new ones.
 
         A move that raises leaves the state where ``previous`` holds it, and the next step
         (or ``state_dict()``) plans again and moves it.
         """
-        entries = self._stepped_entries(params, gids, "moving the owner-held state to its owners")
+        what = "moving the owner-held state to its owners"
+        entries = self._stepped_entries(params, names, gids, what)
         try:
             self._owner.migrate(previous, snapshot(self._runtime), params, entries)
         except BaseException:
@@ -159,14 +172,13 @@ class CheckpointMixin:
                         hook(self)
                 except Exception as exc:  # raised below, once every rank knows a rank failed
                     error = exc
-                failed = check_all_ok(error is None, self._runtime)
-                if error is not None:
-                    raise error
-                if failed:
-                    raise RuntimeError(
+                self._raise_together(
+                    error,
+                    lambda failed: RuntimeError(
                         f"state_dict failed on ranks {failed} (a state-dict pre-hook raised "
                         "there); nothing was saved"
-                    )
+                    ),
+                )
                 sd: dict[str, Any] = super().state_dict()  # type: ignore[misc]
             sd = self._complete_state_dict(sd)
         for hook in post:
@@ -178,8 +190,8 @@ class CheckpointMixin:
     def _complete_state_dict(self, sd: dict[str, Any]) -> dict[str, Any]:
         """The state dict of torch.optim with saved param-group values and owner-held state."""
         sd["param_groups"] = saved_groups(sd["param_groups"])
-        params, _, gids = self._flat()
-        entries = self._stepped_entries(params, gids, "exporting the owner-held state")
+        params, names, gids = self._flat()
+        entries = self._stepped_entries(params, names, gids, "exporting the owner-held state")
         if not entries:
             return sd
         self._sync_plan()
@@ -359,11 +371,12 @@ class CheckpointMixin:
         unreadable = first_problem(self._runtime.layouts(names, params))
         if error is None and unreadable is not None:
             error = unreadable[1]  # a local shard of another shape than its placements give
-        failed = check_all_ok(error is None, self._runtime)
-        if error is not None:
-            raise error
-        if failed:
-            raise ValueError(f"load_state_dict failed on ranks {failed}; nothing was loaded")
+        self._raise_together(
+            error,
+            lambda failed: ValueError(
+                f"load_state_dict failed on ranks {failed}; nothing was loaded"
+            ),
+        )
         order = [pid for group in state_dict["param_groups"] for pid in group["params"]]
         saved_groups = [
             {**mine, **{k: v for k, v in saved.items() if k != "params"}}

@@ -120,7 +120,9 @@ def _route(
             elif p.ndim in (2, 3):
                 matrix_params.append((name, p))
             else:
-                hint = " (flatten=True sends it as its (shape[0], rest) matrix)" * (p.ndim > 3)
+                hint = (
+                    " (flatten=True sends it as its (shape[0], rest) matrix)" if p.ndim > 3 else ""
+                )
                 raise ValueError(
                     f"parameter {name!r} is {p.ndim}-D and cannot use the matrix algorithm{hint}"
                 )
