@@ -216,6 +216,8 @@ TAKEN: list[tuple[str, str, Any, Any]] = [
     ("shampoo", "start_preconditioning_step", 1.0, 1),
     ("shampoo", "precondition_frequency", np.int64(2), 2),
     ("soap", "max_precond_dim", np.int32(3), 3),
+    ("muon", "ns_steps", np.int64(3), 3),
+    ("normuon", "ns_steps", 2.0, 2),
 ]
 
 
@@ -253,6 +255,28 @@ def test_a_value_the_step_table_cannot_read_fails_the_step() -> None:
     with pytest.raises(canzona.UpdateFailedError, match="param group 0: ns_dtype must be a"):
         opt.step()
     assert torch.equal(p, before)
+
+
+def test_a_numpy_integer_ns_steps_set_in_a_group_runs_as_the_int() -> None:
+    """Catches: ``ns_steps`` checked with ``isinstance(..., int)``, which refused a numpy
+    integer given in a param group (torch.optim.Muon takes it) while a numpy ``lr`` passed."""
+    grads = [torch.randn(6, 4, generator=torch.Generator().manual_seed(s)) for s in range(3)]
+    results = []
+    for steps in (3, np.int64(3)):
+        p = nn.Parameter(torch.randn(6, 4, generator=torch.Generator().manual_seed(9)))
+        opt = canzona.Muon([p], lr=0.02)
+        opt.param_groups[0]["ns_steps"] = steps
+        for g in grads:
+            p.grad = g.clone()
+            opt.step()
+        results.append(p.detach().clone())
+    assert torch.equal(results[0], results[1])
+    p.grad = grads[0].clone()
+    opt.param_groups[0]["ns_steps"] = 2.5
+    with pytest.raises(
+        canzona.UpdateFailedError, match=r"ns_steps must be an integer or None, got 2\.5"
+    ):
+        opt.step()
 
 
 def test_a_numpy_value_changed_between_steps_is_checked_again() -> None:

@@ -18,6 +18,7 @@ def _number(value: object) -> bool:
 _NUMBER = "a number or a 0-dim tensor"
 _LR = "a number or a 1-element tensor"  # a tensor's size: checked by range
 _INTEGER = "an integer"
+_INTEGER_OR_NONE = "an integer or None"
 _SEQUENCE = "a sequence of numbers"
 #: What each annotation of an optimizer's signature takes, as its errors say it (others are
 #: checked by range).
@@ -25,6 +26,7 @@ _TAKES = {
     "float": _NUMBER,
     "float | Tensor": _LR,
     "int": _INTEGER,
+    "int | None": _INTEGER_OR_NONE,
     "tuple[float, float]": _SEQUENCE,
 }
 
@@ -48,7 +50,9 @@ def _number_like(value: object) -> bool:
 def _fits(value: object, want: str) -> bool:
     if want == _LR and isinstance(value, torch.Tensor):
         return True
-    if want == _INTEGER:
+    if want == _INTEGER_OR_NONE and value is None:
+        return True
+    if want in (_INTEGER, _INTEGER_OR_NONE):
         return (isinstance(value, numbers.Integral) and not isinstance(value, bool)) or (
             isinstance(value, float) and value.is_integer()
         )
@@ -65,7 +69,7 @@ def check_types(group: Mapping[str, Any], cls: type) -> None:
     The types follow the annotations of ``cls``'s signature: ``float`` takes a real number
     or a 0-dim tensor (``bool`` is no number here, a string none anywhere), ``float |
     Tensor`` (the learning rate) also a one-element tensor, as torch.optim does, ``int`` an
-    integer (or a float with an integral value),
+    integer (or a float with an integral value), ``int | None`` that or ``None``,
     ``tuple[float, float]`` a sequence of such numbers. The ranges are checked after.
     """
     for key, want in typed_keys(cls).items():
@@ -89,6 +93,6 @@ def typed_defaults(defaults: Mapping[str, Any], cls: type) -> dict[str, Any]:
             out[key] = tuple(value)  # type: ignore[arg-type]  # a generator: read once
     check_types(out, cls)
     for key, want in takes.items():
-        if key in out and want == _INTEGER:
+        if key in out and (want == _INTEGER or (want == _INTEGER_OR_NONE and out[key] is not None)):
             out[key] = int(out[key])
     return out

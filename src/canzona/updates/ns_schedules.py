@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from numbers import Real
+from numbers import Integral, Real
 from types import MappingProxyType
 from typing import TypeAlias
 
@@ -136,13 +136,13 @@ def _is_number(x: object) -> bool:
 
 
 def _check_steps(ns_steps: object) -> int:
-    if (
-        not isinstance(ns_steps, int)
-        or isinstance(ns_steps, bool)
-        or not 0 <= ns_steps < MAX_NS_STEPS
-    ):
+    """``ns_steps`` as an ``int``: an integer (a numpy one too), not a bool or a float."""
+    if not isinstance(ns_steps, Integral) or isinstance(ns_steps, bool):
         raise ValueError(f"ns_steps must be an int in [0, {MAX_NS_STEPS}), got {ns_steps!r}")
-    return ns_steps
+    steps = int(ns_steps)
+    if not 0 <= steps < MAX_NS_STEPS:
+        raise ValueError(f"ns_steps must be an int in [0, {MAX_NS_STEPS}), got {ns_steps!r}")
+    return steps
 
 
 def _triple(value: object, where: str) -> Triple:
