@@ -277,6 +277,12 @@ def _bad_load(kind: str) -> dict[str, Any]:
         sd["state"][0]["bogus"] = torch.zeros(1)
     elif kind == "other_optimizer":
         sd = torch.optim.AdamW(model.parameters()).state_dict()
+    elif kind == "no_state_on_one" and rank == 1:  # a dict saved before the first step
+        sd["state"] = {}
+    elif kind == "entry_dropped_on_one" and rank == 1:
+        del sd["state"][0]
+    elif kind == "step_on_one" and rank == 1:
+        sd["state"][0]["step"] = sd["state"][0]["step"] + 1
     elif kind == "other_mesh":  # the same ranks, another mesh: rank 1's dict only
         other = init_device_mesh("cpu", (tdist.get_world_size(),), mesh_dim_names=("other",))
         if rank == 1:
@@ -294,14 +300,35 @@ def _bad_load(kind: str) -> dict[str, Any]:
     return {"outcome": outcome, "unchanged": unchanged}
 
 
-@pytest.mark.parametrize("kind", ["missing_key", "extra_key", "other_optimizer", "other_mesh"])
+DIFFERENT_ON_ONE = {
+    "no_state_on_one": "no state on ranks [1]",
+    "entry_dropped_on_one": "no state on ranks [1]",
+    "step_on_one": "step 3.0 on ranks [1]",
+}
+
+
+@pytest.mark.parametrize(
+    "kind", ["missing_key", "extra_key", "other_optimizer", "other_mesh", *DIFFERENT_ON_ONE]
+)
 def test_bad_state_dict_raises_everywhere_and_changes_nothing(dist: Any, kind: str) -> None:
     """Catches: a rank that loads its good dict while another rank's is bad (the ranks would
-    then disagree), a partial load before the error, and an error without the key's name."""
+    then disagree), a partial load before the error, and an error without the key's name.
+    A dict valid on its own but unlike the other ranks' (no state, a parameter's entry
+    dropped, another step) loaded on one rank: before, the ranks with owner-held state to
+    place waited in its exchange for the rank that skipped it (a hang until the process
+    group's timeout), and without such state the ranks went on stepping from different
+    states."""
     out = dist(4).run(_bad_load, kind, timeout=TIMEOUT)
     for rank, o in enumerate(out):
         assert o["unchanged"], (rank, o)
         assert o["outcome"][0] == "ValueError", (rank, o)
+    if kind in DIFFERENT_ON_ONE:  # every rank sees every rank's steps: the same message
+        assert all(o["outcome"][1] == out[0]["outcome"][1] for o in out), out
+        assert (
+            "the ranks loaded different state ('up.weight': step 2.0 on ranks [0, 2, 3], "
+            + (DIFFERENT_ON_ONE[kind])
+            in out[0]["outcome"][1]
+        ), out[0]
     if kind in ("missing_key", "other_mesh"):  # only rank 1's dict is bad: it names the key,
         named = "'factor_left'" if kind == "missing_key" else "of parameter 'up.weight': state on"
         assert named in out[1]["outcome"][1]

@@ -22,6 +22,7 @@ from canzona.runtime import (
     as_storage_layout,
     check_all_ok,
     check_loadable,
+    differing_params,
     first_problem,
     param_mesh,
     snapshot,
@@ -349,6 +350,7 @@ class CheckpointMixin:
         """:meth:`load_state_dict` between its hooks (``pre_hooks`` run here, on a copy)."""
         params, names, _ = self._flat()
         error: Exception | None = None
+        loaded: list[str] = []  # per parameter, "no state" or its step
         state_dict = dict(state_dict)  # shallow, as torch's: a hook may edit it
         try:
             for hook in pre_hooks:
@@ -364,6 +366,7 @@ class CheckpointMixin:
                 state_dict = {**state_dict, "param_groups": groups}
                 self._validate(state_dict)
                 _check_meshes(state_dict, params, names)
+                loaded = _loaded_steps(state_dict)
             except ValueError as exc:
                 error = exc
             except (KeyError, TypeError, AttributeError, IndexError) as exc:
@@ -404,6 +407,15 @@ class CheckpointMixin:
                 if k not in keys
             }
             owner_values.update({(pos, k): v for k, v in entry.items() if k in keys})
+        differ = differing_params(
+            loaded, names, self._runtime, what="load_state_dict's check of the loaded steps"
+        )
+        if differ is not None:
+            raise ValueError(
+                f"load_state_dict: the ranks loaded different state ({differ}), as from a state "
+                "dict edited or saved on some ranks only; load the same checkpoint on every "
+                "rank. Nothing was loaded"
+            )
         entries = self._owner.entries(params, group_of, stepped)
         if entries:
             self._sync_plan()  # collective: every rank has validated by now
@@ -433,6 +445,23 @@ class CheckpointMixin:
         self._group_ids = ()  # the records are by the loaded groups' positions
         self._kinds, self._table_key = {}, ()  # the loaded state fits the groups: recorded anew
         self.__dict__.pop("_partial", None)  # a step applied in part is behind the checkpoint
+
+
+def _loaded_steps(state_dict: dict[str, Any]) -> list[str]:
+    """Per parameter of a validated state dict, in order: ``"no state"`` or its step.
+
+    The ranks compare them after the vote, before anything changes: each rank validates
+    its own state dict, and one edited, cut or saved on some ranks only would leave the
+    ranks stepping from different states (shards updated with different bias corrections)
+    or, where owner-held state must move, entering different exchanges.
+    """
+    out = []
+    for group in state_dict["param_groups"]:
+        for pid in group["params"]:
+            entry = state_dict["state"].get(pid)
+            step = None if entry is None else float(_step_tensor(entry["step"]))
+            out.append("no state" if step is None else f"step {step!r}")
+    return out
 
 
 def _same_blocks(ours: Any, theirs: Any, group: dict[str, Any]) -> bool:

@@ -1,7 +1,7 @@
 """The distributed runtime: storage layouts, cross-rank checks, gather -> compute -> scatter."""
 
 from canzona.runtime.buffers import FlatBuffer
-from canzona.runtime.checks import check_all_ok
+from canzona.runtime.checks import check_all_ok, differing_params
 from canzona.runtime.config import (
     CollectiveTimeoutError,
     GradientMismatchError,
@@ -68,6 +68,7 @@ __all__ = [
     "as_storage_layout",
     "check_all_ok",
     "check_loadable",
+    "differing_params",
     "export_state",
     "fingerprint",
     "first_problem",

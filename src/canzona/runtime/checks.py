@@ -331,6 +331,42 @@ def reports_of(
     return [(r, reports[r] or "failed") for r in failed]
 
 
+def differing_params(
+    values: Sequence[str], names: Sequence[str], runtime: MatrixRuntime, *, what: str
+) -> str | None:
+    """Compare one text per parameter across ranks; None where every rank has the same.
+
+    Collective on a distributed runtime: one small gather of a digest, and only when the
+    digests differ a gather of the texts, which names up to three parameters that differ
+    and each rank's text there (the same description on every rank).
+    """
+    if runtime.process_group is None:
+        return None
+    digest = digest_chunks(hashlib.sha256(repr(list(values)).encode()).hexdigest())
+    rows = gather_ints(
+        [len(values), *digest], watchdog=runtime.watchdog, phase=VOTE, what=f"{what} (digest)"
+    )
+    if all(row == rows[0] for row in rows):
+        return None
+    every: list[list[str]] = gather_objects(
+        list(values), watchdog=runtime.watchdog, phase=VOTE, what=f"{what} (values)"
+    )
+    differ = [
+        i
+        for i, name in enumerate(names)
+        if any(len(row) <= i or row[i] != every[0][i] for row in every)
+    ]
+    detail = "; ".join(
+        f"{names[i]!r}: "
+        + ", ".join(
+            f"{text} on ranks {ranks}"
+            for text, ranks in ranks_by_value([row[i] if i < len(row) else "-" for row in every])
+        )
+        for i in differ[:3]
+    )
+    return detail + (f" and {len(differ) - 3} more" if len(differ) > 3 else "")
+
+
 def check_all_ok(ok: bool, runtime: MatrixRuntime) -> list[int]:
     """Ranks of the runtime's process group where ``ok`` is False (no collective when local)."""
     if runtime.process_group is None:
