@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import hashlib
+from types import SimpleNamespace
+
+import pytest
+
 from canzona.runtime.checks import (
     RIDE_READY,
     RIDE_WORDS,
     describe_groups,
+    differing_params,
     digest_chunks,
     first_difference,
     header_values,
@@ -60,3 +66,35 @@ def test_the_difference_named_is_the_value_not_an_objects_address() -> None:
     assert first_difference(ranks, 0, 1) == (
         "entry 1: rank 0 has param group 0 lr=0.1, rank 1 has param group 0 lr=0.2"
     )
+
+
+def _differing(monkeypatch: pytest.MonkeyPatch, per_rank: list[list[str]]) -> str | None:
+    """:func:`differing_params` on rank 0 of ranks holding ``per_rank``, collectives faked."""
+    from canzona.runtime import checks
+
+    def rows(values: list[int], **_: object) -> list[list[int]]:
+        return [
+            [len(v), *digest_chunks(hashlib.sha256(repr(v).encode()).hexdigest())] for v in per_rank
+        ]
+
+    monkeypatch.setattr(checks, "gather_ints", rows)
+    monkeypatch.setattr(checks, "gather_objects", lambda obj, **_: per_rank)
+    runtime = SimpleNamespace(process_group=object(), watchdog=None)
+    names = [f"w{i}" for i in range(len(per_rank[0]))]
+    return differing_params(per_rank[0], names, runtime, what="a test")  # type: ignore[arg-type]
+
+
+def test_differing_params_names_each_rank_value_and_counts_the_rest(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Catches: a load that goes on when the ranks' texts differ, a description that names
+    a parameter every rank agrees on, or one that drops the ranks' values; and an empty
+    description where the ranks only hold different numbers of parameters."""
+    same = [["step 2.0", "no state"]] * 3
+    assert _differing(monkeypatch, same) is None
+    one = [["step 2.0", "step 2.0"], ["step 2.0", "no state"], ["step 2.0", "step 2.0"]]
+    assert _differing(monkeypatch, one) == "'w1': step 2.0 on ranks [0, 2], no state on ranks [1]"
+    many = [["a"] * 5, ["b"] * 5]
+    got = _differing(monkeypatch, many)
+    assert got is not None and got.count("'w") == 3 and got.endswith(" and 2 more"), got
+    assert _differing(monkeypatch, [["a"], ["a", "b"]]) == "[1, 2] parameters on the ranks"

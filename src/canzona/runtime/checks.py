@@ -352,10 +352,10 @@ def differing_params(
         list(values), watchdog=runtime.watchdog, phase=VOTE, what=f"{what} (values)"
     )
     differ = [
-        i
-        for i, name in enumerate(names)
-        if any(len(row) <= i or row[i] != every[0][i] for row in every)
+        i for i in range(len(names)) if any(len(row) <= i or row[i] != every[0][i] for row in every)
     ]
+    if not differ:  # as many parameters on this rank, more on another
+        return f"{[len(row) for row in every]} parameters on the ranks"
     detail = "; ".join(
         f"{names[i]!r}: "
         + ", ".join(
