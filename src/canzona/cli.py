@@ -59,7 +59,7 @@ def load_specs(path: Path) -> list[MatrixSpec]:
     """
     try:
         data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise CliError(f"cannot read model file {str(path)!r}: {exc}") from None
     if isinstance(data, dict):
         data = data.get("matrices")

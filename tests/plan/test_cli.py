@@ -241,7 +241,10 @@ def test_bad_arguments_fail_with_one_line(args: list[str]) -> None:
         '[{"name": "a", "shape": [0, 3]}]',
         '{"x": 1}',
         '[{"name": "a", "shape": [4, 3], "item_size": 2}]',
+        "[" * 100_000,  # nested past the parser's depth: RecursionError
+        '[{"name": "a", "shape": [1%s, 4]}]' % ("0" * 120),  # past an int64 of bytes
     ],
+    ids=["not_json", "empty", "no_shape", "zero_dim", "no_list", "unknown_key", "deep", "huge"],
 )
 def test_bad_model_files(tmp_path: Path, content: str, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "bad.json"

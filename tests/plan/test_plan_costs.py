@@ -8,11 +8,15 @@ from canzona.plan import (
     COST_MODELS,
     AdamWCost,
     CostModel,
+    GroupedCost,
     MatrixSpec,
     MuonCost,
+    PlanConfig,
     ShampooCost,
     SoapCost,
+    build_plan,
     cost_model,
+    lower_bound,
 )
 from canzona.plan.cost import NORMUON_ELEMENTWISE
 
@@ -47,6 +51,11 @@ def test_spec_normalises_sequences() -> None:
         ({"name": "w", "shape": (2, 2), "ranks": (2, 1)}, "sorted and unique"),
         ({"name": "w", "shape": (2, 2), "ranks": (1, 1)}, "sorted and unique"),
         ({"name": "w", "shape": (2, 2), "ranks": (-1, 1)}, ">= 0"),
+        ({"name": "w", "shape": (2**31, 2**31), "itemsize": 2}, r"exceeds 9223372036854775807"),
+        ({"name": "w", "shape": (2, 2), "itemsize": 10**400}, r"exceeds 9223372036854775807"),
+        ({"name": "w", "shape": (2, 2), "holders": (0, "x")}, r"holders must be integers >= 0"),
+        ({"name": "w", "shape": (2, 2), "holders": (0,), "pinned": 1}, "pinned must be a bool"),
+        ({"name": "w", "shape": (2, 2), "holders": (0,), "pinned": "no"}, "pinned must be a bool"),
     ],
 )
 def test_spec_validation(kwargs: dict[str, object], match: str) -> None:
@@ -127,3 +136,39 @@ def test_cost_model_factory() -> None:
         cost_model("muon", extra_elementwise=-1)
     with pytest.raises(ValueError, match="precondition_frequency"):
         cost_model("soap", precondition_frequency=0)
+
+
+class _OddMemory(MuonCost):
+    """Muon's prices with a custom model's bytes in flight (``self.memory``)."""
+
+    memory: float = float("nan")
+
+    def memory_bytes(self, spec: MatrixSpec) -> int:
+        return self.memory  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize(
+    "memory", [float("nan"), -1.0, float("inf"), 10**400], ids=["nan", "negative", "inf", "huge"]
+)
+def test_a_price_that_is_no_finite_size_is_named(memory: float) -> None:
+    """Catches: a custom model's bytes in flight taken unchecked (NaN or negative sizes put
+    every matrix in one micro-group past the capacity), a huge int overflowing the check."""
+    model = _OddMemory()
+    object.__setattr__(model, "memory", memory)
+    specs = [MatrixSpec(f"m{i}", (8, 8)) for i in range(6)]
+    config = PlanConfig(strategy="numel", capacity_mb=104 / 2**20)
+    with pytest.raises(
+        ValueError, match=r"matrix 'm0' \(8, 8\) at 16000\.0 \(work\) and \S+ bytes in flight"
+    ):
+        build_plan(specs, 2, optimizer=model, config=config)
+
+
+def test_the_planning_helpers_name_bad_arguments() -> None:
+    """Catches: ZeroDivisionError, IndexError or AttributeError from deep inside for a
+    world of 0, a pinned rank outside it, or a list given for GroupedCost's mapping."""
+    with pytest.raises(ValueError, match="num_ranks must be an integer >= 1, got 0"):
+        lower_bound([1.0], 0)
+    with pytest.raises(ValueError, match=r"pinned needs one rank in \[0, 2\) .* got \[5\]"):
+        lower_bound([1.0], 2, [5])
+    with pytest.raises(ValueError, match="GroupedCost maps str keys to cost models, got list"):
+        GroupedCost([("a", MuonCost())])  # type: ignore[arg-type]

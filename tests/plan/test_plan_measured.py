@@ -328,3 +328,45 @@ def test_the_digest_covers_the_class_fits() -> None:
         MeasuredCost(base=MuonCost(), table=(), class_fits=(("rows", 32, -20.0, 1.0),))
     with pytest.raises(ValueError, match="must be finite"):
         MeasuredCost(base=MuonCost(), table=(), class_fits=(("side", 32, float("inf"), 1.0),))
+
+
+def test_prices_that_add_up_past_a_float_fail_with_a_value_error(tmp_path: Path) -> None:
+    """Catches: each matrix's price checked finite, but their sum overflowing ``fsum``
+    (OverflowError from deep inside the planner), and a table whose numbers do not fit a
+    float, or nested past the parser's depth, failing with something else than the table
+    error the CLI reports."""
+    specs = [MatrixSpec(name, (64, 64)) for name in "abc"]  # 8.2e307 s each, from the fit
+    steep = MeasuredCost(base=MuonCost(), table=(((8, 8), 1e-4),), fit=(709.0, 0.0))
+    with pytest.raises(ValueError, match=r"the matrices' costs add up past a float's range"):
+        build_plan(specs, 2, optimizer=steep)
+    good = tmp_path / "good.json"
+    save_cost_table(good, steep, {})
+    body = json.loads(good.read_text())
+    body["models"]["0"]["fit"] = [10**400, 1]
+    huge = tmp_path / "huge.json"
+    huge.write_text(json.dumps(body))
+    with pytest.raises(ValueError, match="is not a canzona cost table: int too large"):
+        load_cost_table(huge)
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ValueError, match="is not a canzona cost table: nested too deeply"):
+        load_cost_table(deep)
+
+
+def test_equal_tables_have_one_digest() -> None:
+    """Catches: ``0``, ``0.0`` and ``-0.0`` in a table's fits or transfer rate written as
+    they were given, so that tables that compare equal gave plans of different digests."""
+    specs = [MatrixSpec("a", (64, 64)), MatrixSpec("b", (64, 128))]
+
+    def table(zero: float) -> MeasuredCost:
+        return MeasuredCost(
+            base=MuonCost(),
+            table=(((64, 64), 1e-4),),
+            fit=(zero, 1),
+            class_fits=(("side", 64, zero, 1),),
+            bytes_per_s=zero,
+        )
+
+    tables = [table(0), table(0.0), table(-0.0)]
+    assert tables[0] == tables[1] == tables[2]
+    assert len({build_plan(specs, 2, optimizer=t).digest() for t in tables}) == 1

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from canzona.plan.consolidate import CallCosts, consolidate_owners
-from canzona.plan.cost import CostModel, GroupedCost, resolve_cost_model
+from canzona.plan.cost import CostModel, GroupedCost, priced, resolve_cost_model, total_of
 from canzona.plan.measured import MeasuredCost
 from canzona.plan.refine import objective, refine_owners
 from canzona.plan.spec import MatrixSpec, check_specs
@@ -115,6 +115,15 @@ def lower_bound(
     to it (``k = 0`` gives the costliest free item). ``pinned[i]`` is the only rank item ``i``
     may go to (None: free); other eligibility is ignored, so it stays a valid bound.
     """
+    if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or num_ranks < 1:
+        raise ValueError(f"num_ranks must be an integer >= 1, got {num_ranks!r}")
+    if pinned is not None and (
+        len(pinned) != len(costs) or any(r is not None and not 0 <= r < num_ranks for r in pinned)
+    ):
+        raise ValueError(
+            f"pinned needs one rank in [0, {num_ranks}) or None per cost ({len(costs)}), "
+            f"got {list(pinned)!r}"
+        )
     fixed = [0.0] * num_ranks
     free: list[float] = []
     for i, cost in enumerate(costs):
@@ -419,15 +428,8 @@ def assign_owners(
         raise ValueError(f"alpha must be a number in [0, 1], got {alpha!r}")
     check_specs(specs, num_ranks)
     model = resolve_cost_model(optimizer)
-    flops = [model.flops(s) for s in specs]
-    nbytes = [model.comm_bytes(s) for s in specs]
-    for s, f, b in zip(specs, flops, nbytes, strict=True):
-        if not (math.isfinite(f) and f >= 0 and math.isfinite(b) and b >= 0):
-            raise ValueError(
-                f"the cost model prices matrix {s.name!r} {s.shape} at {f!r} (work) and "
-                f"{b!r} bytes; both must be finite and >= 0"
-            )
-    total = math.fsum(flops)
+    flops, nbytes = priced(specs, model)
+    total = total_of(flops, "the matrices' costs")
     bound = lower_bound(flops, num_ranks, pinned_ranks(specs))
     restricted = {s.name: s.ranks for s in specs if s.ranks is not None}
 
@@ -441,7 +443,7 @@ def assign_owners(
         parts, memory, pieces = [], [], []
         if strategy == "canzona":
             parts = [call_parts(model, s) for s in specs]
-            memory = [model.memory_bytes(s) for s in specs]
+            memory = priced(specs, model, memory=True)[1]
             pieces = [call_piece(model, s) for s in specs]
         owners = _greedy(
             specs,

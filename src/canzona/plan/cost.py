@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -20,7 +21,9 @@ __all__ = [
     "SoapCost",
     "cost_model",
     "cost_model_params",
+    "priced",
     "resolve_cost_model",
+    "total_of",
 ]
 
 #: FLOPs per element for Muon's element-wise work: momentum (2), Nesterov blend (2),
@@ -257,6 +260,11 @@ class GroupedCost:
     name: str = "grouped"
 
     def __post_init__(self) -> None:
+        if not isinstance(self.models, Mapping):
+            raise ValueError(
+                f"GroupedCost maps str keys to cost models, got {type(self.models).__name__} "
+                f"{self.models!r}"
+            )
         if not self.models:
             raise ValueError("GroupedCost needs at least one cost model")
         for key, model in self.models.items():
@@ -345,3 +353,41 @@ def cost_model_params(model: CostModel) -> dict[str, Any]:
     if dataclasses.is_dataclass(model) and not isinstance(model, type):
         return {f.name: getattr(model, f.name) for f in dataclasses.fields(model) if f.init}
     return {}
+
+
+def _finite_nonnegative(value: float) -> bool:
+    try:
+        return math.isfinite(value) and value >= 0
+    except (OverflowError, TypeError):  # an int past a float's range; not a number
+        return False
+
+
+def priced(
+    specs: Sequence[MatrixSpec], model: CostModel, *, memory: bool = False
+) -> tuple[list[float], list[int]]:
+    """Each spec's work and its bytes in transit (``memory``: in flight), checked.
+
+    Raises:
+        ValueError: naming the first matrix whose price is not finite and >= 0.
+    """
+    work = [model.flops(s) for s in specs]
+    nbytes = [(model.memory_bytes if memory else model.comm_bytes)(s) for s in specs]
+    for s, f, b in zip(specs, work, nbytes, strict=True):
+        if not (_finite_nonnegative(f) and _finite_nonnegative(b)):
+            kind = "bytes in flight" if memory else "bytes"
+            raise ValueError(
+                f"the cost model prices matrix {s.name!r} {s.shape} at {f!r} (work) and "
+                f"{b!r} {kind}; both must be finite and >= 0"
+            )
+    return work, nbytes
+
+
+def total_of(values: Sequence[float], what: str) -> float:
+    """``math.fsum(values)``, or ValueError where the sum leaves a float's range."""
+    try:
+        return math.fsum(values)
+    except OverflowError:
+        raise ValueError(
+            f"{what} add up past a float's range (largest {max(values)!r}); price them in "
+            "larger units"
+        ) from None

@@ -202,7 +202,10 @@ class MeasuredCost:
         share = self.transfer_share
         if isinstance(share, bool) or not isinstance(share, int | float) or not 0 <= share <= 1:
             raise ValueError(f"transfer_share must be a number in [0, 1], got {share!r}")
-        object.__setattr__(self, "transfer_share", float(share))
+        # one digest for equal values: 0, 0.0 and -0.0 are written as 0.0
+        object.__setattr__(self, "transfer_share", float(share) + 0.0)
+        object.__setattr__(self, "fit", tuple(float(v) + 0.0 for v in self.fit))
+        object.__setattr__(self, "bytes_per_s", float(self.bytes_per_s) + 0.0)
         lines: dict[tuple[int, int], tuple[float, float]] = {}
         for (m, n), fixed, per in self.batches:
             for value in (fixed, per):
@@ -215,7 +218,10 @@ class MeasuredCost:
                 raise ValueError(f"a class fit's class is ('side'|'aspect', int), got {kind!r}")
             if not all(isinstance(v, int | float) and math.isfinite(v) for v in (a, b)):
                 raise ValueError(f"a class fit's coefficients must be finite, got {(a, b)!r}")
-            fits[(kind, value)] = (float(a), float(b))
+            fits[(kind, value)] = (float(a) + 0.0, float(b) + 0.0)
+        object.__setattr__(
+            self, "class_fits", tuple((k, v, *fits[(k, v)]) for k, v, _, _ in self.class_fits)
+        )
         pieces: dict[tuple[int, int], int] = {}
         for (m, n), size in self.pieces:
             if isinstance(size, bool) or not isinstance(size, int) or size < 1:
@@ -540,5 +546,7 @@ def _read_table(path: Path, read: Callable[[dict[str, Any]], _T]) -> _T:
         return read(body)
     except KeyError as exc:
         raise ValueError(f"{str(path)!r} is not a canzona cost table: no field {exc}") from None
-    except (OSError, AttributeError, IndexError, TypeError, ValueError) as exc:
+    except (OSError, AttributeError, IndexError, TypeError, ValueError, ArithmeticError) as exc:
         raise ValueError(f"{str(path)!r} is not a canzona cost table: {exc}") from None
+    except RecursionError:
+        raise ValueError(f"{str(path)!r} is not a canzona cost table: nested too deeply") from None

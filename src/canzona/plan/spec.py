@@ -10,6 +10,10 @@ from dataclasses import dataclass
 __all__ = ["MatrixSpec", "check_specs"]
 
 
+#: The largest payload of one spec: torch sizes tensors in int64.
+MAX_BYTES = 2**63 - 1
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -65,6 +69,11 @@ class MatrixSpec:
             raise ValueError(
                 f"MatrixSpec {self.name!r}: itemsize must be an integer >= 1, got {self.itemsize!r}"
             )
+        if math.prod(shape) * self.itemsize > MAX_BYTES:
+            raise ValueError(
+                f"MatrixSpec {self.name!r}: shape {tuple(shape)} of {self.itemsize}-byte items "
+                f"exceeds {MAX_BYTES} bytes (a tensor's size is an int64)"
+            )
         if self.ranks is not None:
             ranks = self.ranks
             if isinstance(ranks, str | bytes) or not isinstance(ranks, Sequence):
@@ -84,18 +93,24 @@ class MatrixSpec:
             object.__setattr__(self, "ranks", tuple(ranks))
         if self.holders is not None:
             holders = tuple(self.holders)
+            if not all(_is_int(r) and r >= 0 for r in holders):
+                raise ValueError(
+                    f"MatrixSpec {self.name!r}: holders must be integers >= 0, got {holders!r}"
+                )
             if not holders or any(a >= b for a, b in itertools.pairwise(holders)):
                 raise ValueError(
                     f"MatrixSpec {self.name!r}: holders must be sorted, unique and not empty, "
                     f"got {self.holders!r}"
                 )
-            if not all(_is_int(r) and r >= 0 for r in holders) or (
-                self.ranks is not None and not set(holders) <= set(self.ranks)
-            ):
+            if self.ranks is not None and not set(holders) <= set(self.ranks):
                 raise ValueError(
                     f"MatrixSpec {self.name!r}: holders must be eligible ranks, got {holders!r}"
                 )
             object.__setattr__(self, "holders", holders)
+        if not isinstance(self.pinned, bool):  # a digest writes it: True, never 1
+            raise ValueError(
+                f"MatrixSpec {self.name!r}: pinned must be a bool, got {self.pinned!r}"
+            )
         if self.pinned and self.holders is None:
             raise ValueError(f"MatrixSpec {self.name!r}: pinned needs holders, got None")
         if self.cost_key is not None and not isinstance(self.cost_key, str):
