@@ -256,3 +256,78 @@ def test_a_group_of_the_global_ranks_in_order_adds_no_note() -> None:
     shifted = Watchdog(None, 0, 3, 1.0)
     shifted.global_ranks = (4, 5, 6)
     assert shifted.rank_note().endswith("whose ranks 0 to 2 are global ranks 4, 5, 6)")
+
+
+def _owner_late_in_the_last_group() -> dict[str, Any]:
+    """World 2, three micro-groups; at the second step the owner of the last group takes
+    2.5 s in its math, past the 1 s deadline of its peer, which waits on the last scatter."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    group = tdist.new_group(backend="gloo", timeout=timedelta(seconds=20))
+    mesh = init_device_mesh("cpu", (2,))
+    gen = torch.Generator().manual_seed(0)
+    named = [
+        (
+            f"w{i}",
+            torch.nn.Parameter(
+                distribute_tensor(torch.randn(8, 6, generator=gen), mesh, [Shard(0)])
+            ),
+        )
+        for i in range(5)
+    ]
+    opt = canzona.Muon(
+        named,
+        lr=0.02,
+        plan=canzona.PlanConfig(capacity_mb=1e-4),
+        pipeline=canzona.PipelineConfig(process_group=group, timeout_s=1.0),
+    )
+    for _, p in named:
+        p.grad = distribute_tensor(torch.ones(8, 6), mesh, [Shard(0)])
+    opt.step()
+    last = opt._runtime.plan.micro_groups[-1]  # type: ignore[attr-defined]
+    late = last.owners[0]
+    directions = opt._directions
+
+    def slow(batch: Any, full: torch.Tensor) -> torch.Tensor:
+        out = directions(batch, full)
+        if any(it.name in last.names for it in batch.items):
+            time.sleep(2.5)
+        return out
+
+    if tdist.get_rank() == late:
+        opt._directions = slow  # type: ignore[method-assign]
+    for _, p in named:
+        p.grad = distribute_tensor(torch.ones(8, 6) * 2, mesh, [Shard(0)])
+    before = [p.to_local().clone() for _, p in named]
+    counters = [float(opt.state[p]["step"]) for _, p in named]
+    kind, message = "ok", ""
+    try:
+        opt.step()
+    except Exception as exc:
+        kind, message = type(exc).__name__, str(exc)
+    unchanged = all(torch.equal(p.to_local(), b) for (_, p), b in zip(named, before, strict=True))
+    steps = [float(opt.state[p]["step"]) for _, p in named]
+    return {
+        "late": tdist.get_rank() == late,
+        "groups": len(opt._runtime.plan.micro_groups),  # type: ignore[attr-defined]
+        "kind": kind,
+        "message": message,
+        "unchanged": unchanged and steps == counters,
+    }
+
+
+def test_a_rank_late_past_the_deadline_in_the_last_group_applies_nothing(dist: Any) -> None:
+    """Catches: the late owner applying the step alone. Its peer had posted its part of
+    every collective before it gave up at the deadline, so the late rank's collectives all
+    completed and the vote said success: one rank's shards a step ahead of the other's,
+    and no error on it."""
+    out = dist(2).run(_owner_late_in_the_last_group, timeout=60)
+    assert all(o["groups"] >= 2 for o in out), out
+    late = next(o for o in out if o["late"])
+    waiting = next(o for o in out if not o["late"])
+    assert waiting["kind"] == "CollectiveTimeoutError", waiting
+    assert "did not complete within 1s" in waiting["message"], waiting
+    assert late["kind"] == "CollectiveTimeoutError", late
+    assert "peers gave up waiting for this rank past the 1s deadline" in late["message"], late
+    assert late["unchanged"] and waiting["unchanged"], out

@@ -236,7 +236,7 @@ class Watchdog:
                 return
             except RuntimeError as exc:
                 if _CLOSED.search(str(exc)):
-                    raise self._error(what, exc, time.monotonic() - start) from exc
+                    raise self._gave_up(self._error(what, exc, time.monotonic() - start)) from exc
                 self._publish()  # slow: let peers see where this rank waits
         deadline = start + self.timeout_s
         while True:  # with markers: look every ``grace`` whether a peer left the call
@@ -248,10 +248,40 @@ class Watchdog:
             except RuntimeError as exc:
                 now = time.monotonic()
                 if now >= deadline or now - begun < 0.99 * chunk or _CLOSED.search(str(exc)):
-                    raise self._error(what, exc, now - start) from exc
+                    raise self._gave_up(self._error(what, exc, now - start)) from exc
                 left = self._left_peers()  # the chunk timed out; the deadline is ahead
                 if left:
-                    raise self._left_error(what, left, now - start) from exc
+                    raise self._gave_up(self._left_error(what, left, now - start)) from exc
+
+    def _gave_up(self, error: CollectiveTimeoutError) -> CollectiveTimeoutError:
+        """File ``error`` as this rank leaving the call (see :meth:`left`), then return it.
+
+        Filed at once, before the step unwinds (its rollback may take a while): a peer
+        whose collectives all completed, because this rank had posted its part of them
+        before giving up, looks for it before applying (:meth:`gave_up_peers`).
+        """
+        self.left(error)
+        return error
+
+    def gave_up_peers(self) -> list[tuple[int, str]]:
+        """Peers that gave up waiting in this call, looked for during up to one grace.
+
+        For a rank whose step ran past the deadline: every collective of its step may
+        have completed (the peers had posted their parts) while a peer, waiting for this
+        rank, gave up and left without applying. Without markers nothing can be known.
+        """
+        if not self.markers:
+            return []
+        end = time.monotonic() + min(self.grace_s, self.timeout_s)
+        while True:
+            found = [
+                (r, text)
+                for r, text in self._left_peers()
+                if text.startswith(f"{CollectiveTimeoutError.__name__}:")
+            ]
+            if found or time.monotonic() >= end:
+                return found
+            time.sleep(0.05)
 
     def collective(self, phase: int, what: str, issue: Callable[[], Any]) -> None:
         """Mark ``(phase, what)``, issue a collective (``issue()`` returns its work), wait."""
