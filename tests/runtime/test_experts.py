@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 import torch
-from torch.distributed.tensor.placement_types import Placement, Shard, _StridedShard
+from torch.distributed.tensor.placement_types import Placement, Replicate, Shard, _StridedShard
 
 import canzona
 
@@ -23,6 +23,7 @@ def _experts_case(
     placements: dict[str, tuple[Placement, ...]],
     shapes: dict[str, tuple[int, ...]],
     defaults: bool = False,
+    dedup: bool = True,
 ) -> dict[str, Any]:
     """Two steps of canzona.Muon: bytes sent per step, bitwise equality per parameter, and
     the bytes of one step of an optimizer over the ``experts`` stack alone (when there is one).
@@ -33,7 +34,8 @@ def _experts_case(
     fulls = full_tensors(shapes)
     grads = grad_steps(shapes, 2)
     params = sharded_params(fulls, mesh(mesh_shape), placements)
-    opt = canzona.Muon(params) if defaults else canzona.Muon(params, **KW)
+    plan = canzona.PlanConfig(replica_dedup=dedup)
+    opt = canzona.Muon(params, plan=plan) if defaults else canzona.Muon(params, **KW, plan=plan)
     sent = []
     for g in grads:
         set_grads(params, g)
@@ -46,7 +48,7 @@ def _experts_case(
     alone = None
     experts = [(n, p) for n, p in params if n == "experts"]
     if experts and len(experts) < len(params):  # the expert stack's own bytes
-        solo = canzona.Muon(experts, **KW)
+        solo = canzona.Muon(experts, **KW, plan=plan)
         set_grads(experts, grads[0])
         solo.step()
         assert solo.last_step_stats is not None
@@ -106,6 +108,23 @@ def test_expert_parallel_on_a_2d_mesh(dist: Any, placements: tuple[Placement, ..
             assert out["experts_alone"] == 0, out
         else:  # the check can fail: row-sharded experts must travel
             assert out["experts_alone"] > 0, out
+
+
+@pytest.mark.parametrize("dedup", [True, False], ids=["dedup", "no_dedup"])
+def test_experts_replicated_over_dp_travel_only_between_their_holders(
+    dist: Any, dedup: bool
+) -> None:
+    """(ep, dp) mesh, experts ``(Shard(0), Replicate())``: each expert is whole on both
+    ranks of its ep row. With ``replica_dedup`` (the default) one holder computes it and
+    sends its update to the other (as docs/torchtitan.md says); without, each holder
+    updates its own copy and nothing travels. Catches: the docs' zero bytes claimed for
+    the default, and experts of replicated stacks leaving their ep row."""
+    shapes = {"experts": (4, 16, 12), "shared": (16, 12)}
+    pl = {"experts": (Shard(0), Replicate()), "shared": (Shard(0), Shard(1))}
+    update = 16 * 12 * 4  # one fp32 expert's direction (KW: fp32 Newton-Schulz)
+    for out in dist(4).run(_experts_case, (2, 2), pl, shapes, dedup=dedup):
+        assert out["same"] == {"experts": True, "shared": True}
+        assert out["experts_alone"] == (update if dedup else 0), out
 
 
 @pytest.mark.parametrize(
