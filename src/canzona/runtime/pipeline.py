@@ -14,12 +14,7 @@ import torch.distributed as dist
 from canzona.runtime.alltoall import all_to_all
 from canzona.runtime.apply import apply_runs
 from canzona.runtime.checks import RIDE_READY, reports_of, ride_agrees, vote
-from canzona.runtime.config import (
-    CollectiveTimeoutError,
-    PipelineConfig,
-    UpdateFailedError,
-    partial_update,
-)
+from canzona.runtime.config import PipelineConfig, UpdateFailedError, partial_update
 from canzona.runtime.exchanges import (
     Exchange,
     Pending,
@@ -239,7 +234,7 @@ class Pipeline:
             self._vote(run.failure, run.failed_ranks, names)
             start = time.perf_counter()
             if start - t0 > self.watchdog.timeout_s and self.process_group is not None:
-                self._check_no_peer_gave_up(start - t0)
+                self.watchdog.check_no_peer_gave_up(start - t0)  # before applying anything
             try:
                 apply_runs(kept + run.received, table, tensors, apply)
             except Exception as exc:
@@ -256,26 +251,6 @@ class Pipeline:
             run.failure = None
         run.stats.total_s = time.perf_counter() - t0
         return run.stats
-
-    def _check_no_peer_gave_up(self, elapsed: float) -> None:
-        """Apply nothing where a peer gave up waiting for this rank past the deadline.
-
-        A rank slower than ``timeout_s`` may find every collective of its step complete
-        (each peer posted its part before it gave up) and the vote unanimous, while a peer
-        raised :class:`CollectiveTimeoutError` and applied nothing: applying here would
-        leave the ranks' shards a step apart. Such a peer files its error before it
-        unwinds, and this rank, whose step took longer than the deadline, looks for it.
-        """
-        gave_up = self.watchdog.gave_up_peers()
-        if gave_up:
-            who = "; ".join(f"rank {r} raised {text}" for r, text in gave_up)
-            raise CollectiveTimeoutError(
-                f"rank {self.rank}: the step's collectives completed here after {elapsed:.1f}s, "
-                f"but peers gave up waiting for this rank past the {self.watchdog.timeout_s:g}s "
-                f"deadline ({who}); nothing was applied here either, so every rank's "
-                "parameters stay as they were. The process group may be left with a "
-                "collective in flight: restart the job (e.g. from the last checkpoint)"
-            )
 
     def _vote(
         self, failure: Failure | None, failed: list[int] | None, names: Sequence[str]

@@ -258,30 +258,36 @@ class Watchdog:
 
         Filed at once, before the step unwinds (its rollback may take a while): a peer
         whose collectives all completed, because this rank had posted its part of them
-        before giving up, looks for it before applying (:meth:`gave_up_peers`).
+        before giving up, looks for it before applying (:meth:`check_no_peer_gave_up`).
         """
         self.left(error)
         return error
 
-    def gave_up_peers(self) -> list[tuple[int, str]]:
-        """Peers that gave up waiting in this call, looked for during up to one grace.
+    def check_no_peer_gave_up(self, elapsed: float) -> None:
+        """Raise where a peer gave up waiting for this rank in this call (before applying).
 
-        For a rank whose step ran past the deadline: every collective of its step may
-        have completed (the peers had posted their parts) while a peer, waiting for this
-        rank, gave up and left without applying. Without markers nothing can be known.
+        For a rank whose step ran ``elapsed`` seconds, past the deadline: every collective
+        of its step may have completed (each peer posted its part before it gave up) and
+        the vote been unanimous, while a peer raised :class:`CollectiveTimeoutError` and
+        applied nothing; applying here would leave the ranks' shards a step apart. Such a
+        peer files its error at once (:meth:`_gave_up`); this rank looks for it during up
+        to one grace. Without markers nothing can be known.
         """
         if not self.markers:
-            return []
+            return
         end = time.monotonic() + min(self.grace_s, self.timeout_s)
-        while True:
-            found = [
-                (r, text)
-                for r, text in self._left_peers()
-                if text.startswith(f"{CollectiveTimeoutError.__name__}:")
-            ]
-            if found or time.monotonic() >= end:
-                return found
+        prefix = f"{CollectiveTimeoutError.__name__}:"
+        while not (gave_up := [p for p in self._left_peers() if p[1].startswith(prefix)]):
+            if time.monotonic() >= end:
+                return
             time.sleep(0.05)
+        raise CollectiveTimeoutError(
+            f"rank {self.rank}: the step's collectives completed here after {elapsed:.1f}s, but "
+            f"peers gave up waiting for this rank past the {self.timeout_s:g}s deadline "
+            f"({_raised(gave_up)}); nothing was applied here either, so every rank's "
+            "parameters stay as they were. The process group may be left with a collective in "
+            "flight: restart the job (e.g. from the last checkpoint)"
+        )
 
     def collective(self, phase: int, what: str, issue: Callable[[], Any]) -> None:
         """Mark ``(phase, what)``, issue a collective (``issue()`` returns its work), wait."""
@@ -292,10 +298,9 @@ class Watchdog:
         self, what: str, left: list[tuple[int, str]], elapsed: float
     ) -> CollectiveTimeoutError:
         """The error of a wait for peers that left the call with an exception of their own."""
-        who = "; ".join(f"rank {r} raised {text}" for r, text in left)
         return CollectiveTimeoutError(
-            f"rank {self.rank}: {what} (step {self.step}) cannot complete: {who}, outside the "
-            f"failure handling every rank shares, and will not enter it (gave up after "
+            f"rank {self.rank}: {what} (step {self.step}) cannot complete: {_raised(left)}, "
+            "outside the failure handling every rank shares, and will not enter it (gave up after "
             f"{elapsed:.1f}s of the {self.timeout_s:g}s deadline). The process group is left "
             "with a collective in flight: restart the job (e.g. from the last checkpoint)"
         )
@@ -325,6 +330,11 @@ class Watchdog:
         return CollectiveTimeoutError(
             f"{where} did not complete within {self.timeout_s:g}s; {who} ({exc})"
         )
+
+
+def _raised(peers: list[tuple[int, str]]) -> str:
+    """``rank r raised <what>`` for each peer that left a call, joined."""
+    return "; ".join(f"rank {r} raised {text}" for r, text in peers)
 
 
 def _limit(seconds: float) -> timedelta:
