@@ -269,7 +269,7 @@ def newton_schulz(
     :math:`B = b_k A + c_k A^2`, :math:`X \leftarrow a_k X + BX` with the :math:`k`-th triple of
     the schedule (:func:`~canzona.updates.ns_schedules.resolve_ns_coefficients`). The default
     triple favours speed over convergence: five steps leave the singular values of a
-    well-conditioned input in about ``[0.68, 1.14]`` (the band that the quintic oscillates in)
+    well-conditioned input in about ``[0.68, 1.13]`` (the band that the quintic oscillates in)
     rather than at 1, which is what Muon uses; ``"polar_express"`` takes them to 1.
 
     For a 2-D input and one triple the op sequence is that of

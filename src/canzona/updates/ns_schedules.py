@@ -102,7 +102,7 @@ NS_SCHEDULES: Mapping[str, NamedSchedule] = MappingProxyType(
         ),
         # `--muon-ns-coefficient-type quintic` of the Canzona paper's reference code (from the
         # modded-nanogpt speedrun): in float64 five steps take every singular value in
-        # [0.01, 1] to [0.977, 1.032].
+        # [0.01, 1] to [0.978, 1.032].
         "tuned_quintic": NamedSchedule(
             coefficients=(
                 (4.0848, -6.8946, 2.9270),
