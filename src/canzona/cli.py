@@ -77,17 +77,36 @@ def load_specs(path: Path) -> list[MatrixSpec]:
             )
         ranks = entry.get("ranks")
         try:
-            specs.append(
-                MatrixSpec(
-                    entry["name"],
-                    tuple(entry["shape"]) if isinstance(entry["shape"], list) else entry["shape"],
-                    entry.get("itemsize", 4),
-                    tuple(ranks) if isinstance(ranks, list) else ranks,
-                )
+            spec = MatrixSpec(
+                entry["name"],
+                tuple(entry["shape"]) if isinstance(entry["shape"], list) else entry["shape"],
+                entry.get("itemsize", 4),
+                tuple(ranks) if isinstance(ranks, list) else ranks,
             )
         except ValueError as exc:
             raise CliError(str(exc)) from None
+        specs += _matrices_of(spec)
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names):
+        twice = sorted({n for n in names if names.count(n) > 1})[:3]
+        raise CliError(
+            f"model file {str(path)!r} has duplicate matrix names {twice} (a stack's matrices "
+            "are named name[0], name[1], ...)"
+        )
     return specs
+
+
+def _matrices_of(spec: MatrixSpec) -> list[MatrixSpec]:
+    """A stack's matrices ``name[0]``, ``name[1]``, ...; a 2-D matrix as it is.
+
+    Each matrix of a stack has its own owner, as the optimizers plan a 3-D parameter.
+    """
+    if len(spec.shape) == 2:
+        return [spec]
+    return [
+        MatrixSpec(f"{spec.name}[{k}]", (spec.m, spec.n), spec.itemsize, spec.ranks)
+        for k in range(spec.batch)
+    ]
 
 
 def _resolve_model(

@@ -119,13 +119,15 @@ def test_more_ranks_than_matrices_warns(tmp_path: Path, capsys: pytest.CaptureFi
 
 
 def test_model_from_json_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Catches: a ``[batch, m, n]`` stack planned as one matrix with one owner, where the
+    optimizers give each of its matrices its own (experts on 64 ranks all on rank 0)."""
     path = tmp_path / "tiny.json"
     entries = [{"name": f"w{i}", "shape": [64, 32 + i]} for i in range(6)]
     entries.append({"name": "half", "shape": [2, 64, 64], "itemsize": 2})
     path.write_text(json.dumps(entries))
     assert cli.main(["plan", "--model", str(path), "--world", "3", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["model"] == "tiny" and data["matrices"] == 7
+    assert data["model"] == "tiny" and data["matrices"] == 8  # the stack's two matrices
     wrapped = tmp_path / "wrapped.json"
     wrapped.write_text(json.dumps({"matrices": entries}))
     assert cli.main(["plan", "--model", str(wrapped), "--world", "3"]) == 0
@@ -140,9 +142,13 @@ def test_model_files_carry_payload_sizes_and_eligible_ranks(tmp_path: Path) -> N
         {"name": "b", "shape": [2, 8, 8], "itemsize": 2, "ranks": [0, 2]},
     ]
     path.write_text(json.dumps(entries))
-    a, b = cli.load_specs(path)
+    a, *b = cli.load_specs(path)
     assert (a.itemsize, a.ranks) == (4, None)
-    assert (b.shape, b.itemsize, b.ranks) == ((2, 8, 8), 2, (0, 2))
+    # a stack: its matrices, each planned alone as the runtime plans a 3-D parameter's
+    assert [(s.name, s.shape, s.itemsize, s.ranks) for s in b] == [
+        ("b[0]", (8, 8), 2, (0, 2)),
+        ("b[1]", (8, 8), 2, (0, 2)),
+    ]
 
 
 @pytest.mark.parametrize(
@@ -258,7 +264,13 @@ def test_duplicate_names_in_model_file(tmp_path: Path, capsys: pytest.CaptureFix
     path = tmp_path / "dup.json"
     path.write_text(json.dumps([{"name": "a", "shape": [2, 2]}, {"name": "a", "shape": [3, 3]}]))
     assert cli.main(["plan", "--model", str(path), "--world", "2"]) == 2
-    assert "duplicate" in capsys.readouterr().err
+    assert "has duplicate matrix names ['a']" in capsys.readouterr().err  # (the path says
+    # "duplicate" too: tmp_path is named after the test)
+    path.write_text(
+        json.dumps([{"name": "a[1]", "shape": [2, 2]}, {"name": "a", "shape": [2, 3, 3]}])
+    )
+    assert cli.main(["plan", "--model", str(path), "--world", "2"]) == 2
+    assert "has duplicate matrix names ['a[1]']" in capsys.readouterr().err
 
 
 def test_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
