@@ -175,6 +175,31 @@ def test_layouts_that_differ_across_ranks_raise_everywhere(
             assert "ranks [0, 1, 3] and ranks [2]" in msg and "first difference" in msg, msg
 
 
+def _stages_on_one_group() -> tuple[str, str]:
+    """Pipeline stages by mistake on the default group: rank 0 one 32x16 matrix, rank 1
+    two others (plain tensors)."""
+    torch.manual_seed(tdist.get_rank())
+    shapes = [(32, 16)] if tdist.get_rank() == 0 else [(8, 32), (8, 8)]
+    params = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    return _outcome(canzona.Muon(params, lr=0.02).step)
+
+
+def test_ranks_with_other_parameters_are_told_about_process_groups(dist: Any) -> None:
+    """Catches: the first difference taken in the configuration tuple that leads the
+    description (it differs whenever the parameter counts do), which named no parameter,
+    and no word on giving each pipeline stage its own process group."""
+    out = dist(2).run(_stages_on_one_group, timeout=TIMEOUT)
+    for kind, msg in out:
+        assert kind == "PlanMismatchError", msg
+        assert "disagree on the number of parameters (1 vs 2)" in msg, msg
+        assert "first difference: entry 0: rank 0 has (0, 'param0', (32, 16)," in msg, msg
+        assert msg.endswith(
+            "need an optimizer each on its own process group: PipelineConfig(process_group=...)"
+        ), msg
+
+
 def _hyper_mismatch(how: str) -> tuple[str, str]:
     params = _params(("square", "tall"))
     if how == "value":

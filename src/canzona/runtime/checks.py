@@ -19,6 +19,11 @@ if TYPE_CHECKING:
     from canzona.runtime.pipeline import Failure
 
 _CHUNKS = 3  # 40-bit chunks per digest: exact in int64
+#: What a mismatch of the parameters themselves adds: where ranks optimize different ones.
+STAGES_HINT = (
+    ". Ranks that optimize different parameters (pipeline stages) need an optimizer each on "
+    "its own process group: PipelineConfig(process_group=...)"
+)
 VOTE = 1_000_000  # progress-marker phase of the success vote: after every micro-group
 AGREE = -1  # progress-marker phase of the layout agreement: before the step's own check
 _FIXED = 1 + 3 * _CHUNKS  # header words before the gradients' digest
@@ -220,9 +225,11 @@ def _raise_mismatch(
         )
         lists = [f or [] for f in full]
         detail = f" (first difference: {first_difference(lists, ranks_a[0], ranks_b[0])})"
+    stages = STAGES_HINT if a[: layouts.stop] != b[: layouts.stop] else ""
     raise PlanMismatchError(
         f"ranks {ranks_a} and ranks {ranks_b} disagree on {' and '.join(what)}{detail}; "
-        "every rank must call step() with the same parameters, param groups and configuration"
+        f"every rank must call step() with the same parameters, param groups and "
+        f"configuration{stages}"
     )
 
 

@@ -441,7 +441,7 @@ class MatrixRuntime:
                 has_grad=has_grad,
                 nonfinite=nonfinite,
                 failed=failed,
-                describe=lambda: [self._config_now, *(lo.structure() for lo in layouts)],
+                describe=lambda: [*(lo.structure() for lo in layouts), self._config_now],
                 groups=table.hparams,
             )
             if failed:

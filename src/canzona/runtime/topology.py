@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement, Replicate
 
-from canzona.runtime.checks import AGREE, first_difference, ranks_by_value
+from canzona.runtime.checks import AGREE, STAGES_HINT, first_difference, ranks_by_value
 from canzona.runtime.config import PlanMismatchError
 from canzona.runtime.layout import LayoutError, check_placements, fragment_for
 from canzona.runtime.watchdog import Watchdog, gather_objects
@@ -237,7 +237,7 @@ def agree(
     if len(set(digests)) != 1:
         parts = [ranks for _, ranks in ranks_by_value(digests)]
         full: list[list[str]] = gather_objects(
-            [extra, *(lo.structure() for lo in layouts)],
+            [*(lo.structure() for lo in layouts), extra],  # parameters first
             watchdog=watchdog,
             phase=AGREE,
             what="the layout agreement's descriptions",
@@ -247,7 +247,7 @@ def agree(
         raise PlanMismatchError(
             "ranks disagree on the optimizer's parameters or configuration: "
             + " vs ".join(f"ranks {p}" for p in parts)
-            + f"; first difference: {detail}"
+            + f"; first difference: {detail}{STAGES_HINT}"
         )
     copies: dict[MeshKey, set[tuple[int, ...]]] = {}
     for entry in gathered:
