@@ -816,3 +816,17 @@ def test_a_numpy_learning_rate_is_used_as_torch_uses_it(dtype: str) -> None:
         adamw.step()
     for a, b in zip(ours, theirs, strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_pattern_that_matches_only_under_a_wrapper_prefix_says_so() -> None:
+    """Catches: ``qkv.weight``-style patterns written as for the bare model reported as a
+    typo once DDP (``module.``) or torch.compile (``_orig_mod.``) prefixes the names."""
+    wrapped = nn.Sequential()
+    wrapped.add_module("module", _model())  # DDP's name for the model it wraps
+    hint = (
+        r"carry a prefix \('module\.blocks\.0\.qkv\.weight', .*'\*blocks\.0\.qkv\.weight' matches"
+    )
+    with pytest.raises(ValueError, match=hint):
+        canzona.param_groups(wrapped, split={"blocks.0.qkv.weight": canzona.Split(dim=0, size=4)})
+    with pytest.warns(UserWarning, match=hint):
+        canzona.param_groups(wrapped, to_adamw=["blocks.0.qkv.weight"])

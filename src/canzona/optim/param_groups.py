@@ -99,9 +99,11 @@ def _route(
         for pattern in patterns:
             if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
                 # a warning: a pipeline stage builds its groups from its own part of the model
+                hint = _prefixed(names, pattern) or (
+                    " (a typo? with pipeline stages, it may match in another stage only)"
+                )
                 warnings.warn(
-                    f"{label} pattern {pattern!r} matches no parameter of the model (a typo? "
-                    "with pipeline stages, it may match in another stage only)",
+                    f"{label} pattern {pattern!r} matches no parameter of the model{hint}",
                     UserWarning,
                     stacklevel=3,
                 )
@@ -216,6 +218,17 @@ def param_groups(
 Blocks = tuple[NamedParams, list[tuple[Split, NamedParams]]]
 
 
+def _prefixed(names: list[str], pattern: str) -> str:
+    """A hint where ``pattern`` matches names once a wrapper's prefix is allowed, else ''."""
+    wrapped = [n for n in names if fnmatch.fnmatchcase(n, f"*.{pattern}")]
+    if not wrapped:
+        return ""
+    return (
+        f": the model's names carry a prefix ({wrapped[0]!r}, as under DDP's 'module.' or "
+        f"torch.compile's '_orig_mod.'); '*{pattern}' matches them"
+    )
+
+
 def _check_patterns(model: nn.Module, split: Mapping[str, Split], matrices: set[str]) -> None:
     """Every split pattern is a Split that names matrix parameters, and at least one."""
     named = list(model.named_parameters())
@@ -232,6 +245,7 @@ def _check_patterns(model: nn.Module, split: Mapping[str, Split], matrices: set[
             if fnmatch.fnmatchcase(n, pattern) and id(p) in first
         ]
         found = f": it matches only {', '.join(aliases)}" if aliases else ""
+        found = found or _prefixed([n for n, _ in named], pattern)
         raise ValueError(f"split pattern {pattern!r} matches no parameter of the model{found}")
     for name, p in named:
         for pattern in split:
