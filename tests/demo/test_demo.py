@@ -156,6 +156,8 @@ def test_sharded_layouts_follow_the_one_process_trajectory() -> None:
         ),
         (["--seed", "-1"], "argument --seed: expected an integer in [0, 2**31)"),
         (["--plot", "loss.jpg"], "--plot needs a .png file name"),
+        # access() says root may write there; creating the file fails: before training
+        (["--plot", "/proc/loss.png"], "--plot: cannot write '/proc/loss.png'"),
         (["--frobnicate"], "unrecognized arguments: --frobnicate"),
     ],
 )

@@ -126,6 +126,15 @@ def _check_plot(path: Path | None) -> None:
         raise _UsageError(f"--plot: cannot create {where}")
     if path.is_dir() or not os.access(existing, os.W_OK):
         raise _UsageError(f"--plot: cannot write {str(path)!r}")
+    if existing == path.parent:  # try it: access() says yes to root where writes fail (/proc)
+        new = not path.exists()
+        try:
+            with path.open("ab"):
+                pass
+        except OSError as exc:
+            raise _UsageError(f"--plot: cannot write {str(path)!r}: {exc.strerror}") from None
+        if new:
+            path.unlink()
 
 
 def plot_losses(result: dict[str, Any], path: Path, title: str) -> None:
