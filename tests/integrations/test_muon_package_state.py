@@ -52,7 +52,11 @@ def test_a_muon_with_aux_adam_job_continues_from_its_state() -> None:
     new = _model()
     new.load_state_dict(old.state_dict())
     opt = canzona.Muon(canzona.param_groups(new, adamw={"lr": 1e-3}), lr=0.05)
-    opt.load_state_dict(canzona.from_torch_state(opt, (saved, names)))
+    with pytest.warns(UserWarning) as seen:  # the values canzona.Muon keeps are named
+        opt.load_state_dict(canzona.from_torch_state(opt, (saved, names)))
+    texts = sorted(str(w.message) for w in seen)
+    assert "param group 0 continues" in texts[0] and "(weight_decay 0.01 -> 0.1)" in texts[0]
+    assert "param group 1 continues" in texts[1] and "(eps 1e-10 -> 1e-08)" in texts[1]
     by_name = dict(new.named_parameters())
     for pid, entry in saved["state"].items():
         state = opt.state[by_name[names[pid]]]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -22,9 +23,12 @@ def _params(values: dict[str, torch.Tensor]) -> list[tuple[str, nn.Parameter]]:
 
 def test_a_torch_muon_and_adamw_job_continues_bit_for_bit() -> None:
     """Catches: a state key or tensor dropped, the AdamW step count reset, the saved lr not
-    taken (the scheduler's lr of the saved step), Muon and AdamW state swapped."""
+    taken (the scheduler's lr of the saved step), Muon and AdamW state swapped; and a
+    warning of other values where the sources' are the optimizer's."""
     saved, want = torch_job(full_tensors(SHAPES))
-    got = continue_with_canzona(saved, _params(saved["params"]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = continue_with_canzona(saved, _params(saved["params"]))
     for name in SHAPES:
         assert torch.equal(got[name], want[name]), name
 
@@ -176,3 +180,22 @@ def test_flattened_sources_that_cannot_be_read_are_named() -> None:
     assert "source 0 holds state for 'mlp.up' but no param-group values" in str(info.value)
     with pytest.raises(ValueError, match="source 0 is not a state dict: neither"):
         canzona.from_torch_state(opt, {**flat, "optimizer": 1})
+
+
+def test_values_the_optimizer_keeps_where_its_sources_differ_are_named() -> None:
+    """Catches: a torch AdamW with other betas and weight decay than the optimizer's AdamW
+    group (torch's default betas (0.9, 0.999)) continued with the group's without a word,
+    and a Muon group's other momentum likewise; the lr is the source's, never named."""
+    saved, _ = torch_job(full_tensors(SHAPES))
+    for group in saved["adamw"]["param_groups"]:
+        group.update(betas=(0.9, 0.999), weight_decay=0.05)
+    saved["muon"]["param_groups"][0]["momentum"] = 0.9
+    opt = canzona.Muon(canzona_groups(_params(saved["params"])), lr=0.02)
+    with pytest.warns(UserWarning) as seen:
+        canzona.from_torch_state(opt, saved["muon"], saved["adamw"])
+    texts = sorted(str(w.message) for w in seen)
+    assert len(texts) == 2, texts
+    assert "param group 0 continues with its own values where its source's differ " in texts[0]
+    assert "(momentum 0.9 -> 0.95)" in texts[0], texts
+    assert "(betas (0.9, 0.999) -> (0.9, 0.95), weight_decay 0.05 -> 0.01)" in texts[1], texts
+    assert all("lr " not in t.split("(")[1] for t in texts), texts

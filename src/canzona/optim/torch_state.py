@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +23,12 @@ _MUON_KEYS = frozenset({"momentum_buffer"})
 _ADAMW_KEYS = frozenset({"step", "exp_avg", "exp_avg_sq"})
 #: Param-group values a restored LR scheduler drives: taken from the sources.
 _SCHEDULED = ("lr", "initial_lr")
+#: A source group's values and the optimizer group's entries that take their place, by
+#: algorithm: where they differ the optimizer continues with its own (a warning says so).
+_CONTINUED = {
+    "muon": {k: k for k in ("momentum", "nesterov", "weight_decay", "eps")},
+    ADAMW: {"betas": "adamw_betas", "eps": "adamw_eps", "weight_decay": "weight_decay"},
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +120,7 @@ def from_torch_state(optimizer: Muon, *sources: Source) -> dict[str, Any]:
             if entry.entry is not None:
                 state[pid] = _converted(entry, name)
         packed.update(_scheduled(found, g))
+        _warn_of_own_values(found, group, g, kind)
         groups.append(packed)
         index += len(names)
     extra = [name for name in saved if name not in used]
@@ -231,6 +239,32 @@ def _converted(saved: _Saved, name: str) -> dict[str, Any]:
     if saved.kind == "muon":
         return {"step": torch.tensor(0.0), "momentum_buffer": saved.entry["momentum_buffer"]}
     return {key: saved.entry[key] for key in sorted(_ADAMW_KEYS)}  # an int step loads too
+
+
+def _warn_of_own_values(
+    found: Sequence[_Saved], group: Mapping[str, Any], g: int, kind: str
+) -> None:
+    """Warn where the optimizer's group continues with other values than its sources had."""
+    differ: dict[str, str] = {}
+    for entry in found:
+        for theirs, ours in _CONTINUED[kind].items():
+            if theirs in entry.group and ours in group and theirs not in differ:
+                was, now = entry.group[theirs], group[ours]
+                if plain_value(_tupled(was)) != plain_value(_tupled(now)):
+                    differ[theirs] = f"{theirs} {was!r} -> {now!r}"
+    if differ:
+        warnings.warn(
+            f"from_torch_state: param group {g} continues with its own values where its "
+            f"source's differ ({', '.join(differ.values())}); set them in the optimizer's "
+            "param group to continue as the source did (lr is taken from the source)",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+def _tupled(value: Any) -> Any:
+    """A list as a tuple (torch saves ``betas`` as either), anything else as it is."""
+    return tuple(value) if isinstance(value, list) else value
 
 
 def _scheduled(found: Sequence[_Saved], group: int) -> dict[str, Any]:
