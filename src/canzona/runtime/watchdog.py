@@ -21,6 +21,10 @@ from canzona.runtime.config import CollectiveTimeoutError
 
 _PREFIX = "canzona/progress"
 
+#: How long a rank whose step ran past the deadline looks for peers that gave up waiting
+#: for it (they file that with one write of the store, the moment they give up).
+GAVE_UP_LOOK_S = 0.25
+
 #: Work handles of the most recent collectives a watchdog keeps after waiting on them.
 RETAINED_WORKS = 2
 
@@ -236,7 +240,8 @@ class Watchdog:
                 return
             except RuntimeError as exc:
                 if _CLOSED.search(str(exc)):
-                    raise self._gave_up(self._error(what, exc, time.monotonic() - start)) from exc
+                    self._gave_up(what)
+                    raise self._error(what, exc, time.monotonic() - start) from exc
                 self._publish()  # slow: let peers see where this rank waits
         deadline = start + self.timeout_s
         while True:  # with markers: look every ``grace`` whether a peer left the call
@@ -248,20 +253,24 @@ class Watchdog:
             except RuntimeError as exc:
                 now = time.monotonic()
                 if now >= deadline or now - begun < 0.99 * chunk or _CLOSED.search(str(exc)):
-                    raise self._gave_up(self._error(what, exc, now - start)) from exc
+                    self._gave_up(what)
+                    raise self._error(what, exc, now - start) from exc
                 left = self._left_peers()  # the chunk timed out; the deadline is ahead
                 if left:
-                    raise self._gave_up(self._left_error(what, left, now - start)) from exc
+                    self._gave_up(what)
+                    raise self._left_error(what, left, now - start) from exc
 
-    def _gave_up(self, error: CollectiveTimeoutError) -> CollectiveTimeoutError:
-        """File ``error`` as this rank leaving the call (see :meth:`left`), then return it.
+    def _gave_up(self, what: str) -> None:
+        """File at once that this rank gives up waiting in ``what`` (see :meth:`left`).
 
-        Filed at once, before the step unwinds (its rollback may take a while): a peer
-        whose collectives all completed, because this rank had posted its part of them
-        before giving up, looks for it before applying (:meth:`check_no_peer_gave_up`).
+        Before the error is built (naming the ranks behind reads every rank's marker) and
+        before the step unwinds (its rollback may take a while): a peer whose collectives all
+        completed, because this rank had posted its part of them before giving up, looks for
+        it before applying (:meth:`check_no_peer_gave_up`). Leaving the call files the whole
+        error over it.
         """
-        self.left(error)
-        return error
+        text = f"{CollectiveTimeoutError.__name__}: rank {self.rank} gave up waiting in {what}"
+        self._set(self._left_key(self.rank), f"{self.calls.begun}|{text} (step {self.step})")
 
     def check_no_peer_gave_up(self, elapsed: float) -> None:
         """Raise where a peer gave up waiting for this rank in this call (before applying).
@@ -270,12 +279,12 @@ class Watchdog:
         of its step may have completed (each peer posted its part before it gave up) and
         the vote been unanimous, while a peer raised :class:`CollectiveTimeoutError` and
         applied nothing; applying here would leave the ranks' shards a step apart. Such a
-        peer files its error at once (:meth:`_gave_up`); this rank looks for it during up
-        to one grace. Without markers nothing can be known.
+        peer files that it gave up at once (:meth:`_gave_up`); this rank looks for it during
+        up to :data:`GAVE_UP_LOOK_S`. Without markers nothing can be known.
         """
         if not self.markers:
             return
-        end = time.monotonic() + min(self.grace_s, self.timeout_s)
+        end = time.monotonic() + min(GAVE_UP_LOOK_S, self.timeout_s)
         prefix = f"{CollectiveTimeoutError.__name__}:"
         while not (gave_up := [p for p in self._left_peers() if p[1].startswith(prefix)]):
             if time.monotonic() >= end:
