@@ -237,6 +237,28 @@ def test_the_ranks_agree_on_a_median_that_outvotes_a_stall(monkeypatch: Any) -> 
     assert agreed == [2.0, 5.0, 4.2]
     assert calibrate_module._robust_median([]) == -1.0
     assert calibrate_module._robust_median([3.0, 1.0, 2.0]) == 2.0
+    # catches: the mean of two finite timings overflowing to inf (the step then failed)
+    assert calibrate_module._robust_median([1e308, 1.1e308]) == 1.05e308
+
+
+def test_the_ranks_agree_without_a_rank_that_timed_inf(monkeypatch: Any) -> None:
+    """Catches: a rank's infinite timing (a clock gone wrong) taken as a valid one, which
+    priced the shape at inf and failed every rank's step."""
+    from canzona.runtime.watchdog import Watchdog
+
+    class Done:
+        def wait(self, timeout: Any = None) -> bool:
+            return True
+
+    def gather(rows: torch.Tensor, mine: torch.Tensor, group: Any = None, **_: Any) -> Done:
+        inf = float("inf")  # ranks 1 and 2 timed the first shape at inf
+        rows.copy_(torch.tensor([2.0, 3.0, inf, 3.0, inf, 3.0], dtype=rows.dtype))
+        return Done()
+
+    monkeypatch.setattr(calibrate_module.dist, "all_gather_single", gather)
+    watchdog = Watchdog(None, 0, 3, 60.0)
+    agreed = calibrate_module.median_over_ranks([2.0, 3.0], watchdog, torch.device("cpu"))
+    assert agreed == [2.0, 3.0]
 
 
 def _calibrated_long() -> dict[str, Any]:

@@ -118,6 +118,8 @@ def test_disk_cache_round_trip_and_bad_files(tmp_path: Path) -> None:
             "neg": [-1.0, 0.0, 0.0],
             "two": [1.0, 0.5],  # a format-1 entry: no third timing
             "one": [1.0],
+            "huge": [10**400, -1, -1],  # an int past a float: float() raised OverflowError
+            "huge_third": [1.0, -1, -(10**400)],
         }
     )
     cache.path.write_text(json.dumps(data))

@@ -98,7 +98,7 @@ def calibrate_model(
     ]
     base = cost_model(opt.cost_model, **opt._cost_params(opt.param_groups[0]))
     disk = None if cache is None else DiskCache(cache, runtime_calibrate.device_name(dev))
-    held = disk.load() if disk is not None else {}
+    held = disk.load(warn=False) if disk is not None else {}  # calibrate() warns once
     cached = sum(runtime_calibrate.entry_key(s, table, dev) in held for s in wanted)
     start = time.perf_counter()
     cost: GroupedCost = runtime_calibrate.calibrate(

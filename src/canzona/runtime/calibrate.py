@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
 import platform
 import time
 import warnings
@@ -271,7 +272,10 @@ def median_over_ranks(timed: list[float], watchdog: Watchdog, device: torch.devi
         lambda: dist.all_gather_single(rows, mine, group=watchdog.process_group, async_op=True),
     )
     table = rows.view(watchdog.world, len(timed)).tolist()
-    return [_robust_median([row[i] for row in table if row[i] >= 0]) for i in range(len(timed))]
+    return [
+        _robust_median([row[i] for row in table if 0 <= row[i] < math.inf])
+        for i in range(len(timed))
+    ]
 
 
 def _robust_median(values: list[float]) -> float:
@@ -283,7 +287,10 @@ def _robust_median(values: list[float]) -> float:
     if len(values) % 2:
         return values[half]
     low, high = values[half - 1], values[half]
-    return low if high > STALL_RATIO * low else (low + high) / 2
+    if high > STALL_RATIO * low:
+        return low
+    mean = (low + high) / 2
+    return mean if mean < math.inf else low / 2 + high / 2  # the sum past a float's range
 
 
 def measure_transfer(watchdog: Watchdog, device: torch.device) -> float:

@@ -31,7 +31,10 @@ def _entry(value: Any) -> Entry | None:
         return None
     if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in value):
         return None
-    seconds, second, third = (float(v) for v in value)
+    try:
+        seconds, second, third = (float(v) for v in value)
+    except OverflowError:  # an int past a float's range
+        return None
     if not all(math.isfinite(v) for v in (seconds, second, third)) or seconds < 0:
         return None
     return seconds, (second if second >= 0 else -1.0), (third if third >= 0 else -1.0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from statistics import median
 
@@ -95,7 +96,7 @@ class Observation:
         )
         out: dict[str, dict[tuple[int, int], dict[int, float]]] = {}
         for ((key, m, n), k), seconds in zip(self.universe, agreed, strict=True):
-            if seconds > 0:
+            if 0 < seconds < math.inf:  # a rank's clock may have given anything
                 out.setdefault(key, {}).setdefault((m, n), {})[k] = seconds
         self._cpu.clear()
         return out
