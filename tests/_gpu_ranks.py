@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor, Shard
 import canzona
 from canzona.plan.measured import MeasuredCost
 from canzona.runtime import calibrate as calibrate_module
+from canzona.runtime import calibration_keys
 
 # Four equal shapes (a batched stack on an owner) next to three distinct ones.
 SHAPES = ((64, 32),) * 4 + ((32, 96), (48, 48), (96, 64))
@@ -190,7 +191,7 @@ def _steps(
             [list(k) for m in models if isinstance(m, MeasuredCost) for k, _ in m.table]
         ),
         "timed_on": sorted({str(k[0]) for k in calibrate_module._CACHE}),
-        "device": calibrate_module.device_name(torch.device(device)),
+        "device": calibration_keys.device_name(torch.device(device)),
         "planned": made is not None,
         "bytes_sent": opt.last_step_stats.bytes_sent if opt.last_step_stats else -1,
         "micro_groups": opt.last_step_stats.micro_groups if opt.last_step_stats else -1,

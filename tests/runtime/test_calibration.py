@@ -14,7 +14,7 @@ from torch.distributed.tensor.placement_types import Shard
 import canzona
 from canzona.plan.measured import MeasuredCost
 from canzona.runtime import calibrate as calibrate_module
-from canzona.runtime import timing
+from canzona.runtime import calibration_keys, timing
 
 from _cases import (
     CALIBRATION_SHAPES,
@@ -138,7 +138,7 @@ def test_a_new_payload_dtype_plans_again(dist: Any) -> None:
 
 
 def test_calibration_cache_key_names_the_device() -> None:
-    assert calibrate_module.device_name(torch.device("cpu")).startswith("cpu:")
+    assert calibration_keys.device_name(torch.device("cpu")).startswith("cpu:")
 
 
 def test_the_agreed_timing_is_the_true_median() -> None:

@@ -17,6 +17,7 @@ from torch.distributed.tensor.placement_types import Shard
 import canzona
 from canzona.runtime import calibrate as calibrate_module
 from canzona.runtime import calibration_cache as cache_module
+from canzona.runtime import calibration_keys
 from canzona.runtime.calibrate import Shape, entry_key, time_shape
 from canzona.runtime.calibration_cache import FORMAT, DiskCache
 
@@ -77,8 +78,8 @@ def test_entry_keys_tell_optimizer_classes_apart() -> None:
 
     shape = Shape(0, 8, 8, 1, torch.float32)
     muon, other = _table(canzona.Muon), _table(OtherMuon)
-    assert calibrate_module.group_settings(muon.hparams[0]) == (
-        calibrate_module.group_settings(other.hparams[0])
+    assert calibration_keys.group_settings(muon.hparams[0]) == (
+        calibration_keys.group_settings(other.hparams[0])
     )
     assert entry_key(shape, other, CPU) != entry_key(shape, muon, CPU)
 

@@ -15,6 +15,7 @@ from canzona.plan import GroupedCost, MatrixSpec, cost_model
 from canzona.plan.measured import MeasuredCost, owner_stack, save_cost_table
 from canzona.runtime import calibrate as runtime_calibrate
 from canzona.runtime.calibration_cache import DiskCache
+from canzona.runtime.calibration_keys import device_name
 from canzona.runtime.watchdog import Watchdog
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -97,7 +98,7 @@ def calibrate_model(
         for m, n in shapes
     ]
     base = cost_model(opt.cost_model, **opt._cost_params(opt.param_groups[0]))
-    disk = None if cache is None else DiskCache(cache, runtime_calibrate.device_name(dev))
+    disk = None if cache is None else DiskCache(cache, device_name(dev))
     held = disk.load(warn=False) if disk is not None else {}  # calibrate() warns once
     cached = sum(runtime_calibrate.entry_key(s, table, dev) in held for s in wanted)
     start = time.perf_counter()
@@ -119,7 +120,7 @@ def calibrate_model(
     meta = {
         "optimizer": optimizer,
         "ns_dtype": ns_dtype,
-        "device": runtime_calibrate.device_name(dev),
+        "device": device_name(dev),
         "torch": torch.__version__,
         "seconds": seconds,
         "world": world,

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import math
-import platform
 import time
 import warnings
 from collections.abc import Mapping, Sequence
@@ -28,6 +26,7 @@ from canzona.plan.measured import (
 )
 from canzona.runtime import timing
 from canzona.runtime.calibration_cache import DiskCache, Entry
+from canzona.runtime.calibration_keys import device_name, group_settings
 from canzona.runtime.routing import Item
 from canzona.runtime.table import ComputeBatch, ComputeFn, StepTable
 from canzona.runtime.watchdog import Watchdog
@@ -45,10 +44,6 @@ STALL_RATIO = 1.25
 #: The watchdog phase of the calibration's collectives: with the step's checks, before the
 #: plan digest's (phase 1).
 PHASE = 0
-
-#: Param-group entries that never change the owner math's operations (so not its time): a
-#: learning rate moved by a scheduler must not invalidate the cached timings.
-UNTIMED_SETTINGS = frozenset({"params", "param_names", "lr", "initial_lr"})
 
 _CACHE: dict[tuple[object, ...], float] = {}
 _RATES: dict[tuple[object, ...], float] = {}
@@ -84,54 +79,6 @@ def shapes_of(items: Sequence[Item], table: StepTable, world: int) -> list[Shape
     for (gid, m, n, dtype), count in sorted(counts.items(), key=lambda kv: repr(kv[0])):
         out.append(Shape(gid, m, n, owner_stack(count, world), dtype, count))
     return out
-
-
-@functools.cache
-def _cpu_model() -> str:
-    """The CPU's model name (Linux: ``/proc/cpuinfo``), else what ``platform`` reports."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown"
-
-
-def device_name(device: torch.device) -> str:
-    """What the timings were taken on (part of their cache key)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"{device.type}:{_cpu_model()}:{torch.get_num_threads()} threads"
-
-
-def _timed_form(value: object) -> object:
-    """What of a setting can change the owner math's operations, so its time.
-
-    A float (or a 0-dim floating tensor) only scales the math, except where the math
-    branches on it, always against 0 or 1 (``momentum > 0``, ``beta2 == 1``): its range
-    among ``nan, < 0, 0, (0, 1), 1, > 1`` keeps every such branch apart, and a momentum,
-    weight decay or ``betas`` that a scheduler moves (OneCycleLR's cycled momentum) times
-    nothing again. Everything else (integers such as ``ns_steps``, dtypes, strings) counts
-    by its value.
-    """
-    if isinstance(value, torch.Tensor) and value.ndim == 0 and value.is_floating_point():
-        value = float(value)
-    if isinstance(value, float):
-        if value != value or value in (0.0, 1.0):
-            return repr(value)
-        return "<0" if value < 0 else "(0,1)" if value < 1 else ">1"
-    if isinstance(value, tuple | list):
-        return tuple(_timed_form(v) for v in value)
-    return repr(value)
-
-
-def group_settings(hparams: Mapping[str, Any]) -> str:
-    """A param group's settings that may change its owner math (sorted, as text)."""
-    return repr(
-        sorted((k, _timed_form(v)) for k, v in hparams.items() if k not in UNTIMED_SETTINGS)
-    )
 
 
 def _key_fields(shape: Shape, table: StepTable, device: torch.device) -> tuple[object, ...]:

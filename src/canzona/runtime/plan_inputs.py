@@ -7,8 +7,9 @@ from pathlib import Path
 import torch
 
 from canzona.plan import GroupedCost, MatrixSpec
-from canzona.runtime.calibrate import calibrate, device_name, shapes_of
+from canzona.runtime.calibrate import calibrate, shapes_of
 from canzona.runtime.calibration_cache import DiskCache
+from canzona.runtime.calibration_keys import device_name
 from canzona.runtime.config import PipelineConfig
 from canzona.runtime.routing import Item, build_items, item_holders, plan_specs
 from canzona.runtime.table import ComputeFn, StepTable
