@@ -11,7 +11,14 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from canzona.plan.consolidate import CallCosts, consolidate_owners
-from canzona.plan.cost import CostModel, GroupedCost, priced, resolve_cost_model, total_of
+from canzona.plan.cost import (
+    CostModel,
+    GroupedCost,
+    in_flight,
+    priced,
+    resolve_cost_model,
+    total_of,
+)
 from canzona.plan.measured import MeasuredCost
 from canzona.plan.refine import objective, refine_owners
 from canzona.plan.spec import MatrixSpec, check_specs
@@ -443,7 +450,7 @@ def assign_owners(
         parts, memory, pieces = [], [], []
         if strategy == "canzona":
             parts = [call_parts(model, s) for s in specs]
-            memory = priced(specs, model, memory=True)[1]
+            memory = in_flight(specs, model)
             pieces = [call_piece(model, s) for s in specs]
         owners = _greedy(
             specs,

@@ -6,7 +6,7 @@ import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NoReturn, Protocol, runtime_checkable
 
 from canzona.defaults import MUON_DEFAULTS, SHAMPOO_DEFAULTS, SOAP_DEFAULTS
 from canzona.plan.spec import MatrixSpec
@@ -21,6 +21,7 @@ __all__ = [
     "SoapCost",
     "cost_model",
     "cost_model_params",
+    "in_flight",
     "priced",
     "resolve_cost_model",
     "total_of",
@@ -362,24 +363,34 @@ def _finite_nonnegative(value: float) -> bool:
         return False
 
 
-def priced(
-    specs: Sequence[MatrixSpec], model: CostModel, *, memory: bool = False
-) -> tuple[list[float], list[int]]:
-    """Each spec's work and its bytes in transit (``memory``: in flight), checked.
+def priced(specs: Sequence[MatrixSpec], model: CostModel) -> tuple[list[float], list[int]]:
+    """Each spec's work and its bytes in transit, checked (see :func:`in_flight`)."""
+    work = [model.flops(s) for s in specs]
+    nbytes = [model.comm_bytes(s) for s in specs]
+    for s, f, b in zip(specs, work, nbytes, strict=True):
+        if not (_finite_nonnegative(f) and _finite_nonnegative(b)):
+            _raise_price(s, f, b, "bytes")
+    return work, nbytes
+
+
+def in_flight(specs: Sequence[MatrixSpec], model: CostModel) -> list[int]:
+    """Each spec's bytes in flight on its owner, checked.
 
     Raises:
         ValueError: naming the first matrix whose price is not finite and >= 0.
     """
-    work = [model.flops(s) for s in specs]
-    nbytes = [(model.memory_bytes if memory else model.comm_bytes)(s) for s in specs]
-    for s, f, b in zip(specs, work, nbytes, strict=True):
-        if not (_finite_nonnegative(f) and _finite_nonnegative(b)):
-            kind = "bytes in flight" if memory else "bytes"
-            raise ValueError(
-                f"the cost model prices matrix {s.name!r} {s.shape} at {f!r} (work) and "
-                f"{b!r} {kind}; both must be finite and >= 0"
-            )
-    return work, nbytes
+    nbytes = [model.memory_bytes(s) for s in specs]
+    for s, b in zip(specs, nbytes, strict=True):
+        if not _finite_nonnegative(b):
+            _raise_price(s, model.flops(s), b, "bytes in flight")
+    return nbytes
+
+
+def _raise_price(spec: MatrixSpec, work: float, nbytes: float, kind: str) -> NoReturn:
+    raise ValueError(
+        f"the cost model prices matrix {spec.name!r} {spec.shape} at {work!r} (work) and "
+        f"{nbytes!r} {kind}; both must be finite and >= 0"
+    )
 
 
 def total_of(values: Sequence[float], what: str) -> float:

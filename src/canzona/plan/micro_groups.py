@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from canzona.plan.assign import Assignment, call_class, call_parts, call_piece
-from canzona.plan.cost import CostModel, GroupedCost, priced, resolve_cost_model
+from canzona.plan.cost import CostModel, GroupedCost, in_flight, resolve_cost_model
 from canzona.plan.measured import MeasuredCost
 from canzona.plan.spec import MatrixSpec
 
@@ -380,7 +380,8 @@ def micro_groups(
         missing = sorted(set(names) ^ set(assignment.owner))[:3]
         raise ValueError(f"specs and assignment cover different matrices, e.g. {missing!r}")
     model = resolve_cost_model(optimizer)
-    flops, memory = priced(specs, model, memory=True)
+    flops = [model.flops(s) for s in specs]
+    memory = in_flight(specs, model)
     if assignment.replicated:
         chosen = _replicated_groups(specs, assignment, capacity_bytes, flops, memory)
     else:

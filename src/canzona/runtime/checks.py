@@ -338,6 +338,16 @@ def reports_of(
     return [(r, reports[r] or "failed") for r in failed]
 
 
+def same_everywhere(text: str, count: int, watchdog: Watchdog, what: str) -> bool:
+    """Whether every rank holds the same ``text`` of ``count`` entries (collective).
+
+    One small all-to-all of the count and the text's digest; ``what`` names it in a timeout.
+    """
+    digest = digest_chunks(hashlib.sha256(text.encode()).hexdigest())
+    rows = gather_ints([count, *digest], watchdog=watchdog, phase=VOTE, what=what)
+    return all(row == rows[0] for row in rows)
+
+
 def differing_params(
     values: Sequence[str], names: Sequence[str], runtime: MatrixRuntime, *, what: str
 ) -> str | None:
@@ -349,11 +359,7 @@ def differing_params(
     """
     if runtime.process_group is None:
         return None
-    digest = digest_chunks(hashlib.sha256(repr(list(values)).encode()).hexdigest())
-    rows = gather_ints(
-        [len(values), *digest], watchdog=runtime.watchdog, phase=VOTE, what=f"{what} (digest)"
-    )
-    if all(row == rows[0] for row in rows):
+    if same_everywhere(repr(list(values)), len(values), runtime.watchdog, f"{what} (digest)"):
         return None
     every: list[list[str]] = gather_objects(
         list(values), watchdog=runtime.watchdog, phase=VOTE, what=f"{what} (values)"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -13,12 +12,12 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
-from canzona.runtime.checks import VOTE, vote
+from canzona.runtime.checks import VOTE, same_everywhere, vote
 from canzona.runtime.config import UpdateFailedError
 from canzona.runtime.layout import Fragment, fragment_for, full_fragment
 from canzona.runtime.routing import Item, Route, _unravel
 from canzona.runtime.topology import ParamLayout, Topology, positions_in
-from canzona.runtime.watchdog import Watchdog, gather_ints, gather_objects
+from canzona.runtime.watchdog import Watchdog, gather_objects
 
 if TYPE_CHECKING:
     from canzona.runtime.engine import MatrixRuntime
@@ -246,11 +245,7 @@ def agree_entries(
         UpdateFailedError: naming the parameters whose state only some ranks hold.
     """
     text = repr([(e.param, e.key, e.shape, str(e.dtype), e.block, e.stack) for e in entries])
-    digest = int(hashlib.sha1(text.encode()).hexdigest()[:15], 16)
-    rows = gather_ints(
-        [len(entries), digest], watchdog=watchdog, phase=VOTE, what=f"{what} (its entries)"
-    )
-    if all(row == rows[0] for row in rows):
+    if same_everywhere(text, len(entries), watchdog, f"{what} (its entries)"):
         return
     held: list[list[int]] = gather_objects(
         sorted({e.param for e in entries}), watchdog=watchdog, phase=VOTE, what=f"{what} (params)"
