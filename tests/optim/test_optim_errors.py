@@ -565,7 +565,7 @@ def test_a_group_keeps_its_algorithm_once_it_has_state(name: str, switch: str) -
     opt.step()
     before = (weight.detach().clone(), copy.deepcopy(opt.state_dict()))
     opt.param_groups[0]["algorithm"] = cls.algorithm if start == "adamw" else "adamw"
-    with pytest.raises(ValueError) as error:
+    with pytest.raises(canzona.UpdateFailedError) as error:
         opt.step()
     message = str(error.value)
     assert "param group 0" in message and "'layer.weight'" in message
@@ -582,7 +582,7 @@ def test_a_group_keeps_its_algorithm_once_it_has_state(name: str, switch: str) -
     )
     copied = copy.deepcopy(opt)
     for refusing in (opt, loaded, copied):  # states from a step, load_state_dict, a copy
-        with pytest.raises(ValueError, match=f"is now {other!r}"):
+        with pytest.raises(canzona.UpdateFailedError, match=f"is now {other!r}"):
             refusing.step()
 
 
@@ -648,6 +648,26 @@ def test_an_adamw_group_refuses_torch_adamw_names(
         cls([group], **kwargs)  # the names it reads
 
 
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_a_group_copied_from_an_adamw_group_is_added(name: str) -> None:
+    """Catches: ``add_param_group`` with the settings of one of the optimizer's own AdamW
+    groups (the usual way to add parameters like existing ones) refused as torch.optim.
+    AdamW's names: the optimizer itself fills every group with its defaults (Muon's
+    Newton-Schulz ``eps``, SOAP's ``betas``). A value the user gives is still refused."""
+    cls, kwargs = OPTIMIZERS[name]
+    model = nn.Sequential(nn.Linear(4, 4))
+    opt = cls(canzona.param_groups(model, adamw={"lr": 1e-3}), **kwargs)
+    adamw = next(g for g in opt.param_groups if g["algorithm"] == "adamw")
+    settings = {k: v for k, v in adamw.items() if k not in ("params", "param_names")}
+    assert settings.keys() & {"betas", "eps"}  # filled in by the optimizer's defaults
+    opt.add_param_group({**settings, "params": [("extra", nn.Parameter(torch.zeros(4)))]})
+    assert opt.param_groups[-1]["algorithm"] == "adamw"
+    key = sorted(settings.keys() & {"betas", "eps"})[0]
+    other = (0.5, 0.6) if key == "betas" else 1e-2
+    with pytest.raises(ValueError, match=re.escape(f"got {key}={other!r}")):
+        opt.add_param_group({**settings, key: other, "params": [nn.Parameter(torch.zeros(4))]})
+
+
 @pytest.mark.parametrize("name", ["muon", "shampoo"])
 @pytest.mark.parametrize("algorithm", ["matrix", "adamw"])
 def test_a_parameter_twice_in_one_group_is_refused(name: str, algorithm: str) -> None:
@@ -697,6 +717,7 @@ def test_a_split_changed_after_the_state_names_the_difference_briefly(name: str)
         ("shampoo", {"grafting": "none"}, "grafting from 'adam' to 'none'"),
         ("shampoo", {"betas": (0.0, 0.999)}, "betas[0] > 0 from True to False"),
         ("soap", {"max_precond_dim": 8}, "changed max_precond_dim from 10000 to 8 after"),
+        ("shampoo", {"split": canzona.Split(dim=0, size=8)}, "has state of another param group"),
     ],
 )
 def test_a_value_that_shapes_existing_state_cannot_change(
@@ -705,7 +726,9 @@ def test_a_value_that_shapes_existing_state_cannot_change(
     """Catches: a group value that decides which owner-held state exists and its shapes
     (Shampoo's factors per side, first moment and grafting moment; SOAP's factors) changed
     after the state was created: the step mixed the old state with the new value and
-    ``state_dict()`` wrote keys no optimizer with that value loads."""
+    ``state_dict()`` wrote keys no optimizer with that value loads; ``state_dict()`` after
+    the refused step exporting (and moving) the state by the new value, which dropped the
+    factors it no longer gives for good (every later step: ``KeyError``)."""
     cls, kwargs = OPTIMIZERS[name]
     torch.manual_seed(0)
     p = nn.Parameter(torch.randn(16, 8))
@@ -713,12 +736,17 @@ def test_a_value_that_shapes_existing_state_cannot_change(
     p.grad = torch.randn(16, 8)
     opt.step()
     before = (p.detach().clone(), copy.deepcopy(opt.state_dict()))
-    saved = {k: opt.param_groups[0][k] for k in change}
+    saved = {k: opt.param_groups[0][k] for k in change if k in opt.param_groups[0]}
+    saved.update({k: None for k in change.keys() - saved.keys()})  # no split: None
     opt.param_groups[0].update(change)
     with pytest.raises(canzona.UpdateFailedError, match=re.escape(named)):
         opt.step()
     assert torch.equal(p.detach(), before[0])
+    with pytest.raises(ValueError, match=re.escape(named)):
+        opt.state_dict()  # refused as the step is: it would export by the new value
     opt.param_groups[0].update(saved)
+    if "split" in change:
+        del opt.param_groups[0]["split"]
     assert repr(opt.state_dict()) == repr(before[1])
     opt.step()  # back to the values the state has
     assert not torch.equal(p.detach(), before[0])
@@ -749,7 +777,7 @@ def test_a_loaded_optimizer_still_refuses_an_edit_its_state_cannot_take(edit: st
     p.grad = grads[1].clone()
     error, message = {
         "max_precond_dim": (canzona.UpdateFailedError, "max_precond_dim from 8192 to 4 after"),
-        "algorithm": (ValueError, r"has 'shampoo' state .* keeps its algorithm"),
+        "algorithm": (canzona.UpdateFailedError, r"has 'shampoo' state .* keeps its algorithm"),
     }[edit]
     with pytest.raises(error, match=message):
         opt.step()
@@ -781,5 +809,5 @@ def test_a_copied_optimizer_refuses_a_new_algorithm_for_stepped_state() -> None:
     copied = copy.deepcopy(opt)
     copied.param_groups[0]["algorithm"] = "adamw"
     copied.param_groups[0]["params"][0].grad = torch.randn(8, 8)
-    with pytest.raises(ValueError, match=r"has 'muon' state .* keeps its algorithm"):
+    with pytest.raises(canzona.UpdateFailedError, match=r"has 'muon' state .* keeps its algorithm"):
         copied.step()

@@ -180,6 +180,9 @@ def test_flattened_sources_that_cannot_be_read_are_named() -> None:
     assert "source 0 holds state for 'mlp.up' but no param-group values" in str(info.value)
     with pytest.raises(ValueError, match="source 0 is not a state dict: neither"):
         canzona.from_torch_state(opt, {**flat, "optimizer": 1})
+    # a param_groups entry without a parameter's name (before: a bare unpacking error)
+    with pytest.raises(ValueError, match="source 0 is not a state dict: neither"):
+        canzona.from_torch_state(opt, {**flat, "param_groups.lr": 0.1})
 
 
 def test_values_the_optimizer_keeps_where_its_sources_differ_are_named() -> None:

@@ -346,8 +346,20 @@ def test_blocks_on_two_ranks_with_defaults_match_torch_muon(dist: Any, layout: s
 
 
 #: Equal row blocks (heads) and experts split into blocks: 3-D targets of 30 and 24 elements.
-BF16_SHAPES = {"heads": (12, 10), "experts": (3, 8, 6), "rows": (2, 8, 6)}
-BF16_SPLITS = {n: Split(dim=0, size=3 if n == "heads" else 4) for n in BF16_SHAPES}
+BF16_SHAPES = {
+    "heads": (12, 10),
+    "experts": (3, 8, 6),
+    "rows": (2, 8, 6),
+    "square_columns": (16, 32),
+    "wide_columns": (4, 48),
+    "tall_columns": (40, 24),
+}
+BF16_SPLITS = {
+    **{n: Split(dim=0, size=3 if n == "heads" else 4) for n in ("heads", "experts", "rows")},
+    "square_columns": Split(dim=1, size=16),
+    "wide_columns": Split(dim=1, size=24),
+    "tall_columns": Split(dim=1, sizes=(8, 16)),
+}
 
 
 def test_bf16_blocks_on_one_device_equal_torch_muon_per_block() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from datetime import timedelta
 from typing import Any
 
@@ -870,8 +871,11 @@ def test_a_group_value_set_between_steps_is_checked_before_the_step(
         assert out["unchanged"], f"rank {rank}: the failed step changed something"
 
 
-def _state_dict_pre_hook_on_one_rank() -> tuple[str, str, str]:
-    """A state-dict pre-hook raises on rank 1 only; every rank catches and steps on."""
+def _state_dict_pre_hook_on_one_rank(which: str) -> tuple[str, str, str]:
+    """A state-dict pre-hook raises on rank 1 only; every rank catches and steps on.
+
+    ``which``: the optimizer that saves: one that stepped, a copy of it made after its
+    step (its process group not yet looked up), or one that never stepped."""
     shapes = {"square": SHAPES["square"], "odd": SHAPES["odd"]}
     grads = grad_steps(shapes, 3)
     params = sharded_params(full_tensors(shapes), mesh((2,)), {n: (Shard(0),) for n in shapes})
@@ -882,9 +886,13 @@ def _state_dict_pre_hook_on_one_rank() -> tuple[str, str, str]:
         if armed[0] and tdist.get_rank() == 1:
             raise RuntimeError("the checkpoint disk is full")
 
+    if which != "fresh":
+        set_grads(params, grads[0])
+        opt.step()
+    if which == "copied":
+        opt = copy.deepcopy(opt)
+        params = list(zip([n for n, _ in params], opt.param_groups[0]["params"], strict=True))
     opt.register_state_dict_pre_hook(pre_hook)
-    set_grads(params, grads[0])
-    opt.step()
     armed[0] = True
     saved = _outcome(opt.state_dict)
     armed[0] = False
@@ -893,14 +901,93 @@ def _state_dict_pre_hook_on_one_rank() -> tuple[str, str, str]:
     return (*saved, stepped[0])
 
 
-def test_a_state_dict_pre_hook_that_raises_on_one_rank_raises_everywhere(dist: Any) -> None:
+@pytest.mark.parametrize("which", ["stepped", "copied", "fresh"])
+def test_a_state_dict_pre_hook_that_raises_on_one_rank_raises_everywhere(
+    dist: Any, which: str
+) -> None:
     """Catches: a state-dict pre-hook's exception leaving ``state_dict()`` on its rank alone
     while the others went on into its collectives: the ranks' next calls paired with them
-    (gloo aborted the job). The rank raises its own error, the others name it."""
-    out = dist(2).run(_state_dict_pre_hook_on_one_rank, timeout=TIMEOUT)
+    (gloo aborted the job); and the vote taken on each rank alone where the optimizer had
+    not yet looked up its process group (a copy: the others waited in the plan's check
+    until ``timeout_s``; one that never stepped: the others returned a state dict). The
+    rank raises its own error, the others name it."""
+    out = dist(2).run(_state_dict_pre_hook_on_one_rank, which, timeout=TIMEOUT)
     assert out[1] == ("RuntimeError", "the checkpoint disk is full", "ok")
     assert out[0] == (
         "RuntimeError",
-        "state_dict failed on ranks [1] (a state-dict pre-hook raised there); nothing was saved",
+        "state_dict failed on ranks [1] (a state-dict pre-hook raised there, or its param "
+        "groups no longer fit the optimizer state); nothing was saved",
         "ok",
     )
+
+
+def _algorithm_switched_on_one_rank() -> dict[str, Any]:
+    """Rank 1 alone switches a stepped group to ``"adamw"``; both step, it switches back,
+    both step again."""
+    shapes = {"square": SHAPES["square"], "odd": SHAPES["odd"]}
+    grads = grad_steps(shapes, 3)
+    params = sharded_params(full_tensors(shapes), mesh((2,)), {n: (Shard(0),) for n in shapes})
+    opt = canzona.Muon(params, lr=0.02, pipeline=canzona.PipelineConfig(timeout_s=20.0))
+    set_grads(params, grads[0])
+    opt.step()
+    if tdist.get_rank() == 1:
+        opt.param_groups[0]["algorithm"] = "adamw"
+    set_grads(params, grads[1])
+    before = {n: full_of(p) for n, p in params}
+    kind, msg = _outcome(opt.step)
+    same = all(torch.equal(before[n], full_of(p)) for n, p in params)
+    opt.param_groups[0]["algorithm"] = "muon"
+    return {"kind": kind, "msg": msg, "unchanged": same, "then": _outcome(opt.step)[0]}
+
+
+def test_an_algorithm_switched_on_one_rank_fails_the_step_everywhere(dist: Any) -> None:
+    """Catches: the check that a stepped group keeps its algorithm raising on its own rank
+    before the step's collectives, so that the rank that switched raised ``ValueError``
+    and the others waited in the step until ``timeout_s`` (and the job had to restart).
+    Every rank must raise the same error, nothing change, and the job step on once the
+    group is switched back."""
+    out = dist(2).run(_algorithm_switched_on_one_rank, timeout=TIMEOUT)
+    for rank, o in enumerate(out):
+        assert o["kind"] == "UpdateFailedError", f"rank {rank}: {o}"
+        assert (
+            "has 'muon' state (parameter 'square'), but its algorithm is now 'adamw'" in (o["msg"])
+        ), f"rank {rank}: {o['msg']}"
+        assert o["unchanged"] is True
+        assert o["then"] == "ok"
+
+
+class _Boom(Exception):
+    """A user's own exception."""
+
+
+def _closure_and_pre_hook_raise_in_a_one_rank_job() -> list[str]:
+    """In a job of one rank (``torchrun --nproc-per-node 1``): a closure that raises, then a
+    step pre-hook that raises; each exception's type as ``step()`` raised it."""
+    p = torch.nn.Parameter(torch.randn(8, 8))
+    opt = canzona.Muon([p], lr=0.02)
+    out = []
+
+    def boom(*_: Any) -> None:
+        raise _Boom("from the user's code")
+
+    for hook in (False, True):
+        p.grad = torch.randn(8, 8)
+        handle = opt.register_step_pre_hook(boom) if hook else None
+        try:
+            opt.step(None if hook else boom)
+        except Exception as exc:
+            out.append(type(exc).__name__)
+        if handle is not None:
+            handle.remove()
+    opt.step()
+    return out
+
+
+def test_a_one_rank_job_raises_the_closures_own_exception(dist: Any) -> None:
+    """Catches: a closure's or a step pre-hook's exception turned into ``UpdateFailedError``
+    wherever ``torch.distributed`` was initialised, in a job of one rank too (no other rank
+    to keep in step), so that a job's ``except`` around ``step()`` missed it; in one
+    process it propagates, as in torch.optim."""
+    assert dist(1).run(_closure_and_pre_hook_raise_in_a_one_rank_job, timeout=TIMEOUT) == [
+        ["_Boom", "_Boom"]
+    ]

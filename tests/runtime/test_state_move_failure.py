@@ -170,35 +170,54 @@ def test_a_state_exchange_that_fails_on_one_rank_fails_everywhere(
         assert out["state"] is True
 
 
-def _cleared_on_one_rank(name: str) -> dict[str, Any]:
+def _cleared_on_one_rank(name: str, straight: bool = False) -> dict[str, Any]:
     """Two steps, then rank 1 alone clears the first parameter's ``optimizer.state`` entry;
     ``state_dict()`` and a step that re-plans (after ``add_param_group``) are tried, then
-    rank 0 clears it too and the step is taken again."""
+    rank 0 clears it too and the step is taken again, and once more. ``straight``: both
+    ranks clear it at once, and nothing fails."""
     params, opt = _setup(name)
-    grads = grad_steps({**FIRST, **LATER}, 3)
+    grads = grad_steps({**FIRST, **LATER}, 4)
     for g in grads[:2]:
         set_grads(params[: len(FIRST)], g)
         opt.step()
     first = params[0][1]
-    if tdist.get_rank() == 1:
+    if straight or tdist.get_rank() == 1:
         opt.state.pop(first)
     out: dict[str, Any] = {}
-    try:
-        opt.state_dict()
-    except canzona.UpdateFailedError as exc:
-        out["save"] = str(exc)
+    if not straight:
+        try:
+            opt.state_dict()
+        except canzona.UpdateFailedError as exc:
+            out["save"] = str(exc)
+    routes = dict(opt._runtime.routes)
     opt.add_param_group({"params": params[len(FIRST) :]})
     set_grads(params, grads[2])
     before = _held(opt, params, clone=True)
-    try:
-        opt.step()
-    except canzona.UpdateFailedError as exc:
-        out["move"] = str(exc)
-        out["unchanged"] = _same(before, _held(opt, params, clone=False))
+    if not straight:
+        try:
+            opt.step()
+        except canzona.UpdateFailedError as exc:
+            out["move"] = str(exc)
+            out["unchanged"] = _same(before, _held(opt, params, clone=False))
     opt.state.pop(first, None)  # cleared on every rank: the step goes on
     opt.step()
     out["stepped"] = "step" in opt.state[first]
-    return out
+    # the re-plan gave some matrix with state another owner (its state moved)
+    out["moved"] = any(
+        routes[n].computing != opt._runtime.routes[n].computing for n in routes if n != "a0"
+    )
+    set_grads(params, grads[3])
+    opt.step()
+    return {**out, "params": {n: full_of(p) for n, p in params}, "state": _fulls(opt)}
+
+
+def _cleared_and_straight(name: str) -> dict[str, Any]:
+    failed, straight = _cleared_on_one_rank(name), _cleared_on_one_rank(name, straight=True)
+    return {
+        **failed,
+        "params": all(torch.equal(failed["params"][n], v) for n, v in straight["params"].items()),
+        "state": _same(failed["state"], straight["state"]),
+    }
 
 
 @pytest.mark.parametrize("name", ["Shampoo", "NorMuon"])
@@ -209,12 +228,67 @@ def test_a_state_entry_cleared_on_one_rank_fails_the_exchange_everywhere(
     ``optimizer.state`` entering different exchanges (gloo aborted the job with a
     collective mismatch; a rank without entries skipped the exchange the others waited in).
     Every rank must raise the same error naming the parameter, change nothing, and step on
-    once the entry is cleared on every rank."""
+    once the entry is cleared on every rank, exactly as a run where every rank cleared it
+    at once (before: matrices whose owner the re-plan changed started afresh)."""
     detail = "('a0' on ranks [0] only), as when an optimizer.state entry is cleared on some"
-    for out in dist(2).run(_cleared_on_one_rank, name, timeout=TIMEOUT):
+    for out in dist(2).run(_cleared_and_straight, name, timeout=TIMEOUT):
         assert out["save"].startswith(f"{EXPORT}: the ranks hold owner-held state"), out
         assert detail in out["save"], out["save"]
         assert out["move"].startswith(f"{IMPORT}: the ranks hold owner-held state"), out
         assert detail in out["move"], out["move"]
         assert out["unchanged"] is True
         assert out["stepped"] is True
+        # the refused move kept where the state lives: the next step moved it, and the
+        # matrices that changed owners continued their state (before: afresh, from zeros)
+        assert out["moved"] is True
+        assert out["params"] is True
+        assert out["state"] is True
+
+
+def _load_after_a_failed_move(name: str) -> dict[str, Any]:
+    """A re-plan's move that fails on rank 1 at every try; then a checkpoint of another
+    optimizer over the same parameters (and groups) is loaded, and exported again."""
+    params, opt = _setup(name)
+    other = getattr(canzona, name)(
+        params[: len(FIRST)], **OWNER_KW[name], pipeline=canzona.PipelineConfig(timeout_s=20.0)
+    )
+    other.add_param_group({"params": params[len(FIRST) :]})
+    grads = grad_steps({**FIRST, **LATER}, 3)
+    set_grads(params, grads[0])
+    other.step()
+    saved = other.state_dict()
+    want = _fulls(other)
+    for g in grads[1:]:
+        set_grads(params[: len(FIRST)], g)
+        opt.step()
+    opt.add_param_group({"params": params[len(FIRST) :]})
+    set_grads(params, grads[2])
+    real = statecomm.state_buffer
+
+    def buffer(what: str, numel: int, dtype: torch.dtype, device: Any) -> torch.Tensor:
+        if what.startswith(EXPORT) and tdist.get_rank() == 1:
+            raise torch.OutOfMemoryError(INJECTED)
+        return real(what, numel, dtype, device)
+
+    out: dict[str, Any] = {}
+    statecomm.state_buffer = buffer
+    try:
+        with pytest.raises(canzona.UpdateFailedError, match=f"{EXPORT} failed on ranks \\[1\\]"):
+            opt.step()  # the move of the old state to the new plan's owners
+        opt.load_state_dict(saved)  # replaces that state: nothing to move first
+    finally:
+        statecomm.state_buffer = real
+    out["loaded"] = _same(_fulls(opt), want)
+    opt.step()
+    out["stepped"] = "step" in opt.state[params[-1][1]]
+    return out
+
+
+@pytest.mark.parametrize("name", ["Shampoo", "NorMuon"])
+def test_a_checkpoint_loads_where_the_old_state_cannot_move(dist: Any, name: str) -> None:
+    """Catches: ``load_state_dict()`` first moving the owner-held state it replaces to the
+    new plan's owners, so that after a move that keeps failing (a rank out of memory for
+    it) no checkpoint could be loaded either, although loading one is the way back. The
+    load must succeed, hold the checkpoint's state bit for bit, and the job step on."""
+    for out in dist(2).run(_load_after_a_failed_move, name, timeout=TIMEOUT):
+        assert out == {"loaded": True, "stepped": True}

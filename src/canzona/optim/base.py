@@ -7,7 +7,6 @@ from collections.abc import Callable, Hashable, Iterable
 from typing import Any, ClassVar, TypeVar, cast
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from torch.optim import Optimizer
 
@@ -18,14 +17,12 @@ from canzona.optim.copies import CopyMixin
 from canzona.optim.owner_state import OwnerState
 from canzona.optim.prepare import GroupWork, SeenState, StepWork, build_work
 from canzona.optim.step_hooks import hooked_step
-from canzona.optim.step_table import StepTableMixin
+from canzona.optim.step_table import StepTableMixin, grad_dtype
 from canzona.optim.transaction import Backup, StepTransaction
 from canzona.optim.validation import (
     check_adamw_names,
-    check_algorithms,
     check_common,
     check_group,
-    regrouped,
     watch_gradients,
 )
 from canzona.optim.value_types import typed_defaults
@@ -46,6 +43,7 @@ from canzona.runtime import (
     grad_codes,
     local_grads,
     partial_update,
+    process_group_of,
     read_gradients,
 )
 
@@ -138,7 +136,7 @@ class MatrixOptimizer(StepTableMixin, AdamWRouteMixin, CopyMixin, CheckpointMixi
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group; matrix groups accept only 2-D parameters and 3-D stacks."""
         if param_group.get("algorithm") == ADAMW:
-            check_adamw_names(param_group)
+            check_adamw_names(param_group, self.defaults)
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         algorithm = group.get("algorithm")
@@ -213,8 +211,12 @@ class MatrixOptimizer(StepTableMixin, AdamWRouteMixin, CopyMixin, CheckpointMixi
         raise NotImplementedError
 
     def _payload_dtype(self, p: Tensor, group: dict[str, Any]) -> torch.dtype:
-        """Dtype of what travels to the owner (the prepared payload is cast to it)."""
-        return p.dtype
+        """Dtype of what travels to the owner (the prepared payload is cast to it).
+
+        The gradients' (``p.grad_dtype``: fp32 gradients of bf16 weights reach the fp32
+        state whole, not rounded to the weight's dtype on the way).
+        """
+        return grad_dtype(p)
 
     def _direction_dtype(self, p: Tensor, group: dict[str, Any]) -> torch.dtype:
         return torch.promote_types(p.dtype, torch.float32)
@@ -287,8 +289,8 @@ class MatrixOptimizer(StepTableMixin, AdamWRouteMixin, CopyMixin, CheckpointMixi
                     try:
                         loss = closure()
                     except Exception as exc:
-                        if not dist.is_initialized():  # one process: as torch.optim
-                            raise
+                        if process_group_of(self.pipeline_config.process_group) is None:
+                            raise  # one process: as torch.optim
                         # the other ranks are in the step: they raise with this one
                         failure = Failure("running the closure", exc)
                         self._closure_failure = self._closure_failure or failure
@@ -313,17 +315,14 @@ class MatrixOptimizer(StepTableMixin, AdamWRouteMixin, CopyMixin, CheckpointMixi
 
     def _attempt(self) -> None:
         params, names, gids = self._flat()
-        if (groups := tuple(map(id, self.param_groups))) != self._group_ids:
-            records = regrouped(self._group_ids, groups, self._algorithms, self._state_shapes)
-            (self._algorithms, self._state_shapes), self._group_ids = records, groups
-        if self._algorithms:
-            check_algorithms(self.param_groups, self._algorithms, self.state, params, names, gids)
+        changed = self._algorithm_changed(params, names, gids)
         table, failure = self._table_or_failure(params, gids)
         raw = [p.grad for p in params]  # each gradient read once a step
         has_grad = grad_codes(params, raw)  # the ranks compare them before any read
         failure = self._partial or self._closure_failure or failure or self._check_hparams(table)
-        if failure is None and self._moved is not None:
-            failure = Failure("checking the param groups", self._moved)
+        if failure is None and (refused := changed or self._moved) is not None:
+            # every rank raises it, however many ranks changed the groups
+            failure = Failure("checking the param groups", refused)
         nonfinite = False
         if self.pipeline_config.skip_nonfinite:
             try:

@@ -92,6 +92,10 @@ class CheckpointMixin:
 
         def _step_table(self, params: list[Tensor], gids: list[int]) -> Any: ...
 
+        def _state_misfit(
+            self, params: list[Tensor], names: list[str], gids: list[int]
+        ) -> Exception | None: ...
+
         def _directions(self, batch: Any, full: Tensor) -> Tensor: ...
 
         def _state_shape(self, group: dict[str, Any]) -> tuple[tuple[str, Any], ...]: ...
@@ -148,8 +152,8 @@ class CheckpointMixin:
         (or ``state_dict()``) plans again and moves it.
         """
         what = "moving the owner-held state to its owners"
-        entries = self._stepped_entries(params, names, gids, what)
         try:
+            entries = self._stepped_entries(params, names, gids, what)
             self._owner.migrate(previous, snapshot(self._runtime), params, entries)
         except BaseException:
             self._runtime.move_failed(previous)
@@ -173,11 +177,14 @@ class CheckpointMixin:
                         hook(self)
                 except Exception as exc:  # raised below, once every rank knows a rank failed
                     error = exc
+                unsaveable = self._unsaveable()  # on every rank: it resolves the group
+                error = error or unsaveable
                 self._raise_together(
                     error,
                     lambda failed: RuntimeError(
                         f"state_dict failed on ranks {failed} (a state-dict pre-hook raised "
-                        "there); nothing was saved"
+                        "there, or its param groups no longer fit the optimizer state); "
+                        "nothing was saved"
                     ),
                 )
                 sd: dict[str, Any] = super().state_dict()  # type: ignore[misc]
@@ -187,6 +194,22 @@ class CheckpointMixin:
             if result is not None:
                 sd = result
         return sd
+
+    def _unsaveable(self) -> Exception | None:
+        """What keeps this rank from saving (the error), or None.
+
+        A local shard its placements do not give, or param groups the state no longer
+        fits (what the step refuses, as a changed ``max_precond_dim``: the export would
+        drop the state the old value gave).
+
+        Reading the layouts first also resolves the process group, so that the vote is
+        collective on a copied or never-stepped optimizer too.
+        """
+        params, names, gids = self._flat()
+        unreadable = first_problem(self._runtime.layouts(names, params))
+        if unreadable is not None:
+            return unreadable[1]
+        return self._state_misfit(params, names, gids)
 
     def _complete_state_dict(self, sd: dict[str, Any]) -> dict[str, Any]:
         """The state dict of torch.optim with saved param-group values and owner-held state."""
@@ -348,7 +371,7 @@ class CheckpointMixin:
 
     def _load_state_dict(self, state_dict: dict[str, Any], pre_hooks: list[Any]) -> None:
         """:meth:`load_state_dict` between its hooks (``pre_hooks`` run here, on a copy)."""
-        params, names, _ = self._flat()
+        params, names, gids = self._flat()
         error: Exception | None = None
         loaded: list[str] = []  # per parameter, "no state" or its step
         state_dict = dict(state_dict)  # shallow, as torch's: a hook may edit it
@@ -418,9 +441,19 @@ class CheckpointMixin:
             )
         entries = self._owner.entries(params, group_of, stepped)
         if entries:
-            self._sync_plan()  # collective: every rank has validated by now
-            # first: a move that fails (on any rank: all raise) leaves everything as it was
-            self._owner.load(snapshot(self._runtime), entries, owner_values)
+            # collective: every rank has validated by now. The state it replaces is not
+            # moved to a new plan's owners first (a move that cannot succeed, as after a
+            # failed one, would keep every checkpoint from loading)
+            home = self._runtime.sync_plan(
+                names, params, self._step_table(params, gids), compute=self._directions
+            )
+            try:
+                # first: a move that fails (on any rank: all raise) leaves everything as it was
+                self._owner.load(snapshot(self._runtime), entries, owner_values)
+            except BaseException:
+                if home is not None:  # the state stays where it was: the next step moves it
+                    self._runtime.move_failed(home)
+                raise
         else:
             self._owner.clear()
         super().load_state_dict({**state_dict, "state": storage})  # type: ignore[misc]

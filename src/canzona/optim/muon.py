@@ -16,6 +16,7 @@ from canzona.optim.adamw_route import lr_value
 from canzona.optim.base import MatrixOptimizer
 from canzona.optim.payload_runs import payload_runs
 from canzona.optim.prepare import GroupWork
+from canzona.optim.step_table import grad_dtype
 from canzona.optim.transaction import StepTransaction
 from canzona.plan import PlanConfig
 from canzona.runtime import ApplyBatch, ComputeBatch, PipelineConfig, local_tensor
@@ -245,9 +246,12 @@ class Muon(MatrixOptimizer):
 
     def _payload_dtype(self, p: Tensor, group: dict[str, Any]) -> torch.dtype:
         # Newton–Schulz starts by casting to ns_dtype: casting each fragment before it
-        # travels gives the owner the very same matrix, in fewer bytes (bf16: half)
+        # travels gives the owner the very same matrix, in fewer bytes (bf16: half). The
+        # blend is in the gradients' dtype (fp32 gradients of fp16 weights: cast once, as
+        # torch's, not through the weight's fp16)
         ns: torch.dtype = group["ns_dtype"]
-        return ns if ns.itemsize < p.dtype.itemsize else p.dtype
+        blend = grad_dtype(p)
+        return ns if ns.itemsize < blend.itemsize else blend
 
     def _directions(self, batch: ComputeBatch, full: Tensor) -> Tensor:
         hp = batch.hparams

@@ -7,10 +7,9 @@ from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
 import torch
-import torch.distributed as dist
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
-from canzona.runtime import Failure
+from canzona.runtime import Failure, process_group_of
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -47,8 +46,8 @@ def hooked_step(step: _F) -> _F:
                         )
                     args, kwargs = result
             except Exception as exc:
-                if not dist.is_initialized():  # one process: as torch.optim
-                    raise
+                if process_group_of(self.pipeline_config.process_group) is None:
+                    raise  # one process: as torch.optim
                 self._hook_failure = Failure("running a step pre-hook", exc)
             out = step(*args, **kwargs)
             self._optimizer_step_code()

@@ -12,12 +12,20 @@ from torch import Tensor
 from canzona.optim.adamw_route import adamw_betas
 from canzona.optim.group_values import plain_value
 from canzona.optim.owner_state import OwnerState
-from canzona.optim.validation import ADAMW, check_hparams, check_moves, check_state_shapes
+from canzona.optim.validation import (
+    ADAMW,
+    check_algorithms,
+    check_hparams,
+    check_moves,
+    check_state_shapes,
+    regrouped,
+)
 from canzona.optim.value_types import check_types
 from canzona.plan import GroupedCost, cost_model
 from canzona.runtime import Failure, ParamRow, StepTable, fingerprint, shapes
 
 _DTYPE = operator.attrgetter("dtype")
+_GRAD_DTYPE = operator.attrgetter("grad_dtype")
 #: Group entries that are not hyper-parameters of the step (``initial_lr``: a scheduler's
 #: record of the starting rate, which the step never reads).
 _NOT_HYPER = frozenset({"params", "param_names", "initial_lr"})
@@ -44,6 +52,8 @@ class StepTableMixin:
     _moved: ValueError | None
     _checked_hparams: str
     _state_shapes: dict[int, tuple[tuple[str, Any], ...]]
+    _algorithms: dict[int, str]
+    _group_ids: tuple[int, ...]
 
     if TYPE_CHECKING:  # MatrixOptimizer's
 
@@ -113,6 +123,7 @@ class StepTableMixin:
             ),
             tuple(map(id, params)),
             tuple(map(_DTYPE, params)),
+            tuple(map(_GRAD_DTYPE, params)),  # the payloads' dtypes follow them
             shapes(params),  # ``p.data`` replaced by another shape: another table
         )
         if self._table is None or key != self._table_key:
@@ -135,6 +146,7 @@ class StepTableMixin:
                     gids[i],
                     groups[gids[i]].get("split"),
                     bool(groups[gids[i]].get("flatten")) and params[i].ndim > 2,
+                    grad_dtype(params[i]),
                 )
                 for i in matrix
             ]
@@ -176,6 +188,46 @@ class StepTableMixin:
             last = self._table or StepTable((), (), (), "", "", version=-1)
             failure = Failure("checking the param groups' hyper-parameters", error)
             return last.with_hparams(self.param_groups, ""), failure
+
+    def _algorithm_changed(
+        self, params: list[Tensor], names: list[str], gids: list[int]
+    ) -> ValueError | None:
+        """A group whose algorithm changed after its state was created, as the error naming it.
+
+        The per-group records first follow param groups added, removed or reordered.
+        Returned, never raised: the step fails on every rank with it (a change made on
+        some ranks only would otherwise leave the others waiting in the step).
+        """
+        if (groups := tuple(map(id, self.param_groups))) != self._group_ids:
+            records = regrouped(self._group_ids, groups, self._algorithms, self._state_shapes)
+            (self._algorithms, self._state_shapes), self._group_ids = records, groups
+        if not self._algorithms:
+            return None
+        try:
+            check_algorithms(self.param_groups, self._algorithms, self.state, params, names, gids)
+        except ValueError as exc:
+            return exc
+        return None
+
+    def _state_misfit(
+        self, params: list[Tensor], names: list[str], gids: list[int]
+    ) -> Exception | None:
+        """What a step would refuse because the state no longer fits the param groups.
+
+        ``state_dict()`` votes on it first: it would export (and, after a re-plan, move)
+        the owner-held state by the changed values, dropping what they no longer give.
+        """
+        error = self._algorithm_changed(params, names, gids)
+        if error is not None:
+            return error
+        try:
+            self._step_table(params, gids)
+        except Exception as exc:  # a value the table cannot read
+            return check_hparams(self.param_groups, self._check_values) or exc
+        shapes = check_state_shapes(
+            self.param_groups, self.state, self._state_shape, self._state_shapes, type(self)
+        )
+        return shapes or self._moved
 
     def _check_hparams(self, table: StepTable) -> Failure | None:
         """The groups' hyper-parameters checked again when they changed since the last step.
@@ -223,3 +275,9 @@ def _scalar_tensor(value: Any) -> bool:
 
 def _on_host(value: Any) -> Any:
     return value.detach().to("cpu", copy=True) if _scalar_tensor(value) else value
+
+
+def grad_dtype(p: Tensor) -> torch.dtype:
+    """The dtype of ``p``'s gradients: ``p.grad_dtype``, or ``p``'s own where any is admitted."""
+    dtype: torch.dtype | None = p.grad_dtype
+    return p.dtype if dtype is None else dtype

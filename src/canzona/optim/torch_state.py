@@ -177,7 +177,9 @@ def _parameters(
         not isinstance(sd, Mapping)
         or not sd
         or not all(
-            isinstance(key, str) and key.startswith(("state.", "param_groups.")) and "." in key[6:]
+            isinstance(key, str)
+            and key.startswith(("state.", "param_groups."))
+            and "." in key.split(".", 1)[1]
             for key in sd
         )
     ):

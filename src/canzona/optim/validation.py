@@ -27,9 +27,15 @@ TORCH_ADAMW_NAMES = {
 }
 
 
-def check_adamw_names(group: Mapping[str, Any]) -> None:
-    """Refuse torch.optim.AdamW's names in an AdamW group: the route would not read them."""
-    given = sorted(TORCH_ADAMW_NAMES.keys() & group.keys())
+def check_adamw_names(group: Mapping[str, Any], defaults: Mapping[str, Any]) -> None:
+    """Refuse torch.optim.AdamW's names in an AdamW group: the route would not read them.
+
+    A name holding the optimizer's own default is taken as filled in by it (every group
+    it holds has them: a group copied from one of them is accepted).
+    """
+    given = sorted(
+        k for k in TORCH_ADAMW_NAMES.keys() & group.keys() if not _default(group[k], defaults, k)
+    )
     if given:
         # defaults fill betas/eps for the matrix algorithm and the AdamW route never
         # reads them: torch.optim.AdamW's names would be silently ignored
@@ -38,6 +44,16 @@ def check_adamw_names(group: Mapping[str, Any]) -> None:
             f"{'; '.join(TORCH_ADAMW_NAMES[k] for k in given)}, got "
             f"{', '.join(f'{k}={group[k]!r}' for k in given)}"
         )
+
+
+def _default(value: Any, defaults: Mapping[str, Any], key: str) -> bool:
+    """Whether ``value`` is the optimizer's default for ``key`` (of the same type)."""
+    if key not in defaults or type(value) is not type(defaults[key]):
+        return False
+    try:
+        return bool(value == defaults[key])
+    except (RuntimeError, TypeError, ValueError):  # a tensor of several elements
+        return False
 
 
 def check_group(group: dict[str, Any], owner: str, taken: Set[str], offset: int) -> None:

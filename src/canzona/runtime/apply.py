@@ -29,6 +29,7 @@ def apply_runs(
     batches: dict[tuple[int, int, int], ApplyBatch] = {}
     stacks: dict[int, tuple[ApplyBatch, list[tuple[Target, torch.Tensor, int]]]] = {}
     flats: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (block view, contiguous copy)
     for data, d in runs:
         key = (d.key, *d.full)
         batch = batches.get(key)
@@ -57,13 +58,13 @@ def apply_runs(
             if t.pos is not None and t.rows is None and t.rects is None:
                 stacks.setdefault(t.param, (batch, []))[1].append((t, data, i))
             else:
-                _add_target(batch, t, _local(tensors, t, flats), data, i)
+                _add_target(batch, t, _local(tensors, t, flats), data, i, copies)
             i += t.count
     for p, (batch, parts) in stacks.items():
         local = local_tensor(tensors[p])
         if len(parts) == 1 or sum(t.count for t, _, _ in parts) != local.shape[0]:
             for t, data, i in parts:
-                _add_target(batch, t, local, data, i)
+                _add_target(batch, t, local, data, i, copies)
             continue
         whole = torch.empty(local.shape, dtype=parts[0][1].dtype, device=local.device)
         for t, data, i in parts:
@@ -71,6 +72,8 @@ def apply_runs(
         _add_stack(batch, local, whole, p)
     for batch in batches.values():
         apply(batch)
+    for view, copy in copies:
+        view.copy_(copy)
     for local, matrix in flats.values():
         if matrix.data_ptr() != local.data_ptr():  # a copy: written back
             local.copy_(matrix.view(local.shape))
@@ -119,9 +122,20 @@ def _local(
 
 
 def _add_target(
-    batch: ApplyBatch, t: Target, local: torch.Tensor, data: torch.Tensor, i: int
+    batch: ApplyBatch,
+    t: Target,
+    local: torch.Tensor,
+    data: torch.Tensor,
+    i: int,
+    copies: list[tuple[torch.Tensor, torch.Tensor]],
 ) -> None:
-    """Append one target (and its directions) of a delivered run ``data`` from matrix ``i``."""
+    """Append one target (and its directions) of a delivered run ``data`` from matrix ``i``.
+
+    A half-precision block that is no contiguous view (columns of a ``Split(dim=1)``) is
+    updated in a contiguous copy, written back after the apply (``copies``): the CPU
+    kernels round such an element by its place in the rows they are given (see
+    :func:`_add_stack`), and the block must equal the same block as a parameter alone.
+    """
     if t.pos is not None and t.rows is None and t.rects is None:  # consecutive stack matrices
         _add_stack(batch, local.narrow(0, t.pos, t.count), data.narrow(0, i, t.count), t.param)
         return
@@ -137,6 +151,10 @@ def _add_target(
         batch.params.append(t.param)
         return
     for (f0, f1), (g0, g1), (r0, r1), (c0, c1) in t.rects:
-        batch.targets.append(mat[r0:r1, c0:c1])
+        block = mat[r0:r1, c0:c1]
+        if block.element_size() <= 2 and not block.is_contiguous():
+            copies.append((block, block.contiguous()))
+            block = copies[-1][1]
+        batch.targets.append(block)
         batch.directions.append(data[i, f0:f1, g0:g1])
         batch.params.append(t.param)

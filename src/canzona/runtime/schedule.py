@@ -155,7 +155,10 @@ class ScheduleBuilder:
         self.header_gaps: list[tuple[int, int]] = []
 
     def _dtypes(self, param: int) -> tuple[torch.dtype, torch.dtype]:
-        return self.topology.layouts[param].dtype, self.table.row(param).payload_dtype
+        """The dtypes a parameter's payload is prepared in and travels in."""
+        row = self.table.row(param)
+        prepared = row.prepared_dtype or self.topology.layouts[param].dtype
+        return prepared, row.payload_dtype
 
     def _place_payloads(self) -> None:
         """Lay payloads out in first-send order, so a group's sends are few long ranges.

@@ -24,6 +24,9 @@ class ParamRow:
             only when they share it (one set of hyper-parameters per call).
         split: The parameter is several matrices (blocks) along one dimension.
         flatten: The parameter (N-D) is updated as its ``(shape[0], rest)`` matricisation.
+        prepared_dtype: Dtype the optimizer prepares the payload in, before that cast
+            (None: the parameter's). The gradients' where they differ from the weight's
+            (``p.grad_dtype``): fp32 momentum blends of fp16 weights are cast once.
     """
 
     payload_dtype: torch.dtype
@@ -31,6 +34,7 @@ class ParamRow:
     batch_key: int
     split: Split | None = None
     flatten: bool = False
+    prepared_dtype: torch.dtype | None = None
 
     @property
     def itemsize(self) -> int:
