@@ -275,3 +275,53 @@ def test_ranks_that_cannot_run_backward_after_the_parent_trained_say_what_to_do(
     if last == "backward runs in forked children":
         pytest.skip(f"torch {torch.__version__} runs backward() in such a parent's forked ranks")
     assert last == "2", output  # both ranks' reports carry it
+
+
+class _Sent:
+    """A rank's end of the pipe as the launcher sees it: the result arrives between the
+    launcher's look at the pipe and its look at the exit code."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd, self.polls = fd, 0
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def poll(self) -> bool:
+        self.polls += 1
+        return self.polls > 1
+
+    def recv_bytes(self) -> bytes:
+        import pickle
+
+        return pickle.dumps(("done", 42))
+
+
+class _Ended:
+    exitcode = 0
+
+    def __init__(self, fd: int) -> None:
+        self.sentinel = fd
+
+
+def test_a_result_sent_just_before_the_rank_ended_is_read() -> None:
+    """Catches: a rank that sent its result and exited between the launcher's look at its
+    pipe (nothing yet) and at its exit code (0) reported as "died (exit code 0) without a
+    result": ``RankFailure`` for a job that succeeded."""
+    import canzona.launch as launch
+
+    fds = [os.pipe(), os.pipe()]
+    for _, w in fds:
+        os.write(w, b"x")  # readable: the wait returns at once
+    try:
+        got = launch._collect(
+            [_Ended(fds[0][0])],  # type: ignore[list-item]
+            [_Sent(fds[1][0])],  # type: ignore[list-item]
+            lambda _: None,
+            time.monotonic() + 5.0,
+        )
+    finally:
+        for pair in fds:
+            for fd in pair:
+                os.close(fd)
+    assert got == [42]

@@ -237,9 +237,10 @@ def _collect(
             if not conns[rank].poll():  # nothing to read: ended (exit code) or still running
                 if procs[rank].exitcode is None:
                     continue
-                failed[rank] = f"died (exit code {procs[rank].exitcode}) without a result"
-                pending.discard(rank)
-                continue
+                if not conns[rank].poll():  # (what it sent just before it ended is read)
+                    failed[rank] = f"died (exit code {procs[rank].exitcode}) without a result"
+                    pending.discard(rank)
+                    continue
             try:
                 kind, body = pickle.loads(conns[rank].recv_bytes())
             except (EOFError, OSError):

@@ -31,6 +31,18 @@ def test_a_held_matrix_moves_when_that_strictly_lowers_the_makespan() -> None:
     assert set(kept.owner.values()) == {0} and kept.comm_bytes == (0, 0)
 
 
+@pytest.mark.parametrize("names", [("a", "h1", "h2"), ("h1", "h2", "z")])
+def test_a_rank_gives_away_a_matrix_it_does_not_hold_first(names: tuple[str, str, str]) -> None:
+    """Catches: the refinement moving a held matrix off its holder where moving an equal
+    one that rank does not hold lowered the makespan as much: its payload travelled there
+    and back every step (twice the bytes), depending on the names' order alone."""
+    plain, *held = names if names[0] == "a" else (names[2], *names[:2])
+    specs = [MatrixSpec(plain, (8, 8)), *(MatrixSpec(n, (8, 8), holders=(0,)) for n in held)]
+    a = assign_owners(specs, 2, strategy="canzona")
+    assert [a.owner[n] for n in held] == [0, 0] and a.owner[plain] == 1
+    assert a.comm_bytes == (0, 8 * 8 * 4)  # the plain matrix's payload only
+
+
 def test_owning_a_held_matrix_on_its_holder_costs_no_bytes() -> None:
     """With the blend on bytes alone (alpha=0), owning on the holder is free: nothing moves.
 

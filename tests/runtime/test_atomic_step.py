@@ -626,3 +626,42 @@ def test_an_apply_that_raises_after_the_decision_fails_every_later_step(
         assert o["outcomes"][3]["kind"] == "ok"
         assert o["same"]
         assert o["copied"]["message"] == o["outcomes"][2]["message"], o["copied"]
+
+
+def _prepare_fails_midway() -> list[str]:
+    """Shampoo on two ranks; at the second step rank 1's prepare writes NaN into its
+    payloads and raises: what ``step()`` raised on each rank."""
+    shapes = {n: s for n, s in GROUPED.items() if n != "bias"}
+    params = sharded_params(full_tensors(shapes), mesh((2,)), {n: (Shard(0),) for n in shapes})
+    grads = grad_steps(shapes, 2)
+    opt = canzona.Shampoo(params, **KW["Shampoo"], pipeline=canzona.PipelineConfig(timeout_s=20.0))
+    set_grads(params, grads[0])
+    opt.step()
+    original = canzona.Shampoo._prepare_group
+
+    def prepare(self: Any, group: Any, work: Any, grads: Any, txn: Any) -> None:
+        original(self, group, work, grads, txn)
+        if tdist.get_rank() == 1:
+            for payload in work.payloads:
+                payload.fill_(float("nan"))
+            raise RuntimeError(INJECTED)
+
+    set_grads(params, grads[1])
+    with patched(canzona.Shampoo, "_prepare_group", prepare):
+        try:
+            opt.step()
+        except canzona.UpdateFailedError as exc:
+            return [str(exc)]
+    return ["ok"]
+
+
+def test_a_rank_whose_prepare_failed_sends_zeros(dist: Any) -> None:
+    """Catches: a rank whose prepare failed sending what its payload buffers held (half
+    written, stale or never written) instead of zeros: the owners computed on it, and
+    Shampoo's eigendecomposition of NaN statistics failed on healthy ranks too, so the
+    error named them as failing. Only rank 1 must be named."""
+    want = (
+        "the step failed on ranks [1] (rank 1: preparing the step raised RuntimeError: "
+        f"{INJECTED}); nothing was updated on any rank"
+    )
+    assert dist(2).run(_prepare_fails_midway, timeout=TIMEOUT) == [[want], [want]]

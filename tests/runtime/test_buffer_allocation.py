@@ -12,6 +12,7 @@ import torch.distributed as tdist
 from torch.distributed.tensor.placement_types import Shard
 
 import canzona
+import canzona.runtime.buffers as buffers_module
 import canzona.runtime.pipeline as pipeline_module
 import canzona.runtime.topology as topology_module
 from canzona.runtime.buffers import FlatBuffer
@@ -45,7 +46,8 @@ def _failing_step(case: dict[str, Any]) -> dict[str, Any]:
     its own buffer, so that one buffer is held when the error comes); ``"receive"``, the
     receive buffer of the step's ``call``-th all-to-all (once); ``"release"``, the copies
     out of the step's first fused all-to-all; ``"copies"``, a replicated plan's copies of
-    its own fragments."""
+    its own fragments; ``"build"``, the step buffers when the schedule is built (the
+    first, on the CPU the only allocation of kept buffers)."""
     fulls = full_tensors(SHAPES)
     grads = grad_steps(SHAPES, STEPS)
     params = sharded_params(fulls, mesh((2,)), {n: (Shard(0),) for n in SHAPES})
@@ -64,6 +66,7 @@ def _failing_step(case: dict[str, Any]) -> dict[str, Any]:
     )
     real_acquire, real_receive = FlatBuffer.acquire, pipeline_module.receive_buffer
     real_release, real_copies = pipeline_module.release, pipeline_module.kept_copies
+    real_allocate = buffers_module.allocate
     armed = [False]
     left, calls = [0], [0]
 
@@ -79,6 +82,12 @@ def _failing_step(case: dict[str, Any]) -> dict[str, Any]:
             if calls[0] == case["call"]:
                 raise torch.OutOfMemoryError(INJECTED)
         return real_receive(numel, dtype, device)
+
+    def allocate(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        if armed[0] and case["kind"] == "build":
+            armed[0] = False  # once
+            raise torch.OutOfMemoryError(INJECTED)
+        return real_allocate(numel, dtype, device)
 
     def release(wire: Any) -> None:
         if armed[0] and case["kind"] == "release" and wire.layout:
@@ -97,6 +106,7 @@ def _failing_step(case: dict[str, Any]) -> dict[str, Any]:
     pipeline_module.receive_buffer = receive
     pipeline_module.release = release
     pipeline_module.kept_copies = copies
+    buffers_module.allocate = allocate
     try:
         for step, g in enumerate(grads, start=1):
             set_grads(params, g)
@@ -129,6 +139,7 @@ def _failing_step(case: dict[str, Any]) -> dict[str, Any]:
         pipeline_module.receive_buffer = real_receive
         pipeline_module.release = real_release
         pipeline_module.kept_copies = real_copies
+        buffers_module.allocate = real_allocate
     failed = [i for i, (kind, _) in enumerate(out["outcomes"], start=1) if kind != "ok"]
     kept = [g for i, g in enumerate(grads, start=1) if i not in failed]
     got = {n: full_of(p) for n, p in params}
@@ -140,6 +151,9 @@ def _failing_step(case: dict[str, Any]) -> dict[str, Any]:
 CASES: dict[str, tuple[dict[str, Any], str | None]] = {
     # the first step: the plan's first allocation, after the check that runs apart
     "first-step": ({"kind": "acquire", "step": 1, "times": 1}, "allocating the step's buffers"),
+    # the same where the schedule is built: its buffers' first allocation (before: the
+    # error on rank 1 alone, while rank 0 waited in the first gather until timeout_s)
+    "build": ({"kind": "build", "step": 1}, "allocating the step's buffers"),
     # a steady step (the check rides the first gather: declined), then its retry
     "steady-step": (
         {"kind": "acquire", "step": 4, "times": 2, "keep": False},
@@ -153,6 +167,13 @@ CASES: dict[str, tuple[dict[str, Any], str | None]] = {
     # a scatter's, with other all-to-alls in flight (many micro-groups, depth 1)
     "receive-scatter": (
         {"kind": "receive", "step": 2, "call": 3, "capacity_mb": TINY_MB, "fuse": 0},
+        "allocating the receive buffer of the scatter of micro-group 0",
+    ),
+    # the last scatter's, whose segments carry the senders' status flags (before: rank 1
+    # sent "not failed", every rank passed the vote, and rank 1 applied its own pieces
+    # only while the others applied the step: the replicas parted silently)
+    "receive-last-scatter": (
+        {"kind": "receive", "step": 2, "call": 2},
         "allocating the receive buffer of the scatter of micro-group 0",
     ),
     # a fused all-to-all's: a scatter with the gather issued after it

@@ -403,6 +403,16 @@ class CheckpointMixin:
                 f"load_state_dict failed on ranks {failed}; nothing was loaded"
             ),
         )
+        # first: the conversions below redistribute DTensors (collectives of their own)
+        differ = differing_params(
+            loaded, names, self._runtime, what="load_state_dict's check of the loaded steps"
+        )
+        if differ is not None:
+            raise ValueError(
+                f"load_state_dict: the ranks loaded different state ({differ}), as from a state "
+                "dict edited or saved on some ranks only; load the same checkpoint on every "
+                "rank. Nothing was loaded"
+            )
         order = [pid for group in state_dict["param_groups"] for pid in group["params"]]
         saved_groups = [
             {**mine, **{k: v for k, v in saved.items() if k != "params"}}
@@ -430,15 +440,6 @@ class CheckpointMixin:
                 if k not in keys
             }
             owner_values.update({(pos, k): v for k, v in entry.items() if k in keys})
-        differ = differing_params(
-            loaded, names, self._runtime, what="load_state_dict's check of the loaded steps"
-        )
-        if differ is not None:
-            raise ValueError(
-                f"load_state_dict: the ranks loaded different state ({differ}), as from a state "
-                "dict edited or saved on some ranks only; load the same checkpoint on every "
-                "rank. Nothing was loaded"
-            )
         entries = self._owner.entries(params, group_of, stepped)
         if entries:
             # collective: every rank has validated by now. The state it replaces is not

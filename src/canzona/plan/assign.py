@@ -353,7 +353,13 @@ def _greedy(
     ordered_start = [start_on[i] for i in order]
     chosen = _lpt(range(len(order)), ordered_costs, ordered_start, num_ranks)
     if strategy == "canzona" and refine:
-        refined = refine_owners(ordered_costs, ordered_elig, chosen, num_ranks)
+        refined = refine_owners(
+            ordered_costs,
+            ordered_elig,
+            chosen,
+            num_ranks,
+            holders=[specs[i].holders for i in order],
+        )
         before = objective(ordered_costs, chosen, num_ranks)
         if objective(ordered_costs, refined, num_ranks) <= before:
             chosen = refined

@@ -36,6 +36,7 @@ def refine_owners(
     num_ranks: int,
     *,
     max_iterations: int | None = None,
+    holders: Sequence[tuple[int, ...] | None] = (),
 ) -> list[int]:
     """Improve an assignment by moving or swapping matrices off the most-loaded rank.
 
@@ -65,6 +66,9 @@ def refine_owners(
         owners: The starting owner of each matrix.
         num_ranks: Number of ranks.
         max_iterations: Bound on applied changes; defaults to ``2 * (len(costs) + num_ranks)``.
+        holders: Per matrix, the ranks that already hold it whole (``None``: none), aligned
+            with ``costs``. Of a class, a rank gives away a matrix it does not hold first,
+            so that one left where it lies stays there (it moves no bytes there).
 
     Returns:
         The refined owners, aligned with ``costs``.
@@ -73,7 +77,7 @@ def refine_owners(
     if not costs or num_ranks == 1:
         return owners
     limit = 2 * (len(costs) + num_ranks) if max_iterations is None else max_iterations
-    state = _State(costs, eligible, owners, num_ranks)
+    state = _State(costs, eligible, owners, num_ranks, holders)
     for _ in range(limit):
         if state.work >= TOTAL_BUDGET:
             break
@@ -97,8 +101,10 @@ class _State:
         eligible: Sequence[tuple[int, ...] | None],
         owners: list[int],
         num_ranks: int,
+        holders: Sequence[tuple[int, ...] | None] = (),
     ) -> None:
         class_of: dict[tuple[float, tuple[int, ...] | None], int] = {}
+        self.holders = holders
         self.cost: list[float] = []
         self.elig: list[frozenset[int] | None] = []
         self.owners = owners
@@ -111,6 +117,11 @@ class _State:
                 self.elig.append(None if elig is None else frozenset(elig))
             self.loads[owners[i]] += cost
             self.items[owners[i]].setdefault(cid, []).append(i)
+        if holders:  # a rank's own matrices first: the last ones are given away first
+            for rank, held in enumerate(self.items):
+                for members in held.values():
+                    own = [i for i in members if self._holds(rank, i)]
+                    members[:] = own + [i for i in members if not self._holds(rank, i)]
         # per rank: (cost, class) of every class it holds, sorted
         self.classes = [sorted((self.cost[c], c) for c in held) for held in self.items]
         self.keys = sorted((load, rank) for rank, load in enumerate(self.loads))
@@ -190,9 +201,17 @@ class _State:
         if cid not in self.items[dst]:
             self.items[dst][cid] = []
             bisect.insort(self.classes[dst], (self.cost[cid], cid))
-        self.items[dst][cid].append(item)
+        if self._holds(dst, item):
+            self.items[dst][cid].insert(0, item)
+        else:
+            self.items[dst][cid].append(item)
         self.owners[item] = dst
         return self.cost[cid]
+
+    def _holds(self, rank: int, item: int) -> bool:
+        """Whether ``rank`` already holds matrix ``item`` whole."""
+        held = self.holders[item] if self.holders else None
+        return held is not None and rank in held
 
     def _set_load(self, rank: int, value: float) -> None:
         del self.keys[bisect.bisect_left(self.keys, (self.loads[rank], rank))]

@@ -21,6 +21,11 @@ class FlatBuffer:
     at the next step; a kept buffer holds its memory from :meth:`acquire` on. The contents
     are undefined at every :meth:`acquire`.
 
+    A buffer whose first allocation fails (out of memory on this rank) is cut on the meta
+    device instead, and :meth:`acquire` raises that error: the schedule exists on every
+    rank, so the failing one still enters the step's collectives (with zeros) and every
+    rank raises the failure; such a schedule is never used again (:attr:`broken`).
+
     Args:
         numel: Number of elements.
         dtype: Element dtype.
@@ -31,9 +36,19 @@ class FlatBuffer:
     def __init__(
         self, numel: int, dtype: torch.dtype, device: torch.device, *, keep: bool = False
     ) -> None:
-        self.tensor = torch.empty(numel, dtype=dtype, device=device)
+        self.error: Exception | None = None
+        try:
+            self.tensor = allocate(numel, dtype, device)
+        except Exception as exc:  # raised by acquire(), inside the step's failure handling
+            self.tensor = torch.empty(numel, dtype=dtype, device="meta")
+            self.error = exc
         self.keep = keep
-        self._nbytes = self.tensor.untyped_storage().nbytes()
+        self._nbytes = numel * self.tensor.element_size()
+
+    @property
+    def broken(self) -> bool:
+        """Whether the first allocation failed (the views are on the meta device)."""
+        return self.error is not None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -49,6 +64,8 @@ class FlatBuffer:
 
     def acquire(self) -> None:
         """Allocate the storage (its contents are undefined)."""
+        if self.error is not None:
+            raise self.error
         storage = self.tensor.untyped_storage()
         if storage.nbytes() != self._nbytes:
             storage.resize_(self._nbytes)
@@ -60,7 +77,13 @@ class FlatBuffer:
 
     def free(self) -> None:
         """Free the storage, kept or not (views stay valid objects until :meth:`acquire`)."""
-        self.tensor.untyped_storage().resize_(0)
+        if self.error is None:
+            self.tensor.untyped_storage().resize_(0)
+
+
+def allocate(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A step buffer's memory (uninitialised)."""
+    return torch.empty(numel, dtype=dtype, device=device)
 
 
 class Selector:

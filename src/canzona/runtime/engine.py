@@ -321,6 +321,8 @@ class MatrixRuntime:
         try:
             pipeline.schedule.acquire()
         except Exception as exc:
+            if any(buf.broken for buf in pipeline.schedule.buffers):  # built again next step
+                self._pipelines = {k: v for k, v in self._pipelines.items() if v is not pipeline}
             if self.process_group is None:
                 self._current = None
                 raise

@@ -432,6 +432,8 @@ class _Run:
         inp = ex.inp
         if ex.what == "gather" and not self.p.schedule.held:  # a view of freed buffers?
             inp = self.buffer(partial(torch.zeros_like, inp), where, label)  # (a header: declined)
+        elif ex.status and self.failure is not None:  # its flags may say "not failed"
+            inp = self.buffer(partial(torch.ones_like, inp), where, label)  # every one: failed
         wire = self._issue(out, inp, ex.out_splits, ex.in_splits, ex.phase, label)
         self._count(ex)
         part = Pending(wire, out, ex.what, ex.micro_group)
@@ -501,6 +503,8 @@ class _Run:
             if not self.p.schedule.held:  # its buffers are gone: send zeros (no header)
                 raise RuntimeError("the step's buffers are not allocated")
             inp = pack(g.send, g.gather_dtype, self.p.device)
+            if self.failure is not None:  # the payloads may be half written: zeros go
+                inp = _zeros_but_header(inp, g)
         except Exception as exc:
             where = f"packing the gather of micro-group {g.index}"
             self.fail(where, exc)
@@ -564,3 +568,16 @@ class _Run:
         for d in g.deliveries:
             numel = d.count * d.shape[0] * d.shape[1]
             self.received.append((out.narrow(0, d.offset, numel).view(d.count, *d.shape), d))
+
+
+def _zeros_but_header(inp: torch.Tensor, g: GroupSchedule) -> torch.Tensor:
+    """A gather's send with zeros in place of every payload; each segment's header kept."""
+    out = torch.zeros_like(inp)
+    head = 0 if g.header is None else g.header.numel()
+    if head:
+        start = 0
+        for size in g.gather_in:
+            end = start + min(head, size)
+            out[start:end] = inp[start:end]
+            start += size
+    return out
