@@ -141,6 +141,56 @@ def test_calibration_cache_key_names_the_device() -> None:
     assert calibration_keys.device_name(torch.device("cpu")).startswith("cpu:")
 
 
+def test_the_cache_key_follows_the_kernels_settings(monkeypatch: Any) -> None:
+    """Catches: a table timed with other kernels reused from the cache: the float32 matmul
+    precision (TF32 on a GPU: Shampoo's and SOAP's fp32 matmuls) and the switch of CUDA
+    graphs (head blocks about 6x apart) were not in the key."""
+    before = calibration_keys.kernel_settings()
+    monkeypatch.setenv("CANZONA_CUDA_GRAPHS", "0")
+    graphs_off = calibration_keys.kernel_settings()
+    assert graphs_off != before
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high" if precision != "high" else "highest")
+    try:
+        assert calibration_keys.kernel_settings() not in (before, graphs_off)
+    finally:
+        torch.set_float32_matmul_precision(precision)
+
+
+def test_a_group_without_a_timed_shape_is_priced_in_seconds() -> None:
+    """Catches: a param group none of whose shapes was timed (all past the cap, out of the
+    budget, or raising) priced by the fit of no points, which gives its FLOPs as seconds:
+    the plan then balanced that group alone and took the others for free."""
+    from canzona.plan import MatrixSpec, MuonCost
+    from canzona.runtime.watchdog import Watchdog
+
+    small, large = torch.nn.Parameter(torch.randn(16, 16)), torch.nn.Parameter(torch.randn(64, 64))
+    opt = canzona.Muon([{"params": [small]}, {"params": [large], "lr": 0.01}], lr=0.02)
+    params, _, gids = opt._flat()
+    table = opt._step_table(params, gids)
+    shapes = [
+        calibrate_module.Shape(0, 16, 16, 1, torch.bfloat16),
+        calibrate_module.Shape(1, 64, 64, 1, torch.bfloat16),
+    ]
+    cpu = torch.device("cpu")
+    cost = calibrate_module.calibrate(
+        shapes,
+        table,
+        opt._directions,
+        {0: MuonCost(), 1: MuonCost()},
+        watchdog=Watchdog(None, 0, 1, 60.0, device=cpu),
+        device=cpu,
+        shape_cap_s=1e-12,  # only the first shape timed: nothing predicts it
+    )
+    timed, untimed = cost.models["0"], cost.models["1"]
+    assert isinstance(timed, MeasuredCost) and timed.table  # group 0's shape was timed
+    assert isinstance(untimed, MeasuredCost) and not untimed.table
+    flops = MuonCost().flops(MatrixSpec("s", (64, 64)))
+    seconds = untimed.seconds(64, 64)
+    assert 0 < seconds < 1.0 < flops  # predicted from group 0's timing, in seconds
+    assert seconds == timed.seconds(64, 64)  # the same fit: the same kernels
+
+
 def test_the_agreed_timing_is_the_true_median() -> None:
     """Catches: the upper of the two middle timings taken for the median of an even count
     (with two ranks that is the slower rank's, a bias toward the noisier one)."""

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
+import math
+from typing import Any
+
 import pytest
 import torch
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, _StridedShard
@@ -80,3 +84,36 @@ def test_fsdp_over_tp_holds_fsdps_chunks_of_tps_chunks(dp: int, tp: int) -> None
                 frag = fragment_for((rows, 4), (dp, tp), placements, (d, t))
                 got = [i for a, b in frag.runs[0] for i in range(a, b)]
                 assert got == want, (rows, d, t)
+
+
+def _dtensor_rows(
+    n: int, mesh: tuple[int, ...], placements: tuple[Any, ...], coord: Any
+) -> list[int]:
+    """The rows ``distribute_tensor`` gives a coordinate: its left-to-right split replayed."""
+    local = torch.arange(n)
+    for size, p, c in zip(mesh, placements, coord, strict=True):
+        shards, _ = p._split_tensor(local, size, with_padding=False, contiguous=True)
+        local = shards[c]
+    return [int(i) for i in local.tolist()]
+
+
+@pytest.mark.parametrize(
+    ("mesh", "placements"),
+    [
+        ((2, 2, 2), (_StridedShard(0, split_factor=4), _StridedShard(0, split_factor=2), Shard(0))),
+        ((4, 3, 2), (_StridedShard(0, split_factor=2), _StridedShard(0, split_factor=2), Shard(0))),
+    ],
+)
+def test_two_strided_shards_on_one_dim_hold_dtensors_rows(
+    mesh: tuple[int, ...], placements: tuple[Any, ...]
+) -> None:
+    """Catches: FSDP2's rule (the plain shardings after a ``_StridedShard`` cut first)
+    applied to the last ``_StridedShard`` of a dimension that an earlier one cuts too
+    (DTensor's encoding of a sharding order): each rank's rows were taken from another
+    rank's, with the right shapes, so nothing refused it and the owners assembled
+    row-permuted matrices."""
+    n = 2 * math.prod(mesh)
+    for coord in itertools.product(*(range(s) for s in mesh)):
+        frag = fragment_for((n, 3), mesh, placements, coord)
+        got = [i for a, b in frag.runs[0] for i in range(a, b)]
+        assert got == _dtensor_rows(n, mesh, placements, coord), coord

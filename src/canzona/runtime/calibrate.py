@@ -26,7 +26,7 @@ from canzona.plan.measured import (
 )
 from canzona.runtime import timing
 from canzona.runtime.calibration_cache import DiskCache, Entry
-from canzona.runtime.calibration_keys import device_name, group_settings
+from canzona.runtime.calibration_keys import device_name, group_settings, kernel_settings
 from canzona.runtime.routing import Item
 from canzona.runtime.table import ComputeBatch, ComputeFn, StepTable
 from canzona.runtime.watchdog import Watchdog
@@ -89,6 +89,7 @@ def _key_fields(shape: Shape, table: StepTable, device: torch.device) -> tuple[o
     return (
         device_name(device),
         torch.__version__,
+        kernel_settings(),
         table.config,
         group_settings(table.hparams[shape.key]),
         shape.key,
@@ -102,9 +103,10 @@ def _key_fields(shape: Shape, table: StepTable, device: torch.device) -> tuple[o
 def entry_key(shape: Shape, table: StepTable, device: torch.device) -> str:
     """The digest that keys one shape's timings in a :class:`DiskCache`.
 
-    It covers the device, the torch version, the optimizer's configuration, the param
-    group's settings, the shape, the batch, the payload dtype, and the phases timed and
-    their weights.
+    It covers the device, the torch version, the process-wide settings that choose the
+    kernels (:func:`kernel_settings`), the optimizer's configuration, the param group's
+    settings, the shape, the batch, the payload dtype, and the phases timed and their
+    weights.
     """
     fields = (*_key_fields(shape, table, device), table.calibration[shape.key])
     return hashlib.sha256(repr(fields).encode()).hexdigest()
@@ -504,15 +506,18 @@ def calibrate(
         bytes_per_s = known if known > 0 else measure_transfer(watchdog, device)
         _RATES[rate_key] = bytes_per_s
     models: dict[str, CostModel] = {}
+    rows = list(zip(shapes, agreed[:n], agreed[n : 2 * n], agreed[2 * n :], strict=True))
+    # a group without a timed shape (all past the cap, out of the budget, or raising) is
+    # priced by every group's timed shapes: in seconds like the others, never in FLOPs
+    anyone = [
+        ((s.m, s.n), bases[s.key].flops(MatrixSpec("s", (s.m, s.n))), t)
+        for s, t, _, _ in rows
+        if t >= 0
+    ]
     for key, base in bases.items():
-        mine = [
-            (s, t, u, v)
-            for s, t, u, v in zip(
-                shapes, agreed[:n], agreed[n : 2 * n], agreed[2 * n :], strict=True
-            )
-            if s.key == key and t >= 0
-        ]
+        mine = [(s, t, u, v) for s, t, u, v in rows if s.key == key and t >= 0]
         points = [((s.m, s.n), base.flops(MatrixSpec("s", (s.m, s.n))), t) for s, t, _, _ in mine]
+        points = points or anyone
         lines = []
         sizes = []
         for s, t, u, v in mine:

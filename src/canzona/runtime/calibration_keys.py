@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import platform
 from collections.abc import Mapping
 from typing import Any
@@ -34,6 +35,22 @@ def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return f"{device.type}:{_cpu_model()}:{torch.get_num_threads()} threads"
+
+
+#: Environment variables that choose the kernels the owner math runs on this device.
+KERNEL_ENV = ("CANZONA_CUDA_GRAPHS", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
+
+
+def kernel_settings() -> str:
+    """The process-wide settings that choose the owner math's kernels (part of the key).
+
+    The float32 matmul precision (TF32 on a GPU: Shampoo's and SOAP's fp32 matmuls, Muon
+    with ``ns_dtype=float32``), whether stacks replay from CUDA graphs, and the CPU's
+    instruction-set cap: a table timed under other ones is not reused.
+    """
+    env = ",".join(f"{k}={os.environ.get(k, '')}" for k in KERNEL_ENV)
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    return f"{torch.get_float32_matmul_precision()}:tf32={tf32}:{env}"
 
 
 def _timed_form(value: object) -> object:

@@ -188,14 +188,15 @@ def _cut(runs: Runs, seq: list[tuple[Placement, int, int]]) -> Runs:
     DTensor's redistribution reads back. On uneven sizes this differs from DTensor's
     left-to-right split of the placements (e.g. 7 rows on a ``(3, 2)`` mesh: rank ``(2,
     0)`` holds no row, rank ``(2, 1)`` row 6). Any other strided placement splits as
-    DTensor's ``_StridedShard`` does, left to right.
+    DTensor's ``_StridedShard`` does, left to right: several on one dimension (DTensor's
+    encoding of a sharding order, which FSDP2 does not make) among them.
     """
     for k, (placement, size, coord) in enumerate(seq):
         later = seq[k + 1 :]
         if (
             isinstance(placement, _StridedShard)
             and later
-            and not any(isinstance(p, _StridedShard) for p, _, _ in later)
+            and not any(isinstance(p, _StridedShard) for p, _, _ in (*seq[:k], *later))
             and int(placement.split_factor) == math.prod(s for _, s, _ in later)
         ):
             for _, s, c in (*seq[:k], *later):
