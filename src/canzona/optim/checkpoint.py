@@ -134,14 +134,20 @@ class CheckpointMixin:
         if failed:
             raise elsewhere(failed)
 
-    def _sync_plan(self) -> None:
-        """Agree on the plan with every rank (collective); re-plans and moves state if needed."""
+    def _sync_plan(self, move: bool = True) -> Snapshot | None:
+        """Agree on the plan with every rank (collective); re-plans if needed.
+
+        After a re-plan the owner-held state moves to the new owners, unless not ``move``
+        (the state is about to be replaced): then where it lives is returned.
+        """
         params, names, gids = self._flat()
-        previous = self._runtime.sync_plan(
+        previous: Snapshot | None = self._runtime.sync_plan(
             names, params, self._step_table(params, gids), compute=self._directions
         )
-        if previous is not None:
+        if previous is not None and move:
             self._migrate_owner_state(previous, params, names, gids)
+            return None
+        return previous
 
     def _migrate_owner_state(
         self, previous: Snapshot, params: list[Tensor], names: list[str], gids: list[int]
@@ -206,10 +212,15 @@ class CheckpointMixin:
         collective on a copied or never-stepped optimizer too.
         """
         params, names, gids = self._flat()
-        unreadable = first_problem(self._runtime.layouts(names, params))
-        if unreadable is not None:
-            return unreadable[1]
-        return self._state_misfit(params, names, gids)
+        return self._unreadable(params, names) or self._state_misfit(params, names, gids)
+
+    def _unreadable(self, params: list[Tensor], names: list[str]) -> Exception | None:
+        """A local shard of another shape than its placements give, as its error, or None.
+
+        Reading the layouts also resolves the process group (the votes' collectives).
+        """
+        problem = first_problem(self._runtime.layouts(names, params))
+        return None if problem is None else problem[1]
 
     def _complete_state_dict(self, sd: dict[str, Any]) -> dict[str, Any]:
         """The state dict of torch.optim with saved param-group values and owner-held state."""
@@ -371,7 +382,7 @@ class CheckpointMixin:
 
     def _load_state_dict(self, state_dict: dict[str, Any], pre_hooks: list[Any]) -> None:
         """:meth:`load_state_dict` between its hooks (``pre_hooks`` run here, on a copy)."""
-        params, names, gids = self._flat()
+        params, names, _ = self._flat()
         error: Exception | None = None
         loaded: list[str] = []  # per parameter, "no state" or its step
         state_dict = dict(state_dict)  # shallow, as torch's: a hook may edit it
@@ -394,9 +405,8 @@ class CheckpointMixin:
                 error = exc
             except (KeyError, TypeError, AttributeError, IndexError) as exc:
                 error = ValueError(f"malformed state dict: {type(exc).__name__}: {exc}")
-        unreadable = first_problem(self._runtime.layouts(names, params))
-        if error is None and unreadable is not None:
-            error = unreadable[1]  # a local shard of another shape than its placements give
+        unreadable = self._unreadable(params, names)  # on every rank: it resolves the group
+        error = error or unreadable
         self._raise_together(
             error,
             lambda failed: ValueError(
@@ -445,9 +455,7 @@ class CheckpointMixin:
             # collective: every rank has validated by now. The state it replaces is not
             # moved to a new plan's owners first (a move that cannot succeed, as after a
             # failed one, would keep every checkpoint from loading)
-            home = self._runtime.sync_plan(
-                names, params, self._step_table(params, gids), compute=self._directions
-            )
+            home = self._sync_plan(move=False)
             try:
                 # first: a move that fails (on any rank: all raise) leaves everything as it was
                 self._owner.load(snapshot(self._runtime), entries, owner_values)

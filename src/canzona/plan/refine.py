@@ -104,7 +104,7 @@ class _State:
         holders: Sequence[tuple[int, ...] | None] = (),
     ) -> None:
         class_of: dict[tuple[float, tuple[int, ...] | None], int] = {}
-        self.holders = holders
+        self.holders = holders if any(h is not None for h in holders) else ()
         self.cost: list[float] = []
         self.elig: list[frozenset[int] | None] = []
         self.owners = owners

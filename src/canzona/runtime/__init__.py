@@ -11,7 +11,7 @@ from canzona.runtime.config import (
     UpdateFailedError,
     partial_update,
 )
-from canzona.runtime.engine import MatrixRuntime, StepStart
+from canzona.runtime.engine import MatrixRuntime
 from canzona.runtime.layout import Fragment, LayoutError, fragment_for
 from canzona.runtime.pipeline import Failure, StepDeclined, StepStats
 from canzona.runtime.routing import Item
@@ -23,6 +23,7 @@ from canzona.runtime.statecomm import (
     import_state,
     snapshot,
 )
+from canzona.runtime.step_start import StepStart
 from canzona.runtime.table import ApplyBatch, ComputeBatch, ParamRow, StepTable
 from canzona.runtime.tensors import (
     all_finite,

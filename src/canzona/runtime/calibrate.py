@@ -509,15 +509,15 @@ def calibrate(
     rows = list(zip(shapes, agreed[:n], agreed[n : 2 * n], agreed[2 * n :], strict=True))
     # a group without a timed shape (all past the cap, out of the budget, or raising) is
     # priced by every group's timed shapes: in seconds like the others, never in FLOPs
-    anyone = [
-        ((s.m, s.n), bases[s.key].flops(MatrixSpec("s", (s.m, s.n))), t)
-        for s, t, _, _ in rows
+    timed_points = [
+        (s.key, ((s.m, s.n), f, t))
+        for s, f, t in zip(shapes, flops, agreed[:n], strict=True)
         if t >= 0
     ]
+    anyone = [point for _, point in timed_points]
     for key, base in bases.items():
         mine = [(s, t, u, v) for s, t, u, v in rows if s.key == key and t >= 0]
-        points = [((s.m, s.n), base.flops(MatrixSpec("s", (s.m, s.n))), t) for s, t, _, _ in mine]
-        points = points or anyone
+        points = [point for k, point in timed_points if k == key] or anyone
         lines = []
         sizes = []
         for s, t, u, v in mine:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from itertools import compress
 
 import torch
@@ -30,6 +29,7 @@ from canzona.runtime.routing import (
     route_all,
 )
 from canzona.runtime.statecomm import PlanRecord, Snapshot, snapshot
+from canzona.runtime.step_start import StepStart
 from canzona.runtime.table import ApplyFn, ComputeFn, StepTable
 from canzona.runtime.tensors import REDISTRIBUTED, process_group_of, shapes, tensor_device
 from canzona.runtime.topology import (
@@ -43,33 +43,6 @@ from canzona.runtime.topology import (
 from canzona.runtime.watchdog import Watchdog, marker_name
 
 _SCHEDULES = 4  # schedules kept per plan (one per set of parameters with gradients)
-
-
-@dataclass(frozen=True, slots=True)
-class StepStart:
-    """What :meth:`MatrixRuntime.begin_step` tells the optimizer.
-
-    Attributes:
-        active: Parameters with a gradient on every rank (the others are skipped).
-        skip: Every rank skips the step (a non-finite gradient with ``skip_nonfinite``).
-        payload: Per active matrix parameter with local data, where the optimizer writes
-            its prepared payload (a view shaped like the parameter's local shard; valid
-            until :meth:`MatrixRuntime.run` returns).
-        previous: After a re-plan, the old plan's snapshot (owner-held state moves from it).
-        declined: The header rides the first gather and this rank's step does not match
-            the last agreed one: prepare nothing (:meth:`MatrixRuntime.run` then raises
-            :class:`~canzona.runtime.pipeline.StepDeclined` on every rank).
-        failure: The step's buffers could not be allocated on this rank (a distributed
-            job; nothing of them is held): prepare nothing and pass it to
-            :meth:`MatrixRuntime.run`, which raises it on every rank.
-    """
-
-    active: frozenset[int]
-    skip: bool
-    payload: dict[int, torch.Tensor]
-    previous: Snapshot | None
-    declined: bool = False
-    failure: Failure | None = None
 
 
 class MatrixRuntime:
