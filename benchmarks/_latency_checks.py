@@ -419,8 +419,9 @@ def render_prediction(cases: list[dict[str, Any]], labels: dict[str, str]) -> st
             "Calibration happens once, inside the first step of the `canzona` run. The "
             "steps after it record their owner calls (`PipelineConfig.reprice_steps`, 3 by "
             "default, after the first step), the ranks agree on each call's median, and the "
-            "next step re-prices the table with them and re-plans, once (*re-pricings*; the "
-            "milliseconds are that step's extra work: the all-gather, the new plan and its "
+            "next step re-prices the table with them and re-plans; the new plan's steps do "
+            "it once more, on the calls of both rounds (*re-pricings*: 2; the milliseconds "
+            "are the last such step's extra work: the all-gather, the new plan and its "
             "routes); the timed steps start after it. Otherwise steps re-plan only when the "
             "parameters or their groups change.",
             markdown_table(

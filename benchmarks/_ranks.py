@@ -16,14 +16,15 @@ import torch.distributed as dist
 
 from canzona.launch import RankFailure, run_ranks
 from canzona.runtime import PipelineConfig
-from canzona.runtime.repricing import SKIPPED_STEPS
+from canzona.runtime.repricing import ROUNDS, SKIPPED_STEPS
 
 __all__ = ["WARMUP", "RankFailure", "launch"]
 
 #: Untimed steps before a measurement, until a measured plan is final: the first step
-#: plans (and calibrates), the next ``reprice_steps`` record the owner calls, and the one
-#: after them re-plans on their prices (and makes its new batches' first calls).
-WARMUP = SKIPPED_STEPS + PipelineConfig().reprice_steps + 1
+#: plans (and calibrates); in each of the ``ROUNDS`` re-pricings, the plan's first step is
+#: not recorded, the next ``reprice_steps`` record the owner calls, and the step after them
+#: re-plans on their prices (and makes its new batches' first calls).
+WARMUP = 1 + ROUNDS * (SKIPPED_STEPS + PipelineConfig().reprice_steps)
 
 
 def launch(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 600.0) -> list[Any]:

@@ -14,6 +14,8 @@ from typing import Any
 
 import pytest
 
+from canzona.runtime.repricing import ROUNDS
+
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 if str(BENCH) not in sys.path:
     sys.path.insert(0, str(BENCH))
@@ -52,11 +54,11 @@ def _check_case(case: dict[str, Any], peers: tuple[str, ...] = ()) -> None:
 
 def _check_prediction(case: dict[str, Any]) -> None:
     """Every strategy's plan priced with the canzona run's measured table; one calibration,
-    one re-pricing by the steps' calls (within the warm-up), no other re-plan."""
+    ``ROUNDS`` re-pricings by the steps' calls (within the warm-up), no other re-plan."""
     world, runs = case["world"], case["runs"]
     canz = runs["canzona"]
     assert len(canz["calibration_s"]) == world and canz["calibrations"] == 1
-    assert canz["repricings"] == 1 and canz["replans_after_first_step"] == 1
+    assert canz["repricings"] == ROUNDS and canz["replans_after_first_step"] == ROUNDS
     assert case["cost_table"] and all(m["table"] for m in case["cost_table"].values())
     for label in STRATEGIES:
         pred = runs[label]["prediction"]

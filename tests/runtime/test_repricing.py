@@ -1,4 +1,5 @@
-"""A measured plan re-priced by its own steps: once, on every rank alike, owners moved, exact."""
+"""A measured plan re-priced by its own steps: in two rounds, on every rank alike, owners moved,
+exact."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import canzona
 from canzona.plan.measured import MeasuredCost
 from canzona.runtime import calibrate as calibrate_module
 from canzona.runtime import timing
-from canzona.runtime.repricing import SKIPPED_STEPS
+from canzona.runtime.repricing import ROUNDS, SKIPPED_STEPS
 
 from _cases import (
     CALIBRATION_SHAPES,
@@ -41,6 +42,11 @@ RECORDED_STEPS = 2
 #: The step before which the table is re-priced (1-based), and two more after it.
 DUE = SKIPPED_STEPS + RECORDED_STEPS + 1
 STEPS = DUE + 2
+#: The step before which the second round re-prices, and a round's length after it.
+DUE_2 = DUE + SKIPPED_STEPS + RECORDED_STEPS
+STEPS_2 = DUE_2 + SKIPPED_STEPS + RECORDED_STEPS + 1
+#: A fixed part of every step's owner call (seconds), in :func:`test_the_second_round_...`.
+FIXED_S = 5e-3
 
 _NOW = [0.0]
 
@@ -49,14 +55,16 @@ def _fake_clock() -> float:
     return _NOW[0]
 
 
-def _timed(real: Any) -> Any:
-    """``real`` (an optimizer's owner math) advancing the fake clock by the shape's price."""
+def _timed(real: Any, fixed_s: float = 0.0) -> Any:
+    """``real`` (an optimizer's owner math) advancing the fake clock by the shape's price
+    (and, in a step, by ``fixed_s`` per call)."""
 
     def compute(batch: Any, full: torch.Tensor) -> torch.Tensor:
         out = real(batch, full)
         k, m, n = full.shape
         calibrating = str(batch.items[0].name).startswith("calibration")
-        _NOW[0] += k * CALIBRATED_S[(m, n)] * (1.0 if calibrating else STEP_SCALE[(m, n)])
+        step = 0.0 if calibrating else fixed_s
+        _NOW[0] += step + k * CALIBRATED_S[(m, n)] * (1.0 if calibrating else STEP_SCALE[(m, n)])
         return out
 
     return compute
@@ -73,12 +81,14 @@ def _run(
     reprice_steps: int,
     fail_at: int | None = None,
     state_dict_at: int | None = None,
+    steps: int = STEPS,
+    fixed_s: float = 0.0,
 ) -> dict[str, Any]:
-    """Run :data:`STEPS` steps with the fake clock; with ``fail_at`` (1-based), rank 1's
+    """Run ``steps`` steps with the fake clock; with ``fail_at`` (1-based), rank 1's
     owner math raises in that step (every rank must raise, and the step change nothing);
     with ``state_dict_at``, ``state_dict()`` is taken (and dropped) before that step."""
     fulls = full_tensors(SHAPES)
-    grads = grad_steps(SHAPES, STEPS)
+    grads = grad_steps(SHAPES, steps)
     params = sharded_params(fulls, mesh((2,)), {n: (Shard(0),) for n in SHAPES})
     clock, evict = timing.clock, calibrate_module._eviction_seconds
     calibrate_module._CACHE.clear()
@@ -89,7 +99,7 @@ def _run(
         opt = cls(
             params, **kw, plan=plan(), pipeline=canzona.PipelineConfig(reprice_steps=reprice_steps)
         )
-        timed = _timed(opt._directions)
+        timed = _timed(opt._directions, fixed_s)
         step = [0]
 
         def directions(batch: Any, full: torch.Tensor) -> torch.Tensor:
@@ -119,7 +129,8 @@ def _run(
         calibrate_module._CACHE.clear()
     models = [m for m in opt._runtime.plan.optimizer.models.values()]
     assert all(isinstance(m, MeasuredCost) for m in models)
-    out["prices"] = {shape: [m.batch_seconds(*shape, 1) for m in models] for shape in CALIBRATED_S}
+    for key, k in (("prices", 1), ("prices_2", 2)):
+        out[key] = {shape: [m.batch_seconds(*shape, k) for m in models] for shape in CALIBRATED_S}
     out["got"] = {n: full_of(p) for n, p in params}
     out["fulls"], out["grads"] = fulls, grads
     return out
@@ -154,6 +165,39 @@ def test_the_steps_reprice_the_table_once_and_move_owners(dist: Any) -> None:
         assert not bad, f"rank {rank}: not bitwise equal to torch.optim.Muon: {bad}"
     digests = [out["digests"] for out in dist(2).run(_muon)]
     assert digests[0] == digests[1]
+
+
+def _two_rounds() -> dict[str, Any]:
+    out = _run(
+        canzona.Muon, {"lr": 0.02, "weight_decay": 0.1}, RECORDED_STEPS, steps=STEPS_2,
+        fixed_s=FIXED_S,
+    )  # fmt: skip
+    want = reference_muon(out["fulls"], out["grads"], lr=0.02, weight_decay=0.1)
+    out["exact"] = compare(out.pop("got"), want)
+    return out
+
+
+def test_the_second_round_reprices_on_both_rounds_calls(dist: Any) -> None:
+    """Steps' calls cost a fixed part plus a part per matrix. The first round sees the two
+    16 x 16 matrices stacked on one owner (k = 2), the second, after the re-plan put them
+    on different ranks, one per call (k = 1): only the calls of both rounds give the
+    line through both. Catches: a second round that forgets the first (k = 2 priced at
+    twice k = 1), no second round, a third one (the counts), a re-plan on one rank only,
+    and a re-plan that changes the math."""
+    assert ROUNDS == 2
+    runs = dist(2).run(_two_rounds)
+    for rank, out in enumerate(runs):
+        want = [0] * (DUE - 1) + [1] * (DUE_2 - DUE) + [2] * (STEPS_2 - DUE_2 + 1)
+        assert out["repricings"] == want, f"rank {rank}"
+        before, first, second = (out["owners"][i] for i in (DUE - 2, DUE - 1, DUE_2 - 1))
+        assert before["a"] == before["b"] and first["a"] != first["b"], f"rank {rank}"
+        assert second == first, f"rank {rank}: {first} -> {second}"
+        per = CALIBRATED_S[(16, 16)] * STEP_SCALE[(16, 16)]
+        assert out["prices"][(16, 16)] == [pytest.approx(FIXED_S + per, rel=1e-9)]
+        assert out["prices_2"][(16, 16)] == [pytest.approx(FIXED_S + 2 * per, rel=1e-9)]
+        bad = {n: rel for n, (eq, rel) in out["exact"].items() if not eq}
+        assert not bad, f"rank {rank}: not bitwise equal to torch.optim.Muon: {bad}"
+    assert runs[0]["digests"] == runs[1]["digests"]
 
 
 def _off() -> dict[str, Any]:

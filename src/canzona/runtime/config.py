@@ -125,15 +125,18 @@ class PipelineConfig:
             the step drops them; only reference cycles wait for the next collection.
             Results are bit-identical either way.
         reprice_steps: A plan balanced in measured seconds (``PlanConfig(cost="measured")``)
-            is re-priced once by its own steps: after the first step, this many steps
-            record the seconds of every owner call (by param group, shape and batch size),
-            the ranks agree on the median of each call in one all-gather, the table takes
-            those prices (a line through a shape's batch sizes where it ran at several),
-            and the next step re-plans on it. A calibration times each shape in isolation;
-            in a step the same call runs after the others of its micro-group, with other
-            data in cache, and a single matrix in its own kernels: measured here, calls
-            priced 5-25% off (docs/design.md). ``0`` keeps the calibrated table. Owners
-            change, never the math: results are bit-identical either way.
+            is re-priced by its own steps, in two rounds: after the first step, this many
+            steps record the seconds of every owner call (by param group, shape and batch
+            size), the ranks agree on the median of each call in one all-gather, the table
+            takes those prices (a line through a shape's batch sizes where it ran at
+            several), and the next step re-plans on it; then the new plan's steps do the
+            same once more, its calls added to the first round's (the re-plan stacks some
+            shapes in batch sizes the first plan never ran). A calibration times each
+            shape in isolation; in a step the same call runs after the others of its
+            micro-group, with other data in cache, and a single matrix in its own kernels:
+            measured here, calls priced 5-25% off (docs/design.md). ``0`` keeps the
+            calibrated table. Owners change, never the math: results are bit-identical
+            either way.
     """
 
     overlap: bool = True

@@ -463,12 +463,14 @@ class MatrixRuntime:
         """Re-price the plan's table by the calls its steps made and re-plan (collective)."""
         observation, self._observation = self._observation, None
         assert observation is not None and self.plan is not None
-        cost = self.plan.optimizer
+        cost = observation.base or self.plan.optimizer
         assert isinstance(cost, GroupedCost)
         start = time.perf_counter()
-        self._build(repriced(cost, observation.agree(self.watchdog)), self._structure)
+        agreed = observation.agree(self.watchdog)
+        self._build(repriced(cost, agreed), self._structure)
         self.reprice_s = time.perf_counter() - start
         self.repricings += 1
+        self._observation = observation.next_round(cost, agreed)
 
     def _stale(self, structure: str) -> bool:
         """Whether the plan must be (re)built: none yet, other layouts or other parameters.
