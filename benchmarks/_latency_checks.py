@@ -14,7 +14,23 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
+from canzona.runtime import PipelineConfig
+from canzona.runtime.repricing import ROUNDS, SKIPPED_STEPS
+
 from _report import markdown_table
+
+
+def _rounds_text() -> str:
+    """Which steps record owner calls and which re-plan, round by round (1-based steps)."""
+    steps, start, parts = PipelineConfig().reprice_steps, 1, []
+    for r in range(ROUNDS):
+        first = start + SKIPPED_STEPS
+        due = first + steps
+        calls = "" if r == 0 else " on every round's calls"
+        parts.append(f"steps {first} to {due - 1} recorded, re-planned at step {due}{calls}")
+        start = due
+    return "; ".join(parts)
+
 
 #: Bounds on what the measured cost model promises (world 2, one thread per rank).
 TIME_TARGETS = {"prediction_error": 0.05, "balance_time": 1.05, "calibration_s": 2.0}
@@ -297,9 +313,9 @@ def note(t: dict[str, Any], case: dict[str, Any], payload: dict[str, Any]) -> st
             f"call after touching 32 MiB, so with cold caches), and takes the median over the "
             f"ranks"
             + (
-                f"; then the owner calls of steps 2 to {payload.get('warmup', 5) - 1} (their "
-                "CPU time, the median over the ranks) re-priced every shape they ran, once, "
-                "and the plan was rebuilt on that table (the timed steps come after it)"
+                "; then the owner calls of the steps (their CPU time, the median over the "
+                "ranks) re-priced every shape they ran and the plan was rebuilt on that table, "
+                f"in {ROUNDS} rounds ({_rounds_text()}; the timed steps come after it)"
                 if canz.get("repricings")
                 else ""
             )
@@ -420,7 +436,7 @@ def render_prediction(cases: list[dict[str, Any]], labels: dict[str, str]) -> st
             "steps after it record their owner calls (`PipelineConfig.reprice_steps`, 3 by "
             "default, after the first step), the ranks agree on each call's median, and the "
             "next step re-prices the table with them and re-plans; the new plan's steps do "
-            "it once more, on the calls of both rounds (*re-pricings*: 2; the milliseconds "
+            f"it once more, on the calls of both rounds (*re-pricings*: {ROUNDS}; the milliseconds "
             "are the last such step's extra work: the all-gather, the new plan and its "
             "routes); the timed steps start after it. Otherwise steps re-plan only when the "
             "parameters or their groups change.",

@@ -55,7 +55,7 @@ def _steady(
         params,
         **KW,
         plan=canzona.PlanConfig(strategy=strategy, capacity_mb=capacity_mb),
-        # one plan throughout (the re-pricing by the steps' calls, which re-plans once and
+        # one plan throughout (the re-pricing by the steps' calls, which re-plans twice and
         # does not ride, is test_repricing's)
         pipeline=canzona.PipelineConfig(atomic=atomic, reprice_steps=0),
     )

@@ -3,6 +3,7 @@ exact."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -45,8 +46,9 @@ STEPS = DUE + 2
 #: The step before which the second round re-prices, and a round's length after it.
 DUE_2 = DUE + SKIPPED_STEPS + RECORDED_STEPS
 STEPS_2 = DUE_2 + SKIPPED_STEPS + RECORDED_STEPS + 1
-#: A fixed part of every step's owner call (seconds), in :func:`test_the_second_round_...`.
-FIXED_S = 5e-3
+#: A fixed part of every step's owner call (seconds) in the first round's steps and in the
+#: later ones, in :func:`test_the_second_round_reprices_on_both_rounds_calls`.
+FIXED_S = (5e-3, 4e-3)
 
 _NOW = [0.0]
 
@@ -55,15 +57,15 @@ def _fake_clock() -> float:
     return _NOW[0]
 
 
-def _timed(real: Any, fixed_s: float = 0.0) -> Any:
+def _timed(real: Any, fixed_s: Callable[[], float] = lambda: 0.0) -> Any:
     """``real`` (an optimizer's owner math) advancing the fake clock by the shape's price
-    (and, in a step, by ``fixed_s`` per call)."""
+    (and, in a step, by ``fixed_s()`` per call)."""
 
     def compute(batch: Any, full: torch.Tensor) -> torch.Tensor:
         out = real(batch, full)
         k, m, n = full.shape
         calibrating = str(batch.items[0].name).startswith("calibration")
-        step = 0.0 if calibrating else fixed_s
+        step = 0.0 if calibrating else fixed_s()
         _NOW[0] += step + k * CALIBRATED_S[(m, n)] * (1.0 if calibrating else STEP_SCALE[(m, n)])
         return out
 
@@ -82,11 +84,12 @@ def _run(
     fail_at: int | None = None,
     state_dict_at: int | None = None,
     steps: int = STEPS,
-    fixed_s: float = 0.0,
+    fixed_s: tuple[float, float] = (0.0, 0.0),
 ) -> dict[str, Any]:
     """Run ``steps`` steps with the fake clock; with ``fail_at`` (1-based), rank 1's
     owner math raises in that step (every rank must raise, and the step change nothing);
-    with ``state_dict_at``, ``state_dict()`` is taken (and dropped) before that step."""
+    with ``state_dict_at``, ``state_dict()`` is taken (and dropped) before that step; each
+    step's owner call takes ``fixed_s[0]`` more before :data:`DUE`, ``fixed_s[1]`` from it."""
     fulls = full_tensors(SHAPES)
     grads = grad_steps(SHAPES, steps)
     params = sharded_params(fulls, mesh((2,)), {n: (Shard(0),) for n in SHAPES})
@@ -99,8 +102,8 @@ def _run(
         opt = cls(
             params, **kw, plan=plan(), pipeline=canzona.PipelineConfig(reprice_steps=reprice_steps)
         )
-        timed = _timed(opt._directions, fixed_s)
         step = [0]
+        timed = _timed(opt._directions, lambda: fixed_s[0] if step[0] < DUE else fixed_s[1])
 
         def directions(batch: Any, full: torch.Tensor) -> torch.Tensor:
             calibrating = str(batch.items[0].name).startswith("calibration")
@@ -178,12 +181,13 @@ def _two_rounds() -> dict[str, Any]:
 
 
 def test_the_second_round_reprices_on_both_rounds_calls(dist: Any) -> None:
-    """Steps' calls cost a fixed part plus a part per matrix. The first round sees the two
-    16 x 16 matrices stacked on one owner (k = 2), the second, after the re-plan put them
-    on different ranks, one per call (k = 1): only the calls of both rounds give the
-    line through both. Catches: a second round that forgets the first (k = 2 priced at
-    twice k = 1), no second round, a third one (the counts), a re-plan on one rank only,
-    and a re-plan that changes the math."""
+    """Steps' calls cost a fixed part (another in each round) plus a part per matrix. The
+    first round sees the two 16 x 16 matrices stacked on one owner (k = 2), the second,
+    after the re-plan put them on different ranks, one per call (k = 1): only the calls of
+    both rounds give the line through both. The others run alone in both rounds. Catches:
+    a second round that forgets the first (k = 2 priced at twice k = 1), the first round's
+    call kept where both rounds made it, no second round, a third one (the counts), a
+    re-plan on one rank only, and a re-plan that changes the math."""
     assert ROUNDS == 2
     runs = dist(2).run(_two_rounds)
     for rank, out in enumerate(runs):
@@ -192,9 +196,13 @@ def test_the_second_round_reprices_on_both_rounds_calls(dist: Any) -> None:
         before, first, second = (out["owners"][i] for i in (DUE - 2, DUE - 1, DUE_2 - 1))
         assert before["a"] == before["b"] and first["a"] != first["b"], f"rank {rank}"
         assert second == first, f"rank {rank}: {first} -> {second}"
+        first, later = FIXED_S
         per = CALIBRATED_S[(16, 16)] * STEP_SCALE[(16, 16)]
-        assert out["prices"][(16, 16)] == [pytest.approx(FIXED_S + per, rel=1e-9)]
-        assert out["prices_2"][(16, 16)] == [pytest.approx(FIXED_S + 2 * per, rel=1e-9)]
+        assert out["prices"][(16, 16)] == [pytest.approx(later + per, rel=1e-9)]
+        assert out["prices_2"][(16, 16)] == [pytest.approx(first + 2 * per, rel=1e-9)]
+        for shape in ((24, 8), (8, 24)):
+            alone = later + CALIBRATED_S[shape] * STEP_SCALE[shape]
+            assert out["prices"][shape] == [pytest.approx(alone, rel=1e-9)], shape
         bad = {n: rel for n, (eq, rel) in out["exact"].items() if not eq}
         assert not bad, f"rank {rank}: not bitwise equal to torch.optim.Muon: {bad}"
     assert runs[0]["digests"] == runs[1]["digests"]
