@@ -460,10 +460,7 @@ class MatrixRuntime:
         return None
 
     def _reprice(self) -> None:
-        """Re-price the calibrated table by every round's calls and re-plan (collective).
-
-        Then the next round's observation starts, unless this was the last.
-        """
+        """Re-price the plan's table by the calls its steps made and re-plan (collective)."""
         observation, self._observation = self._observation, None
         assert observation is not None and self.plan is not None
         cost = observation.base or self.plan.optimizer
