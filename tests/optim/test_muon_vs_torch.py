@@ -14,6 +14,7 @@ from torch import nn
 from torch.optim.lr_scheduler import StepLR
 
 import canzona
+from canzona.updates.batched import LERP_OUT_NUMEL
 
 SHAPES = {
     "square": (16, 16),
@@ -379,3 +380,26 @@ def test_groups_with_different_ns_dtype() -> None:
         lambda ps: canzona.Muon(ps, ns_dtype=torch.float32), values[1:], [g[1:] for g in grads]
     )
     _assert_same(ours, first + second, "ns_dtype groups")
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_large_cpu_payloads_are_prepared_in_their_travel_dtype(nesterov: bool) -> None:
+    """On the CPU the Nesterov blend (or the momentum) of an fp32 matrix of at least
+    ``LERP_OUT_NUMEL`` elements is written straight in the payload's (Newton–Schulz) bf16,
+    with no fp32 copy staged and cast; a smaller one is staged in fp32 and cast. Both give
+    torch.optim.Muon's parameters bit for bit. Catches: the large payload prepared in fp32
+    again (a cast every step), the small one written in bf16 (a call per tensor for runs of
+    small ones), and a blend that rounds differently from torch's."""
+    values, grads = _start([(128, 96), (16, 16)])
+    assert 128 * 96 >= LERP_OUT_NUMEL > 16 * 16
+    kw = {"lr": 0.02, "weight_decay": 0.1, "nesterov": nesterov}
+    ours, opt = _run(lambda ps: canzona.Muon(ps, **kw), values, grads[:STEPS])
+    theirs, _ = _run(lambda ps: torch.optim.Muon(ps, **kw), values, grads[:STEPS])
+    _assert_same(ours, theirs, kw)
+    (pipeline,) = opt._runtime._pipelines.values()  # type: ignore[attr-defined]
+    schedule = pipeline.schedule
+    assert [v.dtype for _, v in sorted(schedule.payload.items())] == [
+        torch.bfloat16,
+        torch.float32,
+    ]
+    assert [(a.dtype, b.dtype) for a, b in schedule.casts] == [(torch.float32, torch.bfloat16)]

@@ -114,6 +114,7 @@ def _exact_with_small_threshold(world: int) -> dict[str, Any]:
 
     def spy_lerp(*args: Any, **kwargs: Any) -> torch.Tensor:
         seen["lerp_out"] += "out" in kwargs
+        seen["lerp_cast"] += "out" in kwargs and kwargs["out"].dtype != args[0].dtype
         return original_lerp(*args, **kwargs)
 
     exchanges.STRIDED_COPY_NUMEL = batched.LERP_OUT_NUMEL = 64
@@ -140,13 +141,14 @@ def _exact_with_small_threshold(world: int) -> dict[str, Any]:
 @pytest.mark.parametrize("world", [2, 4])
 def test_large_tensor_paths_keep_muon_bitwise(dist: Any, world: int) -> None:
     """Tall results made row-major (96 x 48 ones by ATen's blocked transpose), scatter
-    parts copied straight into the send buffer, payloads blended a tensor at a time: still
+    parts copied straight into the send buffer, payloads blended a tensor at a time (fp32
+    blends written straight into the bf16 payloads, ``out=`` of the payload's dtype): still
     torch.optim.Muon bit for bit, for the owners' scatter and for the fragments each rank
     keeps under ``replicated``. Catches: a transposed copy that moves values, a part packed
     at the wrong offset, a blend with its operands swapped."""
     ranks = dist(world).run(_exact_with_small_threshold, world)
     seen: Counter[str] = sum((Counter(out["seen"]) for out in ranks), Counter())
-    assert seen["row_major"] > 0 and seen["direct"] > 0 and seen["lerp_out"] > 0, seen
+    assert seen["row_major"] > 0 and seen["direct"] > 0 and seen["lerp_cast"] > 0, seen
     for out in ranks:
         for strategy in ("canzona", "replicated"):
             assert all(out[strategy].values()), (strategy, out[strategy])

@@ -90,3 +90,36 @@ def test_muon_prepare_by_runs_equals_the_foreach_prepare(nesterov: bool, scale: 
     got = [*runs[0][3], *runs[1][3]]
     for g, w in zip(got, [want[2], want[0], want[1], want[4], want[3]], strict=True):
         assert torch.equal(g, w)
+
+
+@pytest.mark.parametrize(
+    ("buf_dtype", "payload_dtype"),
+    [
+        (torch.float32, torch.bfloat16),
+        (torch.float32, torch.float16),
+        (torch.float64, torch.bfloat16),
+        (torch.float64, torch.float32),
+    ],
+)
+def test_a_payload_of_another_dtype_gets_the_blend_then_the_cast(
+    buf_dtype: torch.dtype, payload_dtype: torch.dtype
+) -> None:
+    """The Nesterov blend written straight into a lower-precision payload (one lerp with
+    ``out=`` per tensor on the CPU) equals torch's ``grad.lerp(buf, mu)`` in the buffers'
+    dtype, then cast, bit for bit; a transposed payload view and a column-major gradient
+    among them. Catches: the blend computed in the payload's dtype (its operands cast
+    first), operands swapped."""
+    gen = torch.Generator().manual_seed(5)
+    shapes = [(1, 1), (7, 13), (64, 96), (300, 257)]
+    grads = [(torch.randn(s, generator=gen) * 1e3).to(buf_dtype) for s in shapes]
+    grads[1] = grads[1].mT.contiguous().mT
+    bufs = [torch.randn(s, generator=gen).to(buf_dtype) for s in shapes]
+    want_bufs = [b.clone().lerp_(g, 1 - 0.95) for b, g in zip(bufs, grads, strict=True)]
+    want = [g.lerp(b, 0.95).to(payload_dtype) for g, b in zip(grads, want_bufs, strict=True)]
+    out = [torch.empty(s, dtype=payload_dtype) for s in shapes]
+    out[2] = torch.empty(shapes[2][::-1], dtype=payload_dtype).mT
+    muon_prepare_batch_(bufs, grads, out, momentum=0.95, nesterov=True)
+    for b, w in zip(bufs, want_bufs, strict=True):
+        assert torch.equal(b, w)
+    for o, w in zip(out, want, strict=True):
+        assert o.dtype == payload_dtype and torch.equal(o, w)

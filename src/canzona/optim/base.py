@@ -218,6 +218,14 @@ class MatrixOptimizer(StepTableMixin, AdamWRouteMixin, CopyMixin, CheckpointMixi
         """
         return grad_dtype(p)
 
+    def _prepared_dtype(self, p: Tensor, group: dict[str, Any]) -> torch.dtype:
+        """Dtype the payload is prepared in, before its cast to :meth:`_payload_dtype`.
+
+        The gradients'; an optimizer whose prepare can write the payload's dtype directly,
+        with the values of that cast, returns it (no staged copy, no cast).
+        """
+        return grad_dtype(p)
+
     def _direction_dtype(self, p: Tensor, group: dict[str, Any]) -> torch.dtype:
         return torch.promote_types(p.dtype, torch.float32)
 

@@ -24,6 +24,7 @@ from canzona.updates import (
     ADJUST_LR_FNS,
     DEFAULT_NS_COEFFICIENTS,
     NSCoefficients,
+    batched,
     muon_direction,
     muon_lr,
     resolve_ns_coefficients,
@@ -252,6 +253,15 @@ class Muon(MatrixOptimizer):
         ns: torch.dtype = group["ns_dtype"]
         blend = grad_dtype(p)
         return ns if ns.itemsize < blend.itemsize else blend
+
+    def _prepared_dtype(self, p: Tensor, group: dict[str, Any]) -> torch.dtype:
+        # a CPU shard of at least LERP_OUT_NUMEL elements gets its blend written straight in
+        # the payload's dtype, rounded on store as the cast rounds (muon_prepare_batch_):
+        # no full-precision copy staged and cast. Smaller ones, and other devices, stage it:
+        # a run of payloads then costs a few calls, not one per tensor
+        if p.device.type == "cpu" and local_tensor(p).numel() >= batched.LERP_OUT_NUMEL:
+            return self._payload_dtype(p, group)
+        return super()._prepared_dtype(p, group)
 
     def _directions(self, batch: ComputeBatch, full: Tensor) -> Tensor:
         hp = batch.hparams

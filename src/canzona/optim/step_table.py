@@ -69,6 +69,8 @@ class StepTableMixin:
 
         def _payload_dtype(self, p: Tensor, group: dict[str, Any]) -> torch.dtype: ...
 
+        def _prepared_dtype(self, p: Tensor, group: dict[str, Any]) -> torch.dtype: ...
+
         def _direction_dtype(self, p: Tensor, group: dict[str, Any]) -> torch.dtype: ...
 
         def _calibration_phases(self, group: dict[str, Any]) -> tuple[tuple[str, float], ...]: ...
@@ -146,7 +148,7 @@ class StepTableMixin:
                     gids[i],
                     groups[gids[i]].get("split"),
                     bool(groups[gids[i]].get("flatten")) and params[i].ndim > 2,
-                    grad_dtype(params[i]),
+                    self._prepared_dtype(params[i], groups[gids[i]]),
                 )
                 for i in matrix
             ]
