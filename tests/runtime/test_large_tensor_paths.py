@@ -113,7 +113,6 @@ def _exact_with_small_threshold(world: int) -> dict[str, Any]:
     original_lerp = torch.lerp
 
     def spy_lerp(*args: Any, **kwargs: Any) -> torch.Tensor:
-        seen["lerp_out"] += "out" in kwargs
         seen["lerp_cast"] += "out" in kwargs and kwargs["out"].dtype != args[0].dtype
         return original_lerp(*args, **kwargs)
 

@@ -207,12 +207,12 @@ def test_the_second_round_reprices_on_both_rounds_calls(dist: Any) -> None:
         before, first, second = (out["owners"][i] for i in (DUE - 2, DUE - 1, DUE_2 - 1))
         assert before["a"] == before["b"] and first["a"] != first["b"], f"rank {rank}"
         assert second == first, f"rank {rank}: {first} -> {second}"
-        first, later = FIXED_S
+        fixed_1, fixed_2 = FIXED_S
         per = CALIBRATED_S[(16, 16)] * STEP_SCALE[(16, 16)]
-        assert out["prices"][(16, 16)] == [pytest.approx(later + per, rel=1e-9)]
-        assert out["prices_2"][(16, 16)] == [pytest.approx(first + 2 * per, rel=1e-9)]
+        assert out["prices"][(16, 16)] == [pytest.approx(fixed_2 + per, rel=1e-9)]
+        assert out["prices_2"][(16, 16)] == [pytest.approx(fixed_1 + 2 * per, rel=1e-9)]
         for shape in ((24, 8), (8, 24)):
-            alone = later + CALIBRATED_S[shape] * STEP_SCALE[shape]
+            alone = fixed_2 + CALIBRATED_S[shape] * STEP_SCALE[shape]
             assert out["prices"][shape] == [pytest.approx(alone, rel=1e-9)], shape
         bad = {n: rel for n, (eq, rel) in out["exact"].items() if not eq}
         assert not bad, f"rank {rank}: not bitwise equal to torch.optim.Muon: {bad}"
