@@ -450,12 +450,38 @@ def render(payload: dict[str, Any]) -> str:
     return "\n\n".join(parts)
 
 
-PINNED = (
-    " On the structure model, `canzona` and `numel` own every q/k/v head block and every "
-    "expert on the rank that already holds it (`Shard(0)` rows: whole heads and whole "
-    "experts per rank), so only the o-projection blocks and the three dense MLP matrices are "
-    "placed freely; with three MLP matrices on two ranks one rank holds two of them."
-)
+def _held(case: dict[str, Any]) -> str:
+    """Where the structure model's held matrices are owned, from the case's bytes sent."""
+    runs, experts = case["runs"], case.get("experts_bytes_sent", {})
+    mib = {
+        s: "/".join(f"{b / 2**20:.1f}" for b in runs[s]["bytes_sent"]) for s in ("canzona", "numel")
+    }
+    stay = [s for s in ("canzona", "numel") if s in experts and not any(experts[s])]
+    out = (
+        " On the structure model `Shard(0)` rows leave whole heads and whole experts on one "
+        "rank. "
+        + (
+            f"Every expert stays where it lies under {' and '.join(f'`{s}`' for s in stay)} "
+            "(0 bytes sent for the expert stacks), and `numel`"
+            if stay
+            else "`numel`"
+        )
+        + " owns every q/k/v head block on the rank that holds it: it sends "
+        f"{mib['numel']} MiB per rank. "
+    )
+    extra = sum(runs["canzona"]["bytes_sent"]) > sum(runs["numel"]["bytes_sent"])
+    out += (
+        "`canzona`'s refinement moves some head blocks off their holders to even the ranks' "
+        "owner time, and each such block travels whole to its owner and back: `canzona` "
+        f"sends {mib['canzona']} MiB per rank."
+        if extra
+        else f"So does `canzona` ({mib['canzona']} MiB per rank)."
+    )
+    return out + (
+        " The o-projection blocks (columns, split across the ranks' rows) and the three dense "
+        "MLP matrices are placed freely; with three MLP matrices on two ranks one rank holds "
+        "two of them."
+    )
 
 
 def _more_steps(payload: dict[str, Any]) -> str:
@@ -556,7 +582,7 @@ def explain(payload: dict[str, Any]) -> list[str]:
                     else ""
                 )
                 + "."
-                + (PINNED if c["model"] == "structure" else "")
+                + (_held(c) if c["model"] == "structure" else "")
             )
         elif t["kind"] == "peer":
             peer = runs[t["versus"]]

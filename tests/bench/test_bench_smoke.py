@@ -418,6 +418,31 @@ def test_overhead_report_fits_each_launch() -> None:
     )
 
 
+def test_the_structure_notes_say_where_held_matrices_are_owned() -> None:
+    from _latency_report import _held
+
+    def case(canzona: int, numel: int, experts: int) -> dict[str, Any]:
+        return {
+            "runs": {
+                "canzona": {"bytes_sent": [canzona, canzona]},
+                "numel": {"bytes_sent": [numel, numel]},
+                "full_tensor": {"identical": True},  # a peer: no bytes recorded
+            },
+            "experts_bytes_sent": {"canzona": [experts, 0], "numel": [0, 0]},
+        }
+
+    mib = 2**20
+    moved = _held(case(10 * mib, 7 * mib, 0))
+    assert "Every expert stays where it lies under `canzona` and `numel`" in moved
+    assert "it sends 7.0/7.0 MiB per rank" in moved
+    assert "moves some head blocks off their holders" in moved
+    assert "`canzona` sends 10.0/10.0 MiB per rank" in moved
+    kept = _held(case(7 * mib, 7 * mib, 4096))
+    assert "Every expert stays where it lies under `numel` (0 bytes" in kept
+    assert "So does `canzona` (7.0/7.0 MiB per rank)." in kept
+    assert "moves some" not in kept
+
+
 def test_run_all_knows_every_script() -> None:
     import run_all
 
