@@ -468,8 +468,11 @@ def render_structure(cases: list[dict[str, Any]], labels: dict[str, str], layers
         '`{"params": [...], "split": canzona.Split(dim=0, size=head_dim)}` for q/k/v, '
         "`Split(dim=1, ...)` for o, the unsplit matrices and expert stacks in a third group, "
         'the router in an `algorithm="adamw"` group. FSDP2 shards every parameter '
-        "`Shard(0)`: each rank holds whole experts (expert parallel) and whole q/k/v heads, "
-        "which `canzona` and `numel` own where they lie. Every strategy is compared bit for "
+        "`Shard(0)`: each rank holds whole experts (expert parallel), which `canzona` and "
+        "`numel` keep where they lie, and whole q/k/v heads, which `numel` owns where they "
+        "lie and `canzona` too, but for those its refinement moves off their holders to even "
+        "the ranks' owner time (the MiB sent per rank in the tables above count them). "
+        "Every strategy is compared bit for "
         "bit with the single-device run with the same splits. *Measured* bytes come from an "
         "optimizer holding only the expert stacks (`last_step_stats.bytes_sent` after its "
         "second step; its plan covers the stacks alone, so `round_robin` and `count` may deal "
