@@ -19,8 +19,9 @@ from canzona.plan.cost import (
     resolve_cost_model,
     total_of,
 )
+from canzona.plan.held import held_loads, held_objective, move_seconds, settle_held
 from canzona.plan.measured import MeasuredCost
-from canzona.plan.refine import objective, refine_owners
+from canzona.plan.refine import refine_owners
 from canzona.plan.spec import MatrixSpec, check_specs
 
 __all__ = ["STRATEGIES", "Assignment", "assign_owners", "lower_bound", "pinned_ranks"]
@@ -325,18 +326,23 @@ def _greedy(
     memory: Sequence[int] = (),
     capacity: int | None = None,
     pieces: Sequence[int | None] = (),
+    seconds_moved: Sequence[float] = (),
 ) -> list[int]:
     """Owners by LPT on element counts (``numel``) or the blended cost (``canzona``).
 
     A held matrix starts on its least loaded holder (it moves no bytes there); a pinned one
-    is eligible on its holders only. ``canzona`` then refines, keeping the greedy result
-    unless the refinement is at least as good on the blended objective; where ``parts``
-    gives calls a fixed part (measured costs), it then gathers same-class matrices on
-    fewer owners without raising the makespan (``consolidate_owners``).
+    is eligible on its holders only. ``canzona`` then refines, gives back to their holders
+    the held matrices whose move does not pay for itself (``seconds_moved``: per matrix,
+    what owning it off its holders costs the owner and each holder, :func:`settle_held`),
+    and keeps the greedy result unless that is at least as good on the blended objective
+    with those costs; where ``parts`` gives calls a fixed part (measured costs), it then
+    gathers same-class matrices on fewer owners without raising the makespan
+    (``consolidate_owners``).
     """
     eligible = [s.holders if s.pinned else s.ranks for s in specs]
     # data already in place starts there: the greedy places a held matrix on its least
     # loaded holder; the refinement may still move it when that strictly lowers the makespan
+    # with the move's price (see settle_held)
     start_on = [s.holders if s.holders is not None else s.ranks for s in specs]
     if strategy == "numel":
         costs = [float(s.numel) for s in specs]
@@ -353,17 +359,21 @@ def _greedy(
     ordered_start = [start_on[i] for i in order]
     chosen = _lpt(range(len(order)), ordered_costs, ordered_start, num_ranks)
     if strategy == "canzona" and refine:
-        refined = refine_owners(
-            ordered_costs,
-            ordered_elig,
-            chosen,
-            num_ranks,
-            holders=[specs[i].holders for i in order],
-        )
-        before = objective(ordered_costs, chosen, num_ranks)
-        if objective(ordered_costs, refined, num_ranks) <= before:
+        held = [specs[i].holders for i in order]
+        # what owning a held matrix off its holders costs its owner and each holder
+        seconds = seconds_moved or [0.0] * len(specs)
+        moves = [
+            w_flops * seconds[i] + w_bytes * nbytes[i] if held[pos] is not None else 0.0
+            for pos, i in enumerate(order)
+        ]
+        refined = refine_owners(ordered_costs, ordered_elig, chosen, num_ranks, holders=held)
+        refined = settle_held(ordered_costs, moves, held, refined, num_ranks)
+        before = held_objective(ordered_costs, moves, held, chosen, num_ranks)
+        if held_objective(ordered_costs, moves, held, refined, num_ranks) <= before:
             chosen = refined
         if any(fixed > 0 for fixed, _ in parts):
+            # a held matrix off its holders stays there: its move is a fixed load
+            away = held_loads([0.0] * len(order), moves, held, chosen, num_ranks)
             calls = CallCosts(
                 costs=[w_bytes * moved[i] + w_flops * parts[i][1] for i in order],
                 fixed=[w_flops * parts[i][0] for i in order],
@@ -374,6 +384,7 @@ def _greedy(
                     capacity,
                     [pieces[i] for i in order] if pieces else (),
                 ),
+                base=away if any(away) else (),
             )
             movable = [() if specs[i].holders is not None else specs[i].ranks for i in order]
             chosen = consolidate_owners(calls, movable, chosen, num_ranks)
@@ -400,7 +411,9 @@ def assign_owners(
     A matrix that some ranks already hold whole (:attr:`MatrixSpec.holders`) starts on the
     least loaded of them under ``canzona`` and ``numel``, where it moves no bytes; only the
     ``canzona`` refinement moves it elsewhere, and only when that strictly lowers the
-    makespan (ties keep it on its holder); a ``pinned`` one never leaves its holders.
+    makespan, counting what the move costs the new owner and each holder where the cost
+    model measured a transfer rate (:func:`~canzona.plan.held.move_seconds`; ties keep it
+    on its holder); a ``pinned`` one never leaves its holders.
 
     * ``canzona``: longest-processing-time-first greedy on the blended cost
       ``(1 - alpha) * bytes / total_bytes + alpha * flops / total_flops``, in the order
@@ -453,11 +466,12 @@ def assign_owners(
     elif strategy == "count":
         owners = _count(specs, num_ranks)
     else:
-        parts, memory, pieces = [], [], []
+        parts, memory, pieces, seconds_moved = [], [], [], []
         if strategy == "canzona":
             parts = [call_parts(model, s) for s in specs]
             memory = in_flight(specs, model)
             pieces = [call_piece(model, s) for s in specs]
+            seconds_moved = [move_seconds(model, s) for s in specs]
         owners = _greedy(
             specs,
             num_ranks,
@@ -470,6 +484,7 @@ def assign_owners(
             memory,
             capacity_bytes,
             pieces,
+            seconds_moved,
         )
 
     per_rank: list[list[float]] = [[] for _ in range(num_ranks)]

@@ -29,12 +29,15 @@ class CallCosts:
             shape, payload size).
         stack: How many matrices of the class fit in one call (at least 1): a micro-group
             holds at most so many of them per rank.
+        base: Per rank, a load that comes with none of the matrices (e.g. what held
+            matrices owned off their holders cost it to move; empty: none).
     """
 
     costs: Sequence[float]
     fixed: Sequence[float]
     classes: Sequence[Hashable]
     stack: Sequence[int]
+    base: Sequence[float] = ()
 
     def calls(self, cls_item: int, count: int) -> int:
         """Calls that ``count`` matrices of item ``cls_item``'s class take on one rank."""
@@ -44,7 +47,7 @@ class CallCosts:
 
 def rank_loads(calls: CallCosts, owners: Sequence[int], num_ranks: int) -> list[float]:
     """Per rank, its matrices' own costs plus the fixed parts of the calls they take."""
-    loads = [0.0] * num_ranks
+    loads = list(calls.base) if calls.base else [0.0] * num_ranks
     counts: dict[tuple[int, Hashable], tuple[int, int]] = {}
     for i, (cost, cls, rank) in enumerate(zip(calls.costs, calls.classes, owners, strict=True)):
         loads[rank] += cost

@@ -299,12 +299,21 @@ class MeasuredCost:
 
         0 when transfers are not counted, and for a matrix that ranks already hold whole
         (:attr:`MatrixSpec.holders`): it is owned on a holder, where nothing moves, as the
-        planner counts its bytes (the refinement may still move it off, and then its
-        transfer goes uncounted, like its bytes).
+        planner counts its bytes. Owning it elsewhere costs :meth:`move_seconds` on the
+        owner and on each holder, which the planner adds where it does
+        (:func:`~canzona.plan.held.settle_held`).
         """
         if not self.bytes_per_s or not self.transfer_share or spec.holders is not None:
             return 0.0
         return self.transfer_share * spec.nbytes / self.bytes_per_s
+
+    def move_seconds(self, spec: MatrixSpec) -> float:
+        """The payload's transfer time at the measured rate (0 when transfers are not counted).
+
+        What owning a held matrix off its holders costs the owner, which receives the whole
+        payload and sends the whole direction back, and each holder, which does the reverse.
+        """
+        return spec.nbytes / self.bytes_per_s if self.bytes_per_s else 0.0
 
     def comm_bytes(self, spec: MatrixSpec) -> int:
         """The base model's payload bytes."""

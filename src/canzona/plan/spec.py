@@ -39,7 +39,8 @@ class MatrixSpec:
             eligible ranks), e.g. the rank holding an expert under expert parallelism.
             Owning it there moves no bytes, so ``canzona`` and ``numel`` start it on one of
             them (``canzona``'s refinement moves it when that strictly lowers the
-            makespan). ``None``: no rank holds it whole.
+            makespan, the move's transfer counted on the owner and each holder where the
+            cost model measured a rate). ``None``: no rank holds it whole.
         pinned: Never move it off its holders (a matrix of a stack sharded over its
             leading dimension: expert parallelism places experts by design).
     """
