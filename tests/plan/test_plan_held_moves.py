@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from canzona.plan import MatrixSpec, MuonCost, assign_owners
@@ -73,6 +75,77 @@ def test_settling_returns_a_block_to_its_least_loaded_holder_on_ties() -> None:
     # a move that lowers nothing goes back (the holder pays it too)
     assert settle_held([1.0, 9.0], [1.0, 0.0], [(0,), None], [1, 0], 2) == [0, 0]
     assert settle_held(costs, [0.0] * 3, holders, [2, 0, 1], 3) == [2, 0, 1]  # nothing priced
+
+
+def test_settling_stops_at_its_work_budget() -> None:
+    """Catches: a settling with no bound on its work. Two blocks held on rank 0, owned on
+    rank 1 where neither move pays; each candidate costs 2 of the budget (its owner and its
+    holder): 2 settles the costlier one only, 1 nothing, and the result is deterministic."""
+    costs, moves, holders = [2.0, 1.0, 9.0], [1.0, 1.0, 0.0], [(0,), (0,), None]
+    owners = [1, 1, 1]
+    assert settle_held(costs, moves, holders, owners, 3) == [0, 0, 1]
+    assert settle_held(costs, moves, holders, owners, 3, budget=2) == [0, 1, 1]
+    assert settle_held(costs, moves, holders, owners, 3, budget=1) == [1, 1, 1]
+
+
+def test_settling_matches_recomputing_every_rank_s_load() -> None:
+    """Catches: the incremental objective (sorted loads, only the changed ranks recounted)
+    disagreeing with the objective recomputed from every rank's load after each return."""
+    rng = random.Random(0)
+    for _ in range(300):
+        num_ranks, n = rng.choice([2, 3, 5, 8]), rng.randint(1, 30)
+        costs = [rng.choice([1.0, 0.5, rng.random()]) for _ in range(n)]
+        holders = [
+            tuple(sorted(rng.sample(range(num_ranks), rng.randint(1, 2))))
+            if rng.random() < 0.7
+            else None
+            for _ in range(n)
+        ]
+        moves = [rng.choice([0.1, 0.3, rng.random()]) if h else 0.0 for h in holders]
+        owners = [rng.randrange(num_ranks) for _ in range(n)]
+        assert settle_held(costs, moves, holders, owners, num_ranks) == _settle_by_recount(
+            costs, moves, holders, owners, num_ranks
+        )
+
+
+def _settle_by_recount(
+    costs: list[float],
+    moves: list[float],
+    holders: list[tuple[int, ...] | None],
+    owners: list[int],
+    num_ranks: int,
+) -> list[int]:
+    """The settling's rule, every rank's load recomputed for each candidate."""
+
+    def top(loads: list[float]) -> tuple[float, int]:
+        peak = max(loads)
+        return peak, sum(1 for x in loads if x >= peak * (1 - 1e-12))
+
+    result = list(owners)
+    loads = held_loads(costs, moves, holders, result, num_ranks)
+    away = [i for i, h in enumerate(holders) if moves[i] and h and result[i] not in h]
+    away.sort(key=lambda i: (-(costs[i] + moves[i]), i))
+    while away:
+        kept = []
+        for i in away:
+            held = holders[i]
+            assert held is not None
+            home = min(held, key=lambda r: (loads[r], r))
+            new = list(loads)
+            new[result[i]] -= costs[i] + moves[i]
+            for h in held:
+                new[h] -= moves[i]
+            new[home] += costs[i]
+            (t_new, at_new), (t_old, at_old) = top(new), top(loads)
+            lower = t_new < t_old * (1 - 1e-12)
+            if t_new <= t_old * (1 + 1e-12) and (lower or at_new <= at_old):
+                loads, result[i] = new, home
+            else:
+                kept.append(i)
+        if len(kept) == len(away):
+            break
+        away = kept
+    return result
 
 
 def test_consolidation_counts_a_rank_s_base_load() -> None:

@@ -14,6 +14,7 @@ import torch.distributed as tdist
 
 import canzona
 from canzona.runtime.config import CollectiveTimeoutError
+from canzona.runtime.tensors import local_tensor
 from canzona.runtime.watchdog import RETAINED_WORKS, Watchdog
 
 GLOO_CLOSED = (
@@ -299,22 +300,25 @@ def _owner_late_in_the_last_group() -> dict[str, Any]:
         opt._directions = slow  # type: ignore[method-assign]
     for _, p in named:
         p.grad = distribute_tensor(torch.ones(8, 6) * 2, mesh, [Shard(0)])
-    before = [p.to_local().clone() for _, p in named]
-    counters = [float(opt.state[p]["step"]) for _, p in named]
+    return {
+        "late": tdist.get_rank() == late,
+        "groups": len(opt._runtime.plan.micro_groups),  # type: ignore[attr-defined]
+        **_step_and_look(opt, [p for _, p in named]),
+    }
+
+
+def _step_and_look(opt: torch.optim.Optimizer, params: list[torch.Tensor]) -> dict[str, Any]:
+    """Step; what it raised, and whether every local shard and step counter stayed."""
+    before = [local_tensor(p).clone() for p in params]
+    counters = [float(opt.state[p]["step"]) for p in params]
     kind, message = "ok", ""
     try:
         opt.step()
     except Exception as exc:
         kind, message = type(exc).__name__, str(exc)
-    unchanged = all(torch.equal(p.to_local(), b) for (_, p), b in zip(named, before, strict=True))
-    steps = [float(opt.state[p]["step"]) for _, p in named]
-    return {
-        "late": tdist.get_rank() == late,
-        "groups": len(opt._runtime.plan.micro_groups),  # type: ignore[attr-defined]
-        "kind": kind,
-        "message": message,
-        "unchanged": unchanged and steps == counters,
-    }
+    unchanged = all(torch.equal(local_tensor(p), b) for p, b in zip(params, before, strict=True))
+    steps = [float(opt.state[p]["step"]) for p in params]
+    return {"kind": kind, "message": message, "unchanged": unchanged and steps == counters}
 
 
 def test_a_rank_late_past_the_deadline_in_the_last_group_applies_nothing(dist: Any) -> None:
@@ -324,6 +328,56 @@ def test_a_rank_late_past_the_deadline_in_the_last_group_applies_nothing(dist: A
     and no error on it."""
     out = dist(2).run(_owner_late_in_the_last_group, timeout=60)
     assert all(o["groups"] >= 2 for o in out), out
+    _assert_no_rank_applied(out)
+
+
+def _late_before_a_vote_only_step(check_every_step: bool) -> dict[str, Any]:
+    """World 2, plain tensors (each rank updates them alone: the step's only collective is
+    the vote); at the fourth step one rank takes 2.2 s in its prepare, past its peer's 1 s
+    deadline in the vote."""
+    group = tdist.new_group(backend="gloo", timeout=timedelta(seconds=20))
+    gen = torch.Generator().manual_seed(0)
+    named = [(f"w{i}", torch.nn.Parameter(torch.randn(8, 6, generator=gen))) for i in range(3)]
+    opt = canzona.Muon(
+        named,
+        lr=0.02,
+        pipeline=canzona.PipelineConfig(
+            process_group=group, timeout_s=1.0, check_every_step=check_every_step
+        ),
+    )
+    for step in range(3):
+        for _, p in named:
+            p.grad = torch.ones(8, 6) * (step + 1)
+        opt.step()
+    assert opt._runtime.plan is None  # type: ignore[attr-defined]  # nothing to plan
+    late = tdist.get_rank() == 1
+    prepare = opt._prepare
+
+    def slow(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(2.2)
+        return prepare(*args, **kwargs)
+
+    if late:
+        opt._prepare = slow  # type: ignore[method-assign]
+    for _, p in named:
+        p.grad = torch.ones(8, 6) * 4
+    return {"late": late, **_step_and_look(opt, [p for _, p in named])}
+
+
+@pytest.mark.parametrize("check_every_step", [False, True])
+def test_a_rank_late_past_the_deadline_before_a_vote_only_step_applies_nothing(
+    dist: Any, check_every_step: bool
+) -> None:
+    """Catches: the late rank applying the step alone. Its lateness falls before its
+    pipeline starts (in the prepare), and the vote, the step's only collective, completes on
+    it (its peer had posted its part before giving up): the pipeline's own time stays under
+    the deadline, so only the time since the step began shows that the peer may have left."""
+    out = dist(2).run(_late_before_a_vote_only_step, check_every_step, timeout=60)
+    _assert_no_rank_applied(out)
+
+
+def _assert_no_rank_applied(out: list[dict[str, Any]]) -> None:
+    """The waiting rank timed out, the late one learnt it before applying: nothing changed."""
     late = next(o for o in out if o["late"])
     waiting = next(o for o in out if not o["late"])
     assert waiting["kind"] == "CollectiveTimeoutError", waiting

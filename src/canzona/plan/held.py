@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 
 from canzona.plan.cost import CostModel, GroupedCost
 from canzona.plan.measured import MeasuredCost
+from canzona.plan.refine import REL_TOL, top_of
 from canzona.plan.spec import MatrixSpec
 
 __all__ = ["held_loads", "held_objective", "move_seconds", "settle_held"]
 
-#: Relative margin under which a change of load counts as no change (guards float noise).
-REL_TOL = 1e-12
+#: Most rank loads examined over a whole settling (bounds its time, deterministically).
+TOTAL_BUDGET = 1_000_000
 
 
 def move_seconds(model: CostModel, spec: MatrixSpec) -> float:
@@ -59,9 +61,7 @@ def held_objective(
     num_ranks: int,
 ) -> tuple[float, int]:
     """(max load, ranks at that load) of :func:`held_loads`: what the planner lowers."""
-    loads = held_loads(costs, moves, holders, owners, num_ranks)
-    top = max(loads)
-    return top, sum(1 for load in loads if load == top)
+    return top_of(held_loads(costs, moves, holders, owners, num_ranks))
 
 
 def settle_held(
@@ -70,6 +70,8 @@ def settle_held(
     holders: Sequence[tuple[int, ...] | None],
     owners: Sequence[int],
     num_ranks: int,
+    *,
+    budget: int = TOTAL_BUDGET,
 ) -> list[int]:
     """Give held matrices back to their holders where their moves do not pay.
 
@@ -77,7 +79,9 @@ def settle_held(
     its holders for a gain smaller than what moving it costs both ranks. In rounds, every
     held matrix off its holders (costliest first, then by position) goes back to its least
     loaded holder (lowest rank on ties) when that leaves the objective of
-    :func:`held_objective` no higher (ties prefer the holder), until a round returns none.
+    :func:`held_objective` no higher (ties prefer the holder), until a round returns none
+    or ``budget`` rank loads were examined (each candidate its owner and holders: counted,
+    not timed, so the result is deterministic).
 
     Returns:
         The new owners (a new list; ``owners`` is not modified).
@@ -85,7 +89,7 @@ def settle_held(
     result = list(owners)
     if not any(moves):
         return result
-    loads = held_loads(costs, moves, holders, result, num_ranks)
+    board = _Board(held_loads(costs, moves, holders, result, num_ranks))
     away = sorted(
         (
             i
@@ -99,14 +103,19 @@ def settle_held(
         for i in away:
             held = holders[i]
             assert held is not None
+            budget -= 1 + len(held)
+            if budget < 0:
+                return result
+            loads = board.loads
             home = min(held, key=lambda r: (loads[r], r))
-            new = list(loads)
-            new[result[i]] -= costs[i] + moves[i]
+            # the same operations, in the same order, as held_loads' sums would change
+            changed = {result[i]: loads[result[i]] - (costs[i] + moves[i])}
             for h in held:
-                new[h] -= moves[i]
-            new[home] += costs[i]
-            if _no_higher(new, loads):
-                loads, result[i] = new, home
+                changed[h] = loads[h] - moves[i]
+            changed[home] += costs[i]
+            if board.no_higher(changed):
+                board.take(changed)
+                result[i] = home
             else:
                 kept.append(i)
         if len(kept) == len(away):
@@ -115,13 +124,39 @@ def settle_held(
     return result
 
 
-def _no_higher(new: Sequence[float], old: Sequence[float]) -> bool:
-    """Whether ``new``'s (max, ranks at the max) is no higher than ``old``'s (within margin)."""
-    top_new, top_old = max(new), max(old)
-    if top_new > top_old * (1 + REL_TOL):
-        return False
-    if top_new < top_old * (1 - REL_TOL):
-        return True
-    at_new = sum(1 for x in new if x >= top_new * (1 - REL_TOL))
-    at_old = sum(1 for x in old if x >= top_old * (1 - REL_TOL))
-    return at_new <= at_old
+class _Board:
+    """Per-rank loads, also kept sorted: the objective after a few ranks change, in O(changes)."""
+
+    def __init__(self, loads: list[float]) -> None:
+        self.loads = loads
+        self.ordered = sorted((load, rank) for rank, load in enumerate(loads))
+
+    def _after(self, changed: dict[int, float]) -> tuple[float, int]:
+        """(max, ranks within the margin of it) once ``changed`` ranks take new loads."""
+        top = max(changed.values(), default=float("-inf"))
+        for load, rank in reversed(self.ordered):  # the most loaded unchanged rank
+            if rank not in changed:
+                top = max(top, load)
+                break
+        threshold = top * (1 - REL_TOL)
+        count = len(self.ordered) - bisect.bisect_left(self.ordered, (threshold, -1))
+        for rank, load in changed.items():
+            count += (load >= threshold) - (self.loads[rank] >= threshold)
+        return top, count
+
+    def no_higher(self, changed: dict[int, float]) -> bool:
+        """Whether the objective with ``changed`` is no higher than now (within the margin)."""
+        top_new, at_new = self._after(changed)
+        top_old, at_old = self._after({})
+        if top_new > top_old * (1 + REL_TOL):
+            return False
+        if top_new < top_old * (1 - REL_TOL):
+            return True
+        return at_new <= at_old
+
+    def take(self, changed: dict[int, float]) -> None:
+        """Let ``changed`` ranks take their new loads."""
+        for rank, load in changed.items():
+            del self.ordered[bisect.bisect_left(self.ordered, (self.loads[rank], rank))]
+            bisect.insort(self.ordered, (load, rank))
+            self.loads[rank] = load

@@ -25,6 +25,11 @@ def objective(costs: Sequence[float], owners: Sequence[int], num_ranks: int) -> 
     loads = [0.0] * num_ranks
     for cost, rank in zip(costs, owners, strict=True):
         loads[rank] += cost
+    return top_of(loads)
+
+
+def top_of(loads: Sequence[float]) -> tuple[float, int]:
+    """(max load, number of ranks at that load) of per-rank ``loads``."""
     top = max(loads)
     return top, sum(1 for load in loads if load == top)
 

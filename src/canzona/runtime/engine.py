@@ -460,7 +460,11 @@ class MatrixRuntime:
         return None
 
     def _reprice(self) -> None:
-        """Re-price the plan's table by the calls its steps made and re-plan (collective)."""
+        """Re-price the calibrated table by the owner calls the steps made, and re-plan.
+
+        A collective. The first round re-prices the plan's own (calibrated) table; a later
+        one re-prices that same table (``observation.base``) by every round's calls.
+        """
         observation, self._observation = self._observation, None
         assert observation is not None and self.plan is not None
         cost = observation.base or self.plan.optimizer

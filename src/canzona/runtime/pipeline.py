@@ -233,8 +233,10 @@ class Pipeline:
                 run.micro_groups()
             self._vote(run.failure, run.failed_ranks, names)
             start = time.perf_counter()
-            if start - t0 > self.watchdog.timeout_s and self.process_group is not None:
-                self.watchdog.check_no_peer_gave_up(start - t0)  # before applying anything
+            begun = self.watchdog.calls.started  # the step's (or the pipeline's) start
+            elapsed = start - (begun if 0 < begun <= t0 else t0)
+            if elapsed > self.watchdog.timeout_s and self.process_group is not None:
+                self.watchdog.check_no_peer_gave_up(elapsed)  # before applying anything
             try:
                 apply_runs(kept + run.received, table, tensors, apply)
             except Exception as exc:

@@ -18,9 +18,9 @@ from canzona.runtime.watchdog import Watchdog
 SKIPPED_STEPS = 1
 #: Re-pricings of a measured plan. The first re-plans on the calls of the calibrated plan's
 #: steps; the plan it makes stacks some shapes in batch sizes those steps never ran, priced
-#: by a line through the others (a stack that leaves the cache costs more per matrix than
-#: the line says). The second records the new plan's own batches and re-prices on every
-#: call of both rounds, so the final plan is priced by the calls it makes.
+#: by a line through the others (measured: such a stack can cost more per matrix than the
+#: line says). The second records the new plan's own batches and re-prices on every call
+#: of both rounds, so the final plan is priced by the calls it makes.
 ROUNDS = 2
 
 #: ``(param group key, m, n)`` of one distinct computation.

@@ -122,9 +122,7 @@ def muon_prepare_batch_(
     torch._foreach_lerp_(list(bufs), list(grads), 1 - momentum)
     if nesterov and any(o.dtype != b.dtype for o, b in zip(out, bufs, strict=True)):
         # e.g. fp32 gradients of a bf16 weight: torch blends in fp32, Newton–Schulz casts
-        if bufs[0].device.type == "cpu" and all(
-            g.dtype == b.dtype for g, b in zip(grads, bufs, strict=True)
-        ):
+        if bufs[0].device.type == "cpu":  # the lerp_ above refused mixed dtypes there
             for g, b, o in zip(grads, bufs, out, strict=True):
                 torch.lerp(g, b, momentum, out=o)
             return
