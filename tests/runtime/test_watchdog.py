@@ -307,13 +307,15 @@ def _owner_late_in_the_last_group() -> dict[str, Any]:
     }
 
 
-def _step_and_look(opt: torch.optim.Optimizer, params: list[torch.Tensor]) -> dict[str, Any]:
+def _step_and_look(
+    opt: torch.optim.Optimizer, params: list[torch.Tensor], closure: Any = None
+) -> dict[str, Any]:
     """Step; what it raised, and whether every local shard and step counter stayed."""
     before = [local_tensor(p).clone() for p in params]
     counters = [float(opt.state[p]["step"]) for p in params]
     kind, message = "ok", ""
     try:
-        opt.step()
+        opt.step(closure)
     except Exception as exc:
         kind, message = type(exc).__name__, str(exc)
     unchanged = all(torch.equal(local_tensor(p), b) for p, b in zip(params, before, strict=True))
@@ -331,10 +333,10 @@ def test_a_rank_late_past_the_deadline_in_the_last_group_applies_nothing(dist: A
     _assert_no_rank_applied(out)
 
 
-def _late_before_a_vote_only_step(check_every_step: bool) -> dict[str, Any]:
+def _late_before_a_vote_only_step(where: str, check_every_step: bool) -> dict[str, Any]:
     """World 2, plain tensors (each rank updates them alone: the step's only collective is
-    the vote); at the fourth step one rank takes 2.2 s in its prepare, past its peer's 1 s
-    deadline in the vote."""
+    the vote); at the fourth step one rank takes 2.2 s ``where`` (its closure or its
+    prepare), past its peer's 1 s deadline in the vote."""
     group = tdist.new_group(backend="gloo", timeout=timedelta(seconds=20))
     gen = torch.Generator().manual_seed(0)
     named = [(f"w{i}", torch.nn.Parameter(torch.randn(8, 6, generator=gen))) for i in range(3)]
@@ -357,22 +359,30 @@ def _late_before_a_vote_only_step(check_every_step: bool) -> dict[str, Any]:
         time.sleep(2.2)
         return prepare(*args, **kwargs)
 
-    if late:
+    def closure() -> None:
+        if late:
+            time.sleep(2.2)
+
+    if late and where == "prepare":
         opt._prepare = slow  # type: ignore[method-assign]
     for _, p in named:
         p.grad = torch.ones(8, 6) * 4
-    return {"late": late, **_step_and_look(opt, [p for _, p in named])}
+    params = [p for _, p in named]
+    return {"late": late, **_step_and_look(opt, params, closure if where == "closure" else None)}
 
 
-@pytest.mark.parametrize("check_every_step", [False, True])
+@pytest.mark.parametrize(
+    ("where", "check_every_step"), [("prepare", False), ("prepare", True), ("closure", False)]
+)
 def test_a_rank_late_past_the_deadline_before_a_vote_only_step_applies_nothing(
-    dist: Any, check_every_step: bool
+    dist: Any, where: str, check_every_step: bool
 ) -> None:
     """Catches: the late rank applying the step alone. Its lateness falls before its
-    pipeline starts (in the prepare), and the vote, the step's only collective, completes on
-    it (its peer had posted its part before giving up): the pipeline's own time stays under
-    the deadline, so only the time since the step began shows that the peer may have left."""
-    out = dist(2).run(_late_before_a_vote_only_step, check_every_step, timeout=60)
+    pipeline starts (in its closure or its prepare), and the vote, the step's only
+    collective, completes on it (its peer had posted its part before giving up): the
+    pipeline's own time stays under the deadline, so only the time since the rank entered
+    ``step()`` shows that the peer may have left."""
+    out = dist(2).run(_late_before_a_vote_only_step, where, check_every_step, timeout=60)
     _assert_no_rank_applied(out)
 
 
