@@ -23,11 +23,11 @@ SRC = Path(canzona.__file__).resolve().parents[1]
 STRATEGIES = ["canzona", "numel", "round_robin", "count", "replicated"]
 
 
-def _run(*args: str) -> subprocess.CompletedProcess[str]:
+def _run(*args: str, module: str = "canzona.cli") -> subprocess.CompletedProcess[str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SRC), env.get("PYTHONPATH")]))
     return subprocess.run(
-        [sys.executable, "-m", "canzona.cli", *args],
+        [sys.executable, "-m", module, *args],
         capture_output=True,
         text=True,
         env=env,
@@ -337,9 +337,13 @@ def test_plan_command_leaves_torch_unloaded() -> None:
     assert out.returncode == 0, out.stderr
 
 
-def test_module_entry_point() -> None:
-    out = _run("plan", "--model", "qwen3-0.6b", "--world", "4")
-    assert out.returncode == 0 and "canzona" in out.stdout and not out.stderr
+@pytest.mark.parametrize("module", ["canzona.cli", "canzona"])
+def test_module_entry_point(module: str) -> None:
+    """Catches: ``python -m canzona`` without the package's ``__main__`` (no such module)."""
+    out = _run("plan", "--model", "qwen3-0.6b", "--world", "4", "--json", module=module)
+    assert out.returncode == 0, out.stderr
+    assert not out.stderr
+    assert json.loads(out.stdout)["world"] == 4
 
 
 def test_split_choices_change_the_matrices(capsys: pytest.CaptureFixture[str]) -> None:
