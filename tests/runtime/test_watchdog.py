@@ -335,8 +335,8 @@ def test_a_rank_late_past_the_deadline_in_the_last_group_applies_nothing(dist: A
 
 def _late_before_a_vote_only_step(where: str, check_every_step: bool) -> dict[str, Any]:
     """World 2, plain tensors (each rank updates them alone: the step's only collective is
-    the vote); at the fourth step one rank takes 2.2 s ``where`` (its closure or its
-    prepare), past its peer's 1 s deadline in the vote."""
+    the vote); at the fourth step one rank takes 2.2 s ``where`` (its closure, its prepare,
+    or before it calls ``step()``), past its peer's 1 s deadline in the vote."""
     group = tdist.new_group(backend="gloo", timeout=timedelta(seconds=20))
     gen = torch.Generator().manual_seed(0)
     named = [(f"w{i}", torch.nn.Parameter(torch.randn(8, 6, generator=gen))) for i in range(3)]
@@ -368,11 +368,14 @@ def _late_before_a_vote_only_step(where: str, check_every_step: bool) -> dict[st
     for _, p in named:
         p.grad = torch.ones(8, 6) * 4
     params = [p for _, p in named]
+    if late and where == "before":  # its forward and backward, say: no collective holds its peer
+        time.sleep(2.2)
     return {"late": late, **_step_and_look(opt, params, closure if where == "closure" else None)}
 
 
 @pytest.mark.parametrize(
-    ("where", "check_every_step"), [("prepare", False), ("prepare", True), ("closure", False)]
+    ("where", "check_every_step"),
+    [("prepare", False), ("prepare", True), ("closure", False), ("before", False)],
 )
 def test_a_rank_late_past_the_deadline_before_a_vote_only_step_applies_nothing(
     dist: Any, where: str, check_every_step: bool

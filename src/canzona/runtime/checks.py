@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import re
+import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -322,8 +323,23 @@ def vote(
     Returns:
         ``(rank, report)`` of every failing rank, in rank order (empty on success).
     """
-    rows = gather_ints([int(report is not None)], watchdog=watchdog, phase=VOTE, what=what)
-    return reports_of([r for r, (bad,) in enumerate(rows) if bad], report, watchdog=watchdog)
+    return timed_vote(report, watchdog=watchdog, what=what)[0]
+
+
+def timed_vote(
+    report: str | None, *, watchdog: Watchdog, what: str = "the step's success vote"
+) -> tuple[list[tuple[int, str]], float]:
+    """:func:`vote`, and when the first rank entered it (``time.time()``, in seconds).
+
+    Each rank sends the wall-clock time at which it enters the vote with its flag (whole
+    milliseconds). A rank that reached the vote more than the deadline after a peer did
+    finds its vote complete all the same (the peer had posted its part before it gave up);
+    the earliest entry tells it to look whether that peer left.
+    """
+    entered = int(time.time() * 1000)
+    rows = gather_ints([int(report is not None), entered], watchdog=watchdog, phase=VOTE, what=what)
+    failed = [r for r, (bad, _) in enumerate(rows) if bad]
+    return reports_of(failed, report, watchdog=watchdog), min(t for _, t in rows) / 1000
 
 
 def reports_of(

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from canzona.runtime.alltoall import all_to_all
 from canzona.runtime.apply import apply_runs
-from canzona.runtime.checks import RIDE_READY, reports_of, ride_agrees, vote
+from canzona.runtime.checks import RIDE_READY, reports_of, ride_agrees, timed_vote
 from canzona.runtime.config import PipelineConfig, UpdateFailedError, partial_update
 from canzona.runtime.exchanges import (
     Exchange,
@@ -36,6 +36,9 @@ if TYPE_CHECKING:
     from canzona.runtime.repricing import Observation
 
 _T = TypeVar("_T")
+#: How much earlier than its deadline a peer's wait in the vote counts as possibly given up:
+#: the ranks' wall clocks differ (on other hosts) and the flags take a while to arrive.
+VOTE_MARGIN_S = 0.25
 
 
 def receive_buffer(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -231,11 +234,17 @@ class Pipeline:
             kept = run.local_batches()
             if self.schedule.micro_groups and self.process_group is not None:
                 run.micro_groups()
-            self._vote(run.failure, run.failed_ranks, names)
+            first = self._vote(run.failure, run.failed_ranks, names)
             start = time.perf_counter()
             begun = self.watchdog.calls.started  # the step's (or the pipeline's) start
             elapsed = start - (begun if 0 < begun <= t0 else t0)
-            if elapsed > self.watchdog.timeout_s and self.process_group is not None:
+            deadline = self.watchdog.timeout_s
+            late = elapsed > deadline
+            if first is not None:  # the vote decided: a peer waits in it since ``first``
+                waited = time.time() - first
+                late = late or waited + VOTE_MARGIN_S > deadline
+                elapsed = max(elapsed, waited)
+            if late and self.process_group is not None:
                 self.watchdog.check_no_peer_gave_up(elapsed)  # before applying anything
             try:
                 apply_runs(kept + run.received, table, tensors, apply)
@@ -256,17 +265,19 @@ class Pipeline:
 
     def _vote(
         self, failure: Failure | None, failed: list[int] | None, names: Sequence[str]
-    ) -> None:
+    ) -> float | None:
         """Raise the same error on every rank when any rank failed.
 
         ``failed`` holds the failing ranks when the last scatter carried every rank's
-        status; otherwise one small all-reduce decides.
+        status; otherwise one small gather decides, and its earliest entry (wall clock,
+        :func:`~canzona.runtime.checks.timed_vote`) is returned.
         """
         mine = None if failure is None else failure.describe(names)
+        first = None
         if self.process_group is None:
             reports = [] if mine is None else [(self.rank, mine)]
         elif failed is None:
-            reports = vote(mine, watchdog=self.watchdog)
+            reports, first = timed_vote(mine, watchdog=self.watchdog)
         else:
             reports = reports_of(failed, mine, watchdog=self.watchdog)
         if reports:
@@ -275,6 +286,7 @@ class Pipeline:
                 f"the step failed on ranks {[r for r, _ in reports]} ({text}); "
                 "nothing was updated on any rank"
             ) from (failure.error if failure is not None else None)
+        return first
 
 
 class _Run:

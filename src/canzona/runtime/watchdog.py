@@ -278,12 +278,13 @@ class Watchdog:
     def check_no_peer_gave_up(self, elapsed: float) -> None:
         """Raise where a peer gave up waiting for this rank in this call (before applying).
 
-        For a rank whose step ran ``elapsed`` seconds, past the deadline: every collective
-        of its step may have completed (each peer posted its part before it gave up) and
-        the vote been unanimous, while a peer raised :class:`CollectiveTimeoutError` and
-        applied nothing; applying here would leave the ranks' shards a step apart. Such a
-        peer files that it gave up at once (:meth:`_gave_up`); this rank looks for it during
-        up to :data:`GAVE_UP_LOOK_S`. Without markers nothing can be known.
+        For a rank whose step ran ``elapsed`` seconds, past the deadline (or whose peer
+        entered the step's vote that long before it decided): every collective of its step
+        may have completed (each peer posted its part before it gave up) and the vote been
+        unanimous, while a peer raised :class:`CollectiveTimeoutError` and applied nothing;
+        applying here would leave the ranks' shards a step apart. Such a peer files that it
+        gave up at once (:meth:`_gave_up`); this rank looks for it during up to
+        :data:`GAVE_UP_LOOK_S`. Without markers nothing can be known.
         """
         if not self.markers:
             return
@@ -294,7 +295,8 @@ class Watchdog:
                 return
             time.sleep(0.05)
         raise CollectiveTimeoutError(
-            f"rank {self.rank}: the step's collectives completed here after {elapsed:.1f}s, but "
+            f"rank {self.rank}: the step's collectives completed here {elapsed:.1f}s after the "
+            "step began (on this rank, or on a peer that waited in the vote), but "
             f"peers gave up waiting for this rank past the {self.timeout_s:g}s deadline "
             f"({_raised(gave_up)}); nothing was applied here either, so every rank's "
             "parameters stay as they were. The process group may be left with a collective in "
