@@ -381,10 +381,10 @@ def test_a_rank_late_past_the_deadline_before_a_vote_only_step_applies_nothing(
     dist: Any, where: str, check_every_step: bool
 ) -> None:
     """Catches: the late rank applying the step alone. Its lateness falls before its
-    pipeline starts (in its closure or its prepare), and the vote, the step's only
-    collective, completes on it (its peer had posted its part before giving up): the
-    pipeline's own time stays under the deadline, so only the time since the rank entered
-    ``step()`` shows that the peer may have left."""
+    pipeline starts (in its closure, its prepare, or before it calls ``step()``), and the
+    vote, the step's only collective, completes on it (its peer had posted its part before
+    giving up): its own time stays under the deadline, so only when its peer entered the
+    vote (sent with the flags) shows that the peer may have left."""
     out = dist(2).run(_late_before_a_vote_only_step, where, check_every_step, timeout=60)
     _assert_no_rank_applied(out)
 

@@ -236,11 +236,11 @@ class Pipeline:
                 run.micro_groups()
             first = self._vote(run.failure, run.failed_ranks, names)
             start = time.perf_counter()
-            begun = self.watchdog.calls.started  # the step's (or the pipeline's) start
-            elapsed = start - (begun if 0 < begun <= t0 else t0)
+            elapsed = start - t0  # an owner late in the last group: its own pipeline's time
             deadline = self.watchdog.timeout_s
             late = elapsed > deadline
             if first is not None:  # the vote decided: a peer waits in it since ``first``
+                # (however late this rank was: in its closure, its prepare, before step())
                 waited = time.time() - first
                 late = late or waited + VOTE_MARGIN_S > deadline
                 elapsed = max(elapsed, waited)

@@ -45,13 +45,10 @@ class Calls:
     """The collective calls an optimizer began on this rank (the same count on every rank).
 
     ``step()``, ``state_dict()`` and ``load_state_dict()``: every rank of a job makes them in
-    the same order. ``started`` is when this rank began the latest (``time.perf_counter()``;
-    0 before the first): a step that ran past the deadline since then may have outlived a
-    peer's wait, wherever the time went (its closure, its prepare, its pipeline).
+    the same order.
     """
 
     begun: int = 0
-    started: float = 0.0
 
 
 @dataclass
