@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import gc
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from itertools import compress
 from typing import Any, ClassVar, TypeVar, cast
 
 import torch
@@ -327,6 +328,7 @@ class MatrixOptimizer(StepTableMixin, AdamWRouteMixin, CopyMixin, CheckpointMixi
         table, failure = self._table_or_failure(params, gids)
         raw = [p.grad for p in params]  # each gradient read once a step
         has_grad = grad_codes(params, raw)  # the ranks compare them before any read
+        fresh, unchanged = self._fresh_entries(params, has_grad)  # and these
         failure = self._partial or self._closure_failure or failure or self._check_hparams(table)
         if failure is None and (refused := changed or self._moved) is not None:
             # every rank raises it, however many ranks changed the groups
@@ -345,7 +347,9 @@ class MatrixOptimizer(StepTableMixin, AdamWRouteMixin, CopyMixin, CheckpointMixi
             nonfinite=nonfinite,
             failure=failure,
             compute=self._directions,
+            fresh=fresh,
         )
+        unchanged = unchanged and start.previous is None  # a move may edit the entries
         try:
             if start.previous is not None:
                 self._migrate_owner_state(start.previous, params, names, gids)
@@ -358,8 +362,9 @@ class MatrixOptimizer(StepTableMixin, AdamWRouteMixin, CopyMixin, CheckpointMixi
                 self.last_step_stats = StepStats(rank=self._runtime.rank, skipped=True)
                 return
             self._step_params = params
+            failure = failure or start.failure
             self.last_step_stats = self._run_step(
-                start, table, params, raw, has_grad, names, gids, failure or start.failure
+                start, table, params, raw, has_grad, names, gids, failure, unchanged
             )
         finally:
             self._runtime.abandon()
@@ -375,6 +380,7 @@ class MatrixOptimizer(StepTableMixin, AdamWRouteMixin, CopyMixin, CheckpointMixi
         names: list[str],
         gids: list[int],
         failure: Failure | None,
+        unchanged: bool = False,
     ) -> StepStats:
         self.__dict__.pop("_calibrating", None)  # owner-side states of a calibration
         txn = StepTransaction(atomic=self.pipeline_config.atomic)
@@ -387,7 +393,7 @@ class MatrixOptimizer(StepTableMixin, AdamWRouteMixin, CopyMixin, CheckpointMixi
         read = False
         if failure is None and not start.declined:
             try:
-                work = self._step_work(start, table, params, names, gids, raw, txn)
+                work = self._step_work(start, table, params, names, gids, raw, txn, unchanged)
                 read = True  # the prepare reads every gradient, whatever fails
                 self._prepare(work, raw, codes, names, txn)
             except Exception as exc:
@@ -448,17 +454,19 @@ class MatrixOptimizer(StepTableMixin, AdamWRouteMixin, CopyMixin, CheckpointMixi
         gids: list[int],
         raw: list[Tensor | None],
         txn: StepTransaction,
+        unchanged: bool = False,
     ) -> StepWork:
         """The step's lists: reused while the table, active set and states are unchanged.
 
         A state entry the user cleared starts afresh, owner-held state included; one whose
-        tensors the user replaced is read again (see :class:`SeenState`).
+        tensors the user replaced is read again (see :class:`SeenState`). ``unchanged``:
+        :meth:`_fresh_entries` found the cached lists' entries as they were.
         """
         key = (table.version, start.active, self._state_generation)
         cached = self._work
         if cached is not None and cached[0] == key and cached[1] is start.payload:
             seen = cached[2].seen
-            if seen is None or seen.unchanged(self.state):
+            if unchanged or seen is None or seen.unchanged(self.state):
                 return cached[2]
             seen.check_edits(self.state, [names[i] for i in sorted(start.active)])
         active = sorted(start.active)
@@ -488,6 +496,28 @@ class MatrixOptimizer(StepTableMixin, AdamWRouteMixin, CopyMixin, CheckpointMixi
         key = (table.version, start.active, self._state_generation)
         self._work = (key, start.payload, work)  # the payload views are the schedule's
         return work
+
+    def _fresh_entries(
+        self, params: list[Tensor], has_grad: Sequence[int]
+    ) -> tuple[list[int], bool]:
+        """The parameters with a gradient whose ``optimizer.state`` entry has no step yet.
+
+        All of them at the first step; later, those whose entry the user cleared (or that
+        have a gradient for the first time). The ranks compare them before the step: an
+        entry cleared on some ranks only would start afresh a piece of a matrix's state, or
+        one replica's. Also returns whether the last step's lists still see every entry
+        as it was (their check is the cost here, and :meth:`_step_work` reuses it).
+        """
+        key, _, work = self._work or ((), None, None)
+        unchanged = work is not None and work.seen is not None and work.seen.unchanged(self.state)
+        if unchanged and work is not None and has_grad == work.covered:
+            return [], True  # the same gradients as a step whose entries all had a step
+        active = frozenset(compress(range(len(has_grad)), has_grad))
+        if unchanged and work is not None and active <= cast(frozenset[int], key[1]):
+            work.covered = list(has_grad)
+            return [], True
+        state = self.state
+        return [i for i in sorted(active) if "step" not in state.get(params[i], ())], unchanged
 
     def _prepare(
         self,

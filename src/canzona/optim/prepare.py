@@ -134,12 +134,14 @@ class StepWork:
 
     The counters live in one tensor, ``steps``: each parameter's ``state["step"]`` is a
     0-dim view of it (see :func:`link_steps`), so a step advances them all with one op.
-    ``seen`` holds the state entries the lists were built from.
+    ``seen`` holds the state entries the lists were built from; ``covered``, gradient
+    codes of a step whose parameters with a gradient are all among them.
     """
 
     steps: Tensor
     groups: list[GroupWork]
     seen: SeenState | None = None
+    covered: list[int] | None = None
 
 
 def build_work(

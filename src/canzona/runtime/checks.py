@@ -27,7 +27,8 @@ STAGES_HINT = (
 )
 VOTE = 1_000_000  # progress-marker phase of the success vote: after every micro-group
 AGREE = -1  # progress-marker phase of the layout agreement: before the step's own check
-_FIXED = 1 + 3 * _CHUNKS  # header words before the gradients' digest
+_FIXED = 2 + 3 * _CHUNKS  # header words before the gradients' digest
+_FRESH = 1 + 3 * _CHUNKS  # where the word of the state entries begun afresh sits
 #: int64 words of the header that rides a step's first gather: the header, the ready flag
 #: and padding to 16 bytes (the slot is reinterpreted in the gather's dtype)
 RIDE_WORDS = 18
@@ -86,6 +87,13 @@ def grads_digest(has_grad: Sequence[int]) -> str:
     return hashlib.sha256(bytes(has_grad)).hexdigest()
 
 
+def fresh_word(fresh: Sequence[int]) -> int:
+    """40 bits of sha256 of the parameters (indices) whose state begins afresh; 0 for none."""
+    if not fresh:
+        return 0
+    return digest_chunks(hashlib.sha256(repr(list(fresh)).encode()).hexdigest())[0]
+
+
 def header_values(
     *,
     num_params: int,
@@ -96,13 +104,19 @@ def header_values(
     failed: bool,
     nonfinite: bool,
     needs_setup: bool,
+    fresh: Sequence[int] = (),
 ) -> list[int]:
-    """A rank's header: counts and digests that must agree, then its three flags."""
+    """A rank's header: counts and digests that must agree, then its three flags.
+
+    ``fresh``: the parameters with a gradient whose ``optimizer.state`` entry has no step
+    yet (all of them at the first step; those the user cleared since).
+    """
     return [
         num_params,
         *digest_chunks(structure),
         *digest_chunks(plan),
         *digest_chunks(hparams),
+        fresh_word(fresh),
         *digest_chunks(grads_digest(has_grad)),
         int(failed),
         int(nonfinite),
@@ -143,11 +157,14 @@ def check_header(
     failed: bool = False,
     describe: Callable[[], Sequence[str]] | None = None,
     groups: Sequence[Mapping[str, Any]] = (),
+    fresh: Sequence[int] = (),
 ) -> tuple[bool, bool, bool]:
     """Gather one small fixed-size header from every rank and compare.
 
     The header holds the parameter count and digests of the parameter list, the plan,
-    the hyper-parameters and the gradient-presence bitmap, plus three flags (something
+    the hyper-parameters and the gradient-presence bitmap, a digest of the parameters whose
+    state begins afresh (``fresh``: an ``optimizer.state`` entry cleared on some ranks only
+    would restart part of a matrix's state, or one replica's), plus three flags (something
     already failed on this rank, non-finite gradient, re-plan needed). It is the only
     collective of a step's checks when everything agrees.
 
@@ -164,6 +181,8 @@ def check_header(
         PlanMismatchError: on every rank, naming the ranks that disagree and on what.
         GradientMismatchError: on every rank, when gradient presence differs (after one
             more all-gather that finds which parameters and ranks).
+        UpdateFailedError: on every rank, when only the state entries begun afresh differ
+            (after one more all-gather that finds which parameters and ranks).
     """
     header = header_values(
         num_params=num_params,
@@ -174,13 +193,16 @@ def check_header(
         failed=failed,
         nonfinite=nonfinite,
         needs_setup=needs_setup,
+        fresh=fresh,
     )
     values = header[:_FIXED]
     gathered = gather_ints(header, watchdog=watchdog, phase=0, what="the step's cross-rank check")
     flagged = any(r[-2] for r in gathered)
     if any(r[-3] for r in gathered):
         return False, flagged, True
-    rows = [(*r[: len(values)], r[-1]) for r in gathered]
+    # the state entries begun afresh are compared last: a gradient on some ranks only
+    # begins its state there only
+    rows = [(*r[:_FRESH], *r[_FRESH + 1 : len(values)], r[-1]) for r in gathered]
     setup = any(r[-1] for r in rows)
     compared = [r[:-1] for r in rows]
     # a rank that is about to re-plan has no valid plan digest yet: compare it only
@@ -193,6 +215,8 @@ def check_header(
         _raise_mismatch(rows, setup, described, watchdog)
     if len({tuple(r[len(values) : len(values) + _CHUNKS]) for r in gathered}) != 1:
         _raise_partial_gradients(names, has_grad, watchdog=watchdog)
+    if len({r[_FRESH] for r in gathered}) != 1:
+        _raise_cleared_state(names, fresh, watchdog=watchdog)
     return setup, flagged, False
 
 
@@ -283,6 +307,33 @@ def _raise_partial_gradients(
         + more
         + ". Every rank must produce a gradient for the same parameters (or none), "
         "in the same placements."
+    )
+
+
+def _raise_cleared_state(
+    names: Sequence[str], fresh: Sequence[int], *, watchdog: Watchdog
+) -> NoReturn:
+    """Gather which parameters' state begins afresh on every rank and name them (error path).
+
+    Raises:
+        UpdateFailedError: on every rank, naming the parameters whose ``optimizer.state``
+            entry was cleared on some ranks only, and those ranks.
+    """
+    world, mine = watchdog.world, set(fresh)
+    bits = [int(i in mine) for i in range(len(names))]
+    table = gather_ints(bits, watchdog=watchdog, phase=3, what="the state report")
+    differ = [i for i in range(len(names)) if len({row[i] for row in table}) > 1]
+    lines = [
+        f"{names[i]!r} on ranks {[r for r in range(world) if table[r][i]]}" for i in differ[:5]
+    ]
+    more = f" and {len(differ) - 5} more" if len(differ) > 5 else ""
+    raise UpdateFailedError(
+        "optimizer.state entries were cleared on some ranks only: "
+        + "; ".join(lines)
+        + more
+        + ". A parameter's state is held in pieces on every rank (or in one copy per "
+        "replica), so it can only start afresh everywhere: clear the entry on every rank "
+        "(or load a checkpoint); nothing changed"
     )
 
 

@@ -171,6 +171,7 @@ class MatrixRuntime:
         nonfinite: bool = False,
         failure: Failure | None = None,
         compute: ComputeFn | None = None,
+        fresh: Sequence[int] = (),
     ) -> StepStart:
         """Check the step across ranks, (re)plan if needed, and allocate the step's buffers.
 
@@ -185,6 +186,8 @@ class MatrixRuntime:
             nonfinite: This rank saw a non-finite gradient (with ``skip_nonfinite``).
             failure: Something already failed on this rank (every rank then raises).
             compute: The owner math, timed when a plan with measured costs is built.
+            fresh: The parameters with a gradient whose ``optimizer.state`` entry has no
+                step yet (new, or cleared by the user): every rank must begin the same.
 
         In a steady step (the last two succeeded with the same plan and parameters with
         gradients, the step is atomic and the per-step check is on) nothing is exchanged
@@ -202,7 +205,9 @@ class MatrixRuntime:
             self.layouts(names, tensors)
             failure = failure or self._unreadable  # raised on every rank, like any failure
             if self._rides():
-                return self._begin_riding(names, tensors, table, has_grad, nonfinite, failure)
+                return self._begin_riding(
+                    names, tensors, table, has_grad, nonfinite, failure, fresh
+                )
             previous, flagged, failed = self._sync(
                 names,
                 tensors,
@@ -211,6 +216,7 @@ class MatrixRuntime:
                 nonfinite=nonfinite,
                 failed=failure is not None,
                 compute=compute,
+                fresh=fresh,
             )
             if failed or (failure is not None and self.process_group is None):
                 raise_failures(failure, names, self.watchdog, self.process_group is not None)
@@ -246,6 +252,7 @@ class MatrixRuntime:
         has_grad: Sequence[int],
         nonfinite: bool,
         failure: Failure | None,
+        fresh: Sequence[int],
     ) -> StepStart:
         assert self._ride is not None
         pipeline, grads, version = self._ride
@@ -259,6 +266,7 @@ class MatrixRuntime:
             and not nonfinite
             and version == table.version
             and tuple(has_grad) == grads
+            and not fresh  # a state begun afresh is compared with the check on its own
         )
         header = header_values(
             num_params=len(tensors),
@@ -269,6 +277,7 @@ class MatrixRuntime:
             failed=failure is not None,
             nonfinite=nonfinite,
             needs_setup=needs_setup,
+            fresh=fresh,
         )
         self._header = ride_header(header, ready)
         self._begun = (self.digest, grads)
@@ -393,6 +402,7 @@ class MatrixRuntime:
         nonfinite: bool = False,
         failed: bool = False,
         compute: ComputeFn | None = None,
+        fresh: Sequence[int] = (),
     ) -> tuple[Snapshot | None, bool, bool]:
         layouts = self.layouts(names, tensors)
         structure = self._structure_of(layouts, table)
@@ -418,6 +428,7 @@ class MatrixRuntime:
                 failed=failed,
                 describe=lambda: [*(lo.structure() for lo in layouts), self._config_now],
                 groups=table.hparams,
+                fresh=fresh,
             )
             if failed:
                 return None, flagged, True
