@@ -273,6 +273,18 @@ def check_plan_digest(digest: str, *, watchdog: Watchdog) -> None:
         raise PlanMismatchError(f"plan digests differ across ranks: {parts}")
 
 
+def _report(
+    values: Sequence[int], watchdog: Watchdog, what: str
+) -> tuple[list[list[int]], list[int], str]:
+    """Every rank's ``values`` (one per parameter) and the parameters where they differ.
+
+    An error path's second all-gather; also what naming the first five leaves out.
+    """
+    table = gather_ints(list(values), watchdog=watchdog, phase=3, what=what)
+    differ = [i for i in range(len(values)) if len({row[i] for row in table}) > 1]
+    return table, differ, f" and {len(differ) - 5} more" if len(differ) > 5 else ""
+
+
 def _raise_partial_gradients(
     names: Sequence[str], has_grad: Sequence[int], *, watchdog: Watchdog
 ) -> None:
@@ -284,8 +296,7 @@ def _raise_partial_gradients(
             parameter's on some ranks only.
     """
     world = watchdog.world
-    table = gather_ints(list(has_grad), watchdog=watchdog, phase=3, what="the gradient report")
-    differ = [i for i in range(len(has_grad)) if len({row[i] for row in table}) > 1]
+    table, differ, more = _report(has_grad, watchdog, "the gradient report")
     lines = []
     for i in differ[:5]:
         missing = [r for r in range(world) if not table[r][i]]
@@ -300,7 +311,6 @@ def _raise_partial_gradients(
                 f"{names[i]!r} has a gradient in other placements than the parameter's on "
                 f"ranks {moved} only (its redistribution is a collective of every rank)"
             )
-    more = f" and {len(differ) - 5} more" if len(differ) > 5 else ""
     raise GradientMismatchError(
         "gradients differ across ranks: "
         + "; ".join(lines)
@@ -319,14 +329,12 @@ def _raise_cleared_state(
         UpdateFailedError: on every rank, naming the parameters whose ``optimizer.state``
             entry was cleared on some ranks only, and those ranks.
     """
-    world, mine = watchdog.world, set(fresh)
+    mine = set(fresh)
     bits = [int(i in mine) for i in range(len(names))]
-    table = gather_ints(bits, watchdog=watchdog, phase=3, what="the state report")
-    differ = [i for i in range(len(names)) if len({row[i] for row in table}) > 1]
+    table, differ, more = _report(bits, watchdog, "the state report")
     lines = [
-        f"{names[i]!r} on ranks {[r for r in range(world) if table[r][i]]}" for i in differ[:5]
+        f"{names[i]!r} on ranks {[r for r, row in enumerate(table) if row[i]]}" for i in differ[:5]
     ]
-    more = f" and {len(differ) - 5} more" if len(differ) > 5 else ""
     raise UpdateFailedError(
         "optimizer.state entries were cleared on some ranks only: "
         + "; ".join(lines)
