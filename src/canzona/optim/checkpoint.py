@@ -19,13 +19,13 @@ from canzona.runtime import (
     Snapshot,
     StateEntry,
     agree_entries,
-    as_storage_layout,
     check_all_ok,
     check_loadable,
     differing_params,
     first_problem,
     param_mesh,
     snapshot,
+    to_storage_layouts,
 )
 
 ADAMW = "adamw"
@@ -413,7 +413,7 @@ class CheckpointMixin:
                 f"load_state_dict failed on ranks {failed}; nothing was loaded"
             ),
         )
-        # first: the conversions below redistribute DTensors (collectives of their own)
+        # first: the conversions below move DTensors in other placements (collectives)
         differ = differing_params(
             loaded, names, self._runtime, what="load_state_dict's check of the loaded steps"
         )
@@ -438,18 +438,29 @@ class CheckpointMixin:
         storage: dict[Any, dict[str, Any]] = {}
         owner_values: dict[tuple[int, str], Tensor] = {}
         stepped: set[int] = set()
+        element_wise: list[tuple[Any, str, Tensor, Tensor]] = []  # (pid, key, value, param)
         for pos, pid in enumerate(order):
             entry = state_dict["state"].get(pid)
             if entry is None:
                 continue
             stepped.add(pos)
             keys = owner_keys.get(pos, set())
-            storage[pid] = {
-                k: _step_tensor(v) if k == "step" else as_storage_layout(v, params[pos])
-                for k, v in entry.items()
-                if k not in keys
-            }
+            storage[pid] = {k: v for k, v in entry.items() if k not in keys}
+            for k, v in storage[pid].items():
+                if k == "step":
+                    storage[pid][k] = _step_tensor(v)
+                else:  # converted below, with the others
+                    element_wise.append((pid, k, v, params[pos]))
             owner_values.update({(pos, k): v for k, v in entry.items() if k in keys})
+        # collective where loaded DTensors lie in other placements (every rank loads alike);
+        # first: a failure there, on any rank, leaves everything as it was
+        converted = to_storage_layouts(
+            [(v, p) for _, _, v, p in element_wise],
+            watchdog=self._runtime.watchdog,
+            what="load_state_dict's move of the loaded state into its parameters' layouts",
+        )
+        for (pid, k, _, _), value in zip(element_wise, converted, strict=True):
+            storage[pid][k] = value
         entries = self._owner.entries(params, group_of, stepped)
         if entries:
             # collective: every rank has validated by now. The state it replaces is not

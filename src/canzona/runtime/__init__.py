@@ -14,6 +14,7 @@ from canzona.runtime.config import (
 from canzona.runtime.engine import MatrixRuntime
 from canzona.runtime.layout import Fragment, LayoutError, fragment_for
 from canzona.runtime.pipeline import Failure, StepDeclined, StepStats
+from canzona.runtime.reshard import to_storage_layouts
 from canzona.runtime.routing import Item
 from canzona.runtime.statecomm import (
     Snapshot,
@@ -86,5 +87,6 @@ __all__ = [
     "read_gradients",
     "shapes",
     "snapshot",
+    "to_storage_layouts",
     "validate_param",
 ]

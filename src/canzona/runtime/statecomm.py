@@ -15,6 +15,7 @@ from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 from canzona.runtime.checks import VOTE, same_everywhere, vote
 from canzona.runtime.config import UpdateFailedError
 from canzona.runtime.layout import Fragment, fragment_for, full_fragment
+from canzona.runtime.reshard import reshard_loaded
 from canzona.runtime.routing import Item, Route, _unravel
 from canzona.runtime.topology import ParamLayout, Topology, positions_in
 from canzona.runtime.watchdog import Watchdog, gather_objects
@@ -415,6 +416,7 @@ def import_state(
     """
     dedup = snap.replica_dedup
     shards: dict[StateKey, torch.Tensor] = {}
+    relaid: list[tuple[StateKey, DTensor, tuple[Placement, ...]]] = []
     for entry in entries:
         layout = snap.topology.layouts[entry.param]
         value = values[(entry.param, entry.key)]
@@ -424,10 +426,13 @@ def import_state(
         if isinstance(value, DTensor):
             target = checkpoint_placements(layout, dedup)
             if tuple(value.placements) != target:
-                value = value.redistribute(value.device_mesh, target)
-            shards[(entry.param, entry.key)] = value.to_local().to(snap.watchdog.device)
+                relaid.append(((entry.param, entry.key), value, target))
+            else:
+                shards[(entry.param, entry.key)] = value.to_local().to(snap.watchdog.device)
         else:
             shards[(entry.param, entry.key)] = frag.read(value).to(snap.watchdog.device)
+    for (state_key, _, _), local in zip(relaid, _relaid(snap, relaid), strict=True):
+        shards[state_key] = local.to(snap.watchdog.device)
     what = "moving the owner-held state to its owners"
 
     def build() -> tuple[_Sends, _Sizes, tuple[dict[tuple[str, str], torch.Tensor], _Targets]]:
@@ -446,6 +451,27 @@ def import_state(
     by_name = {it.name: it for it in snap.items}
     for (name, key), full in assembled.items():
         put(by_name[name], key, full)
+
+
+def _relaid(
+    snap: Snapshot, relaid: Sequence[tuple[StateKey, DTensor, tuple[Placement, ...]]]
+) -> list[torch.Tensor]:
+    """This rank's pieces of loaded DTensors in the checkpoint layout (collective).
+
+    In a job they move in :func:`~canzona.runtime.reshard.reshard_loaded`'s exchanges,
+    voted before they start, not in DTensor's redistribution (no deadline, and a rank
+    that fails there alone leaves the others waiting).
+    """
+    if not relaid:
+        return []
+    pairs = [(value, target) for _, value, target in relaid]
+    moved = None
+    if snap.process_group is not None:
+        what = "load_state_dict's move of the loaded owner-held state into the checkpoint layout"
+        moved = reshard_loaded(pairs, watchdog=snap.watchdog, what=what)
+    if moved is None:
+        moved = [v.redistribute(v.device_mesh, target).to_local() for v, target in pairs]
+    return moved
 
 
 def _import_routes(
