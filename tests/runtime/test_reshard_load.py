@@ -269,3 +269,25 @@ def test_a_load_whose_move_fails_on_one_rank_fails_everywhere(
     want = f"{what} failed on ranks [1] (rank 1: OutOfMemoryError: injected); nothing was loaded"
     for out in dist(4).run(_resumed, name, where, timeout=TIMEOUT):
         assert out == {"error": want, "unchanged": True, "same": True}
+
+
+def _refused_on_rank_1() -> str:
+    m = mesh((4,))
+    value = _dtensor(torch.arange(8.0).view(4, 2), m, (Shard(0),))
+    mine = ValueError("wrong here") if tdist.get_rank() == 1 else None
+    watchdog = Watchdog(tdist.group.WORLD, tdist.get_rank(), tdist.get_world_size(), 30.0)
+    try:
+        reshard_module.reshard_loaded(
+            [(value, (Shard(1),))], watchdog=watchdog, what="x", error=mine
+        )
+    except canzona.UpdateFailedError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_what_one_rank_found_wrong_fails_the_move_everywhere(dist: Any) -> None:
+    """Catches: a rank that found the loaded state wrong (a mesh with ranks outside the
+    process group, another mesh than the parameter's) raising alone while the others
+    entered the exchange."""
+    want = "x failed on ranks [1] (rank 1: ValueError: wrong here); nothing was loaded"
+    assert dist(4).run(_refused_on_rank_1, timeout=TIMEOUT) == [want] * 4

@@ -134,16 +134,22 @@ def _group_rank(group: dist.ProcessGroup, global_rank: int) -> int:
     return dist.get_group_rank(group, global_rank)
 
 
-def _exchange(batch: Sequence[_Move], *, watchdog: Watchdog, what: str) -> list[torch.Tensor]:
-    """One batch: allocate and pack everything, vote, exchange, unpack (the new locals)."""
+def _exchange(
+    batch: Sequence[_Move], *, watchdog: Watchdog, what: str, error: Exception | None = None
+) -> list[torch.Tensor]:
+    """One batch: allocate and pack everything, vote, exchange, unpack (the new locals).
+
+    ``error``: this rank already failed (it still votes, so that every rank raises).
+    """
     group, world = watchdog.process_group, watchdog.world
     assert group is not None
-    error: Exception | None = None
     outs: list[torch.Tensor] = []
     recv_plan: list[tuple[torch.Tensor, list[torch.Tensor], int]] = []
     try:
         sends: dict[int, list[torch.Tensor]] = {}
         recv_sizes = [0] * world
+        if error is not None:
+            raise error
         for move in batch:
             me = move.ranks.index(dist.get_rank())
             mine = move.value.to_local()
@@ -188,8 +194,12 @@ def _exchange(batch: Sequence[_Move], *, watchdog: Watchdog, what: str) -> list[
 
 
 def reshard_loaded(
-    pairs: Sequence[tuple[DTensor, tuple[Placement, ...] | None]], *, watchdog: Watchdog, what: str
-) -> list[torch.Tensor] | None:
+    pairs: Sequence[tuple[DTensor, tuple[Placement, ...] | None]],
+    *,
+    watchdog: Watchdog,
+    what: str,
+    error: Exception | None = None,
+) -> list[torch.Tensor]:
     """This rank's pieces of loaded DTensors in other placements, by canzona's own exchange.
 
     DTensor's redistribution is a collective that waits without a deadline: a rank that
@@ -198,14 +208,16 @@ def reshard_loaded(
     mesh (None: the whole tensor on every rank). Every rank passes the same pairs (the
     same state dict). Everything that may raise (the outputs, the buffers) is allocated
     before a vote, so that a failure raises the same error on every rank before any
-    enters the exchange; each exchange waits with the optimizer's deadline.
+    enters the exchange; each exchange waits with the optimizer's deadline. ``error``:
+    this rank already found the pairs wrong (every rank raises it).
 
     Returns:
-        The local tensors, in order; None when some mesh's ranks are not all in the
-        optimizer's process group (the caller redistributes with DTensor then).
+        The local tensors, in order.
 
     Raises:
-        UpdateFailedError: on every rank, naming the ranks that failed; nothing changed.
+        UpdateFailedError: on every rank, naming the ranks that failed (a tensor on a mesh
+            with ranks outside the optimizer's process group among the reasons); nothing
+            changed.
     """
     group = watchdog.process_group
     assert group is not None
@@ -215,12 +227,15 @@ def reshard_loaded(
         mesh = value.device_mesh
         ranks = tuple(int(r) for r in mesh.mesh.reshape(-1).tolist())
         if not members.issuperset(ranks):
-            return None
+            error = error or ValueError(
+                f"loaded state on a mesh with ranks {list(ranks)} that are not all in the "
+                "optimizer's process group"
+            )
         coords = tuple(mesh_coordinates(tuple(mesh.shape)))
         moves.append(_Move(value, placements, ranks, coords))
     out: list[torch.Tensor] = []
     for batch in _batches(moves):
-        out += _exchange(batch, watchdog=watchdog, what=what)
+        out += _exchange(batch, watchdog=watchdog, what=what, error=error)
     return out
 
 
@@ -242,14 +257,18 @@ def to_storage_layouts(
     exchanges (every rank passes the same pairs), not in DTensor's own collectives.
     """
     moving = [i for i, (v, p) in enumerate(pairs) if _moves(v, p)]
-    locals_ = None
-    if moving and watchdog.process_group is not None:
-        for i in moving:
+    if not moving or watchdog.process_group is None:
+        return [as_storage_layout(v, p) for v, p in pairs]  # one process: nothing to wait for
+    error = None
+    for i in moving:
+        try:
             check_loadable(*pairs[i])
-        wanted = [(cast(DTensor, pairs[i][0]), _placements(pairs[i][1])) for i in moving]
-        locals_ = reshard_loaded(wanted, watchdog=watchdog, what=what)
+        except ValueError as exc:  # raised by every rank, after the vote
+            error = error or exc
+    wanted = [(cast(DTensor, pairs[i][0]), _placements(pairs[i][1])) for i in moving]
     done = {}
-    for i, local in zip(moving, locals_, strict=True) if locals_ is not None else ():
+    moved = reshard_loaded(wanted, watchdog=watchdog, what=what, error=error)
+    for i, local in zip(moving, moved, strict=True):
         param = pairs[i][1]
         done[i] = (
             DTensor.from_local(

@@ -465,13 +465,10 @@ def _relaid(
     if not relaid:
         return []
     pairs = [(value, target) for _, value, target in relaid]
-    moved = None
-    if snap.process_group is not None:
-        what = "load_state_dict's move of the loaded owner-held state into the checkpoint layout"
-        moved = reshard_loaded(pairs, watchdog=snap.watchdog, what=what)
-    if moved is None:
-        moved = [v.redistribute(v.device_mesh, target).to_local() for v, target in pairs]
-    return moved
+    if snap.process_group is None:  # one process: nothing to wait for
+        return [v.redistribute(v.device_mesh, target).to_local() for v, target in pairs]
+    what = "load_state_dict's move of the loaded owner-held state into the checkpoint layout"
+    return reshard_loaded(pairs, watchdog=snap.watchdog, what=what)
 
 
 def _import_routes(
