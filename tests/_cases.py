@@ -88,6 +88,21 @@ def full_of(p: torch.Tensor) -> torch.Tensor:
     return p.full_tensor() if isinstance(p, DTensor) else p.detach().clone()
 
 
+def local_pieces(
+    params: Sequence[tuple[str, torch.Tensor]], opt: torch.optim.Optimizer
+) -> dict[str, torch.Tensor]:
+    """This rank's pieces of the parameters and of every ``optimizer.state`` tensor, copied."""
+
+    def own(t: torch.Tensor) -> torch.Tensor:
+        return (t.to_local() if isinstance(t, DTensor) else t).detach().clone()
+
+    out = {f"param {n}": own(p) for n, p in params}
+    for n, p in params:
+        for key, value in opt.state.get(p, {}).items():
+            out[f"state {n} {key}"] = own(value)
+    return out
+
+
 def run_steps(
     make: Callable[[list[tuple[str, nn.Parameter]]], torch.optim.Optimizer],
     params: list[tuple[str, nn.Parameter]],

@@ -23,7 +23,15 @@ from canzona.runtime import fragment_for, statecomm
 from canzona.runtime import reshard as reshard_module
 from canzona.runtime.watchdog import Watchdog
 
-from _cases import OWNER_KW, full_of, full_tensors, grad_steps, set_grads, sharded_params
+from _cases import (
+    OWNER_KW,
+    full_of,
+    full_tensors,
+    grad_steps,
+    local_pieces,
+    set_grads,
+    sharded_params,
+)
 from _dist import mesh
 
 TIMEOUT = 60
@@ -149,18 +157,6 @@ def _relaid(sd: dict[str, Any]) -> dict[str, Any]:
     return {**sd, "state": state}
 
 
-def _local(params: list[tuple[str, nn.Parameter]], opt: torch.optim.Optimizer) -> dict[str, Any]:
-    def own(t: Any) -> Any:
-        t = t.to_local() if isinstance(t, DTensor) else t
-        return t.detach().clone()
-
-    out = {f"param {n}": own(p) for n, p in params}
-    for n, p in params:
-        for key, value in opt.state.get(p, {}).items():
-            out[f"state {n} {key}"] = own(value)
-    return out
-
-
 def _resumed(name: str, fail: str) -> dict[str, Any]:
     """Two steps, save; a second optimizer over copies of the parameters (one step of its
     own) loads the save relaid in other placements, owner-held state included (``fail``:
@@ -183,13 +179,13 @@ def _resumed(name: str, fail: str) -> dict[str, Any]:
             q.copy_(p)
     out: dict[str, Any] = {"error": None}
     if fail:
-        before = (_local(params2, opt2), _saved(opt2))
+        before = (local_pieces(params2, opt2), _saved(opt2))
         with _out_of_memory_on_rank_1(fail):
             try:
                 opt2.load_state_dict(saved)
             except canzona.UpdateFailedError as exc:
                 out["error"] = str(exc)
-        after = (_local(params2, opt2), _saved(opt2))
+        after = (local_pieces(params2, opt2), _saved(opt2))
         out["unchanged"] = all(
             b.keys() == a.keys() and all(torch.equal(v, a[k]) for k, v in b.items())
             for b, a in zip(before, after, strict=True)

@@ -21,7 +21,7 @@ from torch.distributed.tensor.placement_types import Shard
 
 import canzona
 
-from _cases import full_of, full_tensors, grad_steps, set_grads, sharded_params
+from _cases import full_of, full_tensors, grad_steps, local_pieces, set_grads, sharded_params
 from _dist import mesh
 
 TIMEOUT = 60
@@ -38,20 +38,6 @@ def _params() -> list[tuple[str, nn.Parameter]]:
         {n: (Shard(0),) for n in (*MATRICES, "bias")},
     )
     return [*sharded, ("plain", nn.Parameter(fulls["plain"].clone()))]
-
-
-def _local(params: list[tuple[str, nn.Parameter]], opt: torch.optim.Optimizer) -> dict[str, Any]:
-    """This rank's pieces of the parameters and of every state tensor, copied."""
-
-    def own(t: Any) -> Any:
-        t = t.to_local() if isinstance(t, DTensor) else t
-        return t.detach().clone() if isinstance(t, torch.Tensor) else t
-
-    out = {f"param {n}": own(p) for n, p in params}
-    for n, p in params:
-        for key, value in opt.state.get(p, {}).items():
-            out[f"state {n} {key}"] = own(value)
-    return out
 
 
 def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
@@ -90,12 +76,12 @@ def _run(cleared: str, after: int, everywhere: bool, gap: bool = False) -> dict[
     set_grads(params, grads[after])
     out: dict[str, Any] = {"error": None}
     if not everywhere:
-        before = _local(params, opt)
+        before = local_pieces(params, opt)
         try:
             opt.step()
         except canzona.UpdateFailedError as exc:
             out["error"] = str(exc)
-        out["unchanged"] = _same(before, _local(params, opt))
+        out["unchanged"] = _same(before, local_pieces(params, opt))
         opt.state.pop(by_name[cleared], None)  # now on every rank
     for g in grads[after:]:
         set_grads(params, g)

@@ -27,12 +27,12 @@ STAGES_HINT = (
 )
 VOTE = 1_000_000  # progress-marker phase of the success vote: after every micro-group
 AGREE = -1  # progress-marker phase of the layout agreement: before the step's own check
-_FIXED = 2 + 3 * _CHUNKS  # header words before the gradients' digest
-_FRESH = 1 + 3 * _CHUNKS  # where the word of the state entries begun afresh sits
+_FIXED = 1 + 3 * _CHUNKS  # header words before the gradients' digest
+_FRESH = _FIXED + _CHUNKS  # where the word of the state entries begun afresh sits
 #: int64 words of the header that rides a step's first gather: the header, the ready flag
 #: and padding to 16 bytes (the slot is reinterpreted in the gather's dtype)
 RIDE_WORDS = 18
-RIDE_READY = _FIXED + _CHUNKS + 3  # where the ready flag sits in it
+RIDE_READY = _FRESH + 4  # where the ready flag sits in it
 
 
 def ranks_by_value(values: Sequence[Hashable]) -> list[tuple[Hashable, list[int]]]:
@@ -116,8 +116,8 @@ def header_values(
         *digest_chunks(structure),
         *digest_chunks(plan),
         *digest_chunks(hparams),
-        fresh_word(fresh),
         *digest_chunks(grads_digest(has_grad)),
+        fresh_word(fresh),
         int(failed),
         int(nonfinite),
         int(needs_setup),
@@ -200,9 +200,7 @@ def check_header(
     flagged = any(r[-2] for r in gathered)
     if any(r[-3] for r in gathered):
         return False, flagged, True
-    # the state entries begun afresh are compared last: a gradient on some ranks only
-    # begins its state there only
-    rows = [(*r[:_FRESH], *r[_FRESH + 1 : len(values)], r[-1]) for r in gathered]
+    rows = [(*r[: len(values)], r[-1]) for r in gathered]
     setup = any(r[-1] for r in rows)
     compared = [r[:-1] for r in rows]
     # a rank that is about to re-plan has no valid plan digest yet: compare it only
@@ -215,6 +213,7 @@ def check_header(
         _raise_mismatch(rows, setup, described, watchdog)
     if len({tuple(r[len(values) : len(values) + _CHUNKS]) for r in gathered}) != 1:
         _raise_partial_gradients(names, has_grad, watchdog=watchdog)
+    # last: a gradient on some ranks only begins its state there only
     if len({r[_FRESH] for r in gathered}) != 1:
         _raise_cleared_state(names, fresh, watchdog=watchdog)
     return setup, flagged, False

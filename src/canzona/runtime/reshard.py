@@ -71,43 +71,37 @@ def _intersect(a: Runs, b: Runs) -> Runs:
     return tuple(out)
 
 
-def _local(frag: Fragment, sub: Fragment) -> list[torch.Tensor]:
-    """Per dimension, where ``sub``'s global indices sit in ``frag``'s local tensor."""
-    out = []
-    for runs, part in zip(frag.runs, sub.runs, strict=True):
-        idx: list[int] = []
-        for lo, hi in part:
+def _local(frag: Fragment, sub: Fragment) -> Fragment:
+    """``sub`` (global indices inside ``frag``) as the part of ``frag``'s local tensor."""
+    runs = []
+    for held, part in zip(frag.runs, sub.runs, strict=True):
+        local: list[tuple[int, int]] = []
+        for lo, hi in part:  # each inside one held run: ``sub`` is an intersection with it
             pos = 0
-            for start, stop in runs:
+            for start, stop in held:
                 if start <= lo < stop:
-                    idx.extend(range(pos + lo - start, pos + hi - start))
+                    local.append((pos + lo - start, pos + hi - start))
                     break
                 pos += stop - start
-        out.append(torch.tensor(idx, dtype=torch.long))
-    return out
+        runs.append(tuple(local))
+    return Fragment(tuple(runs))
 
 
-def _read(local: torch.Tensor, index: list[torch.Tensor]) -> torch.Tensor:
-    out = local
-    for dim, idx in enumerate(index):
-        out = out.index_select(dim, idx.to(local.device))
-    return out
-
-
-def _write(local: torch.Tensor, index: list[torch.Tensor], data: torch.Tensor) -> None:
-    grids = torch.meshgrid(*(i.to(local.device) for i in index), indexing="ij")
-    local[grids] = data.view(tuple(len(i) for i in index))
+def _read(local: torch.Tensor, part: Fragment) -> torch.Tensor:
+    """``part`` of ``local``, flat (a piece to send)."""
+    return part.read(local).contiguous().reshape(-1)
 
 
 def _pieces(move: _Move, me: int) -> Iterator[tuple[int, Fragment, bool]]:
     """(other position, overlap, whether this position sends it) in a fixed order."""
+    source, target = move.source(me), move.target(me)
     for j in range(len(move.ranks)):
         if move.sends_from(me, j):  # what I send to j
-            sub = Fragment(tuple(map(_intersect, move.source(me).runs, move.target(j).runs)))
+            sub = Fragment(tuple(map(_intersect, source.runs, move.target(j).runs)))
             if sub.numel:
                 yield j, sub, True
         if move.sends_from(j, me):  # what j sends to me
-            sub = Fragment(tuple(map(_intersect, move.source(j).runs, move.target(me).runs)))
+            sub = Fragment(tuple(map(_intersect, move.source(j).runs, target.runs)))
             if sub.numel:
                 yield j, sub, False
 
@@ -130,10 +124,6 @@ def _batches(moves: Sequence[_Move]) -> Iterator[list[_Move]]:
         yield batch
 
 
-def _group_rank(group: dist.ProcessGroup, global_rank: int) -> int:
-    return dist.get_group_rank(group, global_rank)
-
-
 def _exchange(
     batch: Sequence[_Move], *, watchdog: Watchdog, what: str, error: Exception | None = None
 ) -> list[torch.Tensor]:
@@ -144,7 +134,7 @@ def _exchange(
     group, world = watchdog.process_group, watchdog.world
     assert group is not None
     outs: list[torch.Tensor] = []
-    recv_plan: list[tuple[torch.Tensor, list[torch.Tensor], int]] = []
+    recv_plan: list[tuple[torch.Tensor, Fragment, int]] = []
     try:
         sends: dict[int, list[torch.Tensor]] = {}
         recv_sizes = [0] * world
@@ -153,14 +143,14 @@ def _exchange(
         for move in batch:
             me = move.ranks.index(dist.get_rank())
             mine = move.value.to_local()
-            target = move.target(me)
+            source, target = move.source(me), move.target(me)
             # on the value's device, as DTensor's redistribution leaves it
             out = torch.empty(target.shape, dtype=mine.dtype, device=mine.device)
             outs.append(out)
             for j, sub, sending in _pieces(move, me):
-                peer = _group_rank(group, move.ranks[j])
+                peer = dist.get_group_rank(group, move.ranks[j])
                 if sending:
-                    piece = _read(mine, _local(move.source(me), sub)).reshape(-1)
+                    piece = _read(mine, _local(source, sub))
                     sends.setdefault(peer, []).append(piece.view(torch.uint8))
                 else:
                     recv_plan.append((out, _local(target, sub), peer))
@@ -185,11 +175,11 @@ def _exchange(
     work = dist.all_to_all_single(receive, send, recv_sizes, in_splits, group=group, async_op=True)
     watchdog.wait(work, what)
     starts = [sum(recv_sizes[:r]) for r in range(world)]
-    for out, index, peer in recv_plan:
-        size = math.prod(len(i) for i in index) * out.dtype.itemsize
+    for out, part, peer in recv_plan:
+        size = part.numel * out.dtype.itemsize
         data = receive[starts[peer] : starts[peer] + size].view(out.dtype)
         starts[peer] += _aligned(size)
-        _write(out, index, data)
+        part.write_(out, data.view(part.shape))
     return outs
 
 
