@@ -386,18 +386,25 @@ def vote(
 
 def timed_vote(
     report: str | None, *, watchdog: Watchdog, what: str = "the step's success vote"
-) -> tuple[list[tuple[int, str]], float]:
-    """:func:`vote`, and when the first rank entered it (``time.time()``, in seconds).
+) -> tuple[list[tuple[int, str]], float | None]:
+    """:func:`vote`, and how long the first rank in had been in it when it decided (seconds).
 
-    Each rank sends the wall-clock time at which it enters the vote with its flag (whole
-    milliseconds). A rank that reached the vote more than the deadline after a peer did
-    finds its vote complete all the same (the peer had posted its part before it gave up);
-    the earliest entry tells it to look whether that peer left.
+    Each rank sends with its flag how long after the previous small gather it entered the
+    vote (whole milliseconds, its own monotonic clock: ranks leave a collective together,
+    so that moment is shared, and no two hosts' wall clocks are compared). A rank that
+    reached the vote more than the deadline after a peer did finds its vote complete all
+    the same (the peer had posted its part before it gave up); the earliest entry tells it
+    to look whether that peer left. None before any small gather (no shared moment).
     """
-    entered = int(time.time() * 1000)
+    settled = watchdog.settled
+    entered = -1 if settled is None else int((time.monotonic() - settled) * 1000)
     rows = gather_ints([int(report is not None), entered], watchdog=watchdog, phase=VOTE, what=what)
+    decided = time.monotonic()
     failed = [r for r, (bad, _) in enumerate(rows) if bad]
-    return reports_of(failed, report, watchdog=watchdog), min(t for _, t in rows) / 1000
+    waited = None
+    if settled is not None and min(t for _, t in rows) >= 0:
+        waited = decided - settled - min(t for _, t in rows) / 1000
+    return reports_of(failed, report, watchdog=watchdog), waited
 
 
 def reports_of(

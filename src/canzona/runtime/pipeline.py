@@ -37,7 +37,8 @@ if TYPE_CHECKING:
 
 _T = TypeVar("_T")
 #: How much earlier than its deadline a peer's wait in the vote counts as possibly given up:
-#: the ranks' wall clocks differ (on other hosts) and the flags take a while to arrive.
+#: the ranks leave the collective the vote's times count from a moment apart, and the flags
+#: take a while to arrive.
 VOTE_MARGIN_S = 0.25
 
 
@@ -234,14 +235,13 @@ class Pipeline:
             kept = run.local_batches()
             if self.schedule.micro_groups and self.process_group is not None:
                 run.micro_groups()
-            first = self._vote(run.failure, run.failed_ranks, names)
+            waited = self._vote(run.failure, run.failed_ranks, names)
             start = time.perf_counter()
             elapsed = start - t0  # an owner late in the last group: its own pipeline's time
             deadline = self.watchdog.timeout_s
             late = elapsed > deadline
-            if first is not None:  # the vote decided: a peer waits in it since ``first``
+            if waited is not None:  # the vote decided: a peer had waited in it that long
                 # (however late this rank was: in its closure, its prepare, before step())
-                waited = time.time() - first
                 late = late or waited + VOTE_MARGIN_S > deadline
                 elapsed = max(elapsed, waited)
             if late and self.process_group is not None:
@@ -269,15 +269,15 @@ class Pipeline:
         """Raise the same error on every rank when any rank failed.
 
         ``failed`` holds the failing ranks when the last scatter carried every rank's
-        status; otherwise one small gather decides, and its earliest entry (wall clock,
-        :func:`~canzona.runtime.checks.timed_vote`) is returned.
+        status; otherwise one small gather decides, and how long the first rank in had
+        waited in it (:func:`~canzona.runtime.checks.timed_vote`) is returned.
         """
         mine = None if failure is None else failure.describe(names)
-        first = None
+        waited = None
         if self.process_group is None:
             reports = [] if mine is None else [(self.rank, mine)]
         elif failed is None:
-            reports, first = timed_vote(mine, watchdog=self.watchdog)
+            reports, waited = timed_vote(mine, watchdog=self.watchdog)
         else:
             reports = reports_of(failed, mine, watchdog=self.watchdog)
         if reports:
@@ -286,7 +286,7 @@ class Pipeline:
                 f"the step failed on ranks {[r for r, _ in reports]} ({text}); "
                 "nothing was updated on any rank"
             ) from (failure.error if failure is not None else None)
-        return first
+        return waited
 
 
 class _Run:

@@ -77,6 +77,11 @@ class Watchdog:
             ranks agree on when planning), which the marker of a rank that left a call
             (:meth:`left`) is filed under.
         calls: The optimizer's collective calls begun (shared by its watchdogs).
+        settled: When (``time.monotonic()``) this rank's last :func:`gather_ints` returned:
+            a moment every rank of ``process_group`` shares, give or take the collective's
+            spread, since the ranks leave a collective together (the last rank in releases
+            every rank) and make the same collectives in the same order. None before the
+            first one.
         global_ranks: The default group's rank of each rank of ``process_group``, in order
             (empty without a process group). Its digest is part of every key in the store:
             optimizers on disjoint groups (pipeline stages) never read each other's markers,
@@ -102,6 +107,7 @@ class Watchdog:
     _label: str = ""
     _position: tuple[int, int] = (0, 0)
     _recent: deque[Any] = field(default_factory=lambda: deque(maxlen=RETAINED_WORKS), repr=False)
+    settled: float | None = field(init=False, default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.markers = (
@@ -393,6 +399,7 @@ def gather_ints(values: list[int], *, watchdog: Watchdog, phase: int, what: str)
     out = torch.empty(world * n, dtype=torch.int64, device=mine.device)
     watchdog.collective(phase, what, lambda: all_to_all(out, mine, (), (), watchdog.process_group))
     rows: list[list[int]] = out.view(world, n).tolist()
+    watchdog.settled = time.monotonic()  # after the host has the rows, on any device
     return rows
 
 
