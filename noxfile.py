@@ -25,7 +25,8 @@ def _install(session: nox.Session, extras: str, *, editable: bool = False) -> No
 # TorchTitan's optimizer container and models without its training stack, so that the
 # integration tests run for real (see docs/torchtitan.md); --no-deps keeps torch pinned.
 # TorchTitan's model modules import triton; 3.7.1 is the release torch 2.13.0 pins (its CUDA
-# wheels require it), and it installs and imports on a CPU-only machine.
+# wheels require it), and it installs and imports on a CPU-only machine. torchao is what
+# TorchTitan's float8 converter wraps the weights with (tests/integrations/test_float8_weights.py).
 TORCHTITAN = [
     "torchtitan==0.3.0",
     "tyro==1.0.17",
@@ -33,6 +34,7 @@ TORCHTITAN = [
     "docstring_parser==0.18.0",
     "typeguard==4.6.1",
     "triton==3.7.1",
+    "torchao==0.18.0",
 ]
 
 
