@@ -167,6 +167,47 @@ def test_fsdp2_float8_weights_step_as_plain_ones(dist: Any, tmp_path: Path, name
         assert out["resumed_same"] == [True] * 5, out
 
 
+def _fsdp_tp(float8: bool) -> list[torch.Tensor]:
+    """Colwise and rowwise linears on the ``tp`` axis of a (2, 2) mesh, FSDP2 over ``dp``
+    (``_StridedShard`` rows), trained three steps by canzona.Muon; the full weights."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 48, bias=False), nn.Linear(48, 32, bias=False))
+    plan: dict[str, Any] = {"0": ColwiseParallel(), "1": RowwiseParallel()}
+    if float8:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        from torchao.float8.float8_tensor_parallel import (
+            Float8ColwiseParallel,
+            Float8RowwiseParallel,
+        )
+
+        config = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
+        convert_to_float8_training(model, config=config)
+        plan = {"0": Float8ColwiseParallel(), "1": Float8RowwiseParallel()}
+    dm = mesh((2, 2), ("dp", "tp"))
+    parallelize_module(model, dm["tp"], plan)
+    fully_shard(model, mesh=dm["dp"])
+    _train(model, canzona.Muon(canzona.param_groups(model), lr=0.02), range(3))
+    assert _kinds(model) == [WRAPPER if float8 else "Tensor"] * 2, _kinds(model)
+    return [_plain(p) for p in model.parameters()]
+
+
+def _fsdp_tp_pair() -> bool:
+    return all(torch.equal(a, b) for a, b in zip(_fsdp_tp(False), _fsdp_tp(True), strict=True))
+
+
+def test_fsdp_tp_float8_weights_step_as_plain_ones(dist: Any) -> None:
+    """Four ranks, FSDP2 over tensor parallel with torchao's float8 parallel styles: the
+    wrapped shards (``_StridedShard`` fragments among them) end bit for bit where plain
+    ones do, and stay wrapped."""
+    assert dist(4).run(_fsdp_tp_pair, timeout=120) == [True] * 4
+
+
 def test_one_process_float8_weights_match_torch_muon() -> None:
     """One process: canzona.Muon on float8-wrapped weights equals torch.optim.Muon on them,
     bit for bit, and the weights stay wrapped."""
