@@ -140,7 +140,11 @@ def _sharded(name: str, path: str) -> dict[str, Any]:
     _train(resumed, again, range(SAVED, STOP))
     want = [_plain(p) for p in plain.parameters()]
     pairs = zip(resumed.parameters(), saved.parameters(), strict=True)
+    experts = _model(float8=True, sharded=True)
+    alone = canzona.Muon(list(experts[3].parameters()), lr=0.02)  # the stacks only
+    _train(experts, alone, range(2))
     return {
+        "expert_bytes_sent": alone.last_step_stats.bytes_sent,
         "kinds": _kinds(wrapped),
         "resumed_kinds": _kinds(resumed),
         "same": [
@@ -154,7 +158,8 @@ def _sharded(name: str, path: str) -> dict[str, Any]:
 def test_fsdp2_float8_weights_step_as_plain_ones(dist: Any, tmp_path: Path, name: str) -> None:
     """Two FSDP2 ranks (the expert stacks sharded over the experts): float8-wrapped weights
     end bit for bit where plain ones do, still wrapped (FSDP2's float8 all-gather goes on),
-    and a DCP checkpoint of them resumes exactly.
+    the wrapped expert stacks move no bytes, and a DCP checkpoint of the float8 linears
+    resumes exactly.
 
     Catches: a step that replaces a parameter's local shard (or its ``.data``) with a plain
     tensor, which would silently turn the float8 all-gather off; state or math that follows
@@ -165,6 +170,7 @@ def test_fsdp2_float8_weights_step_as_plain_ones(dist: Any, tmp_path: Path, name
         assert out["resumed_kinds"] == kinds[:5], out
         assert out["same"] == [True] * 7, out
         assert out["resumed_same"] == [True] * 5, out
+        assert out["expert_bytes_sent"] == 0, out
 
 
 def _fsdp_tp(float8: bool) -> list[torch.Tensor]:
