@@ -655,6 +655,38 @@ def test_watchdog_names_the_rank_that_never_arrived(dist: Any) -> None:
         assert "did not complete within 2s" in msg
 
 
+def _rank_local_optimizer() -> tuple[str, bool]:
+    """Rank 0 alone trains a plain linear (say, a probe) with a group of its own rank."""
+    if tdist.get_rank() != 0:
+        return "not built", True
+    own = tdist.new_group([0], use_local_synchronization=True)
+    torch.manual_seed(0)
+    model = nn.Linear(12, 8, bias=False)
+    reference = copy.deepcopy(model)
+    config = canzona.PipelineConfig(process_group=own, timeout_s=5.0)
+    opt = canzona.Muon(model.parameters(), lr=0.02, pipeline=config)
+    want = torch.optim.Muon(reference.parameters(), lr=0.02)
+    outcome = "ok"
+    for step in range(2):
+        grad = torch.randn(8, 12, generator=torch.Generator().manual_seed(step))
+        model.weight.grad, reference.weight.grad = grad.clone(), grad.clone()
+        outcome = _outcome(opt.step)[0]
+        want.step()
+    return outcome, torch.equal(model.weight, reference.weight)
+
+
+def test_an_optimizer_of_one_rank_in_a_job_steps_alone_on_a_group_of_its_own(dist: Any) -> None:
+    """An optimizer over plain tensors counts them as replicated on every rank of its group
+    (the default one: the ranks that never build it would then be waited for, as above); on
+    a group of its own rank it steps alone, as ``torch.optim.Muon`` does, bit for bit.
+    Catches: a collective of the step on the default group whatever the configured one (rank
+    1 never enters it: a timeout after 5 s)."""
+    assert dist(2).run(_rank_local_optimizer, timeout=TIMEOUT) == [
+        ("ok", True),
+        ("not built", True),
+    ]
+
+
 def _storage_bytes(opt: torch.optim.Optimizer) -> list[tuple[bool, int]]:
     """Per cached pipeline: retired, and the smallest storage of its step buffers (bytes)."""
     pipelines = opt._runtime._pipelines.values()  # type: ignore[attr-defined]
