@@ -645,7 +645,8 @@ def _skip_step_on_rank1() -> tuple[str, str]:
 
 
 def test_watchdog_names_the_rank_that_never_arrived(dist: Any) -> None:
-    """Catches: a wait without a deadline (a hang), and a timeout that does not name rank 1."""
+    """Catches: a wait without a deadline (a hang), and a timeout that does not name rank 1
+    or, at a first step, does not say that rank 1 may never have built the optimizer."""
     out = dist(4).run(_skip_step_on_rank1, timeout=TIMEOUT)
     assert out[1] == ("skipped", "")
     for rank in (0, 2, 3):
@@ -653,6 +654,9 @@ def test_watchdog_names_the_rank_that_never_arrived(dist: Any) -> None:
         assert kind == "CollectiveTimeoutError", msg
         assert "ranks that have not reached it: 1 (last: not waiting in any collective)" in msg
         assert "did not complete within 2s" in msg
+        # a first step: the rank may never have built the optimizer (the message says so)
+        assert "how ranks that never built this optimizer look" in msg, msg
+        assert "needs PipelineConfig(process_group=...) of those ranks" in msg, msg
 
 
 def _rank_local_optimizer() -> tuple[str, bool]:

@@ -28,6 +28,9 @@ GAVE_UP_LOOK_S = 0.25
 #: Work handles of the most recent collectives a watchdog keeps after waiting on them.
 RETAINED_WORKS = 2
 
+#: How :meth:`Watchdog.behind` describes a rank without a marker in the store.
+NOT_WAITING = "not waiting in any collective"
+
 #: What gloo raises when a peer's connection drops (the peer exited or crashed).
 _CLOSED = re.compile(r"connection (?:closed|reset)|broken pipe|ECONNRESET|EPIPE", re.IGNORECASE)
 
@@ -201,7 +204,7 @@ class Watchdog:
         out: list[tuple[int, str]] = []
         for r, value in self._peer_values(self._key):
             if value is None:
-                out.append((r, "not waiting in any collective"))
+                out.append((r, NOT_WAITING))
                 continue
             try:
                 step, phase, label = value.split("|", 2)
@@ -339,6 +342,12 @@ class Watchdog:
             if late
             else "a peer rank is stuck, crashed or did not call the same method"
         )
+        if self.step <= 1 and any(label == NOT_WAITING for _, label in late):
+            who += (
+                "; at a first step this is also how ranks that never built this optimizer "
+                "look: one that only some ranks use needs PipelineConfig(process_group=...) "
+                "of those ranks"
+            )
         if early:  # e.g. the process group's own timeout, shorter than timeout_s
             return CollectiveTimeoutError(
                 f"{where} failed after {elapsed:.1f}s, before the {self.timeout_s:g}s "
