@@ -22,10 +22,11 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
 import canzona
 
+from _cases import set_grads
 from _dist import mesh
 
 pytestmark = pytest.mark.skipif(
@@ -82,13 +83,10 @@ def _optimizer(model: nn.Module, name: str) -> torch.optim.Optimizer:
 
 
 def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: range) -> None:
+    params = list(model.named_parameters())
     for step in steps:
         gen = torch.Generator().manual_seed(100 + step)
-        for p in model.parameters():
-            g = torch.randn(p.shape, generator=gen)
-            if isinstance(p, DTensor):
-                g = distribute_tensor(g, p.device_mesh, p.placements)
-            p.grad = g
+        set_grads(params, {n: torch.randn(p.shape, generator=gen) for n, p in params})
         opt.step()
         opt.zero_grad(set_to_none=True)
 

@@ -260,17 +260,8 @@ def _async_save_while_stepping(name: str, path: str) -> bool:
                             process_group=group)  # fmt: skip
     _train(model, opt, range(3, 6))  # its collectives run while the save's do
     saving.result()
-    resumed = _model("fsdp")
-    again = _optimizer(resumed, name)
-    model_sd, optim_sd = get_state_dict(resumed, again)
-    loaded = {"model": model_sd, "optim": optim_sd}
-    dcp.load(loaded, checkpoint_id=path, process_group=group)
-    set_state_dict(
-        resumed, again, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"]
-    )
-    _train(resumed, again, range(3, 6))
-    pairs = zip(_fulls(model).values(), _fulls(resumed).values(), strict=True)
-    return all(torch.equal(a, b) for a, b in pairs)
+    resumed = _load_and_continue("fsdp", name, 3, 6, path)["params"]
+    return all(torch.equal(a, resumed[n]) for n, a in _fulls(model).items())
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))

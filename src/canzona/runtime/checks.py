@@ -401,9 +401,8 @@ def timed_vote(
     rows = gather_ints([int(report is not None), entered], watchdog=watchdog, phase=VOTE, what=what)
     decided = time.monotonic()
     failed = [r for r, (bad, _) in enumerate(rows) if bad]
-    waited = None
-    if settled is not None and min(t for _, t in rows) >= 0:
-        waited = decided - settled - min(t for _, t in rows) / 1000
+    first = min(t for _, t in rows)
+    waited = None if settled is None or first < 0 else decided - settled - first / 1000
     return reports_of(failed, report, watchdog=watchdog), waited
 
 
