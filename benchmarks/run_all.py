@@ -2,7 +2,7 @@
 
 Each script runs in its own process (one intra-op thread, ``OMP_NUM_THREADS=1``), in the order
 plan_quality, kernels, alloc_faults, step_latency, overhead, gc_in_step, fused_exchanges,
-train_step, and writes its JSON (which names the commit it was produced from) under
+train_step, large_world, and writes its JSON (which names the commit it was produced from) under
 ``benchmarks/results/``.
 Full mode also rewrites each script's section of ``docs/benchmarks.md`` and its images under
 ``docs/img/`` (the published numbers); quick mode, about six minutes on 2 cores, writes its
@@ -37,6 +37,7 @@ SCRIPTS = (
     "gc_in_step",
     "fused_exchanges",
     "train_step",
+    "large_world",
 )
 QUICK_DOC = str(_QUICK_DOC)
 QUICK_OUTPUTS = {
@@ -48,6 +49,7 @@ QUICK_OUTPUTS = {
     "overhead": ["--out", str(QUICK), "--doc", QUICK_DOC, "--plot", str(QUICK / "overhead.png")],
     "fused_exchanges": ["--out", str(QUICK), "--doc", QUICK_DOC],
     "train_step": ["--out", str(QUICK), "--doc", QUICK_DOC],
+    "large_world": ["--out", str(QUICK), "--doc", QUICK_DOC],
 }
 
 

@@ -131,6 +131,30 @@ def test_digest_covers_every_spec_field_and_config_entry_even_with_the_same_owne
     assert len(digests) == 1 + len(variants) + 3
 
 
+def test_digest_tells_apart_which_rank_set_a_spec_names() -> None:
+    """Catches: rank sets written once and named by index, with the sets or the index left
+    out of the digest. Each variant keeps the plan's owners and groups and differs from the
+    base only in which eligible or holding ranks one spec names."""
+    base_specs = [
+        MatrixSpec("a", (8, 8), 4, (0, 1, 2, 3)),
+        MatrixSpec("b", (8, 8), 4, (0, 1), holders=(0,)),
+        MatrixSpec("c", (8, 8), 4, (2, 3), holders=(2,)),
+    ]
+    base = build_plan(base_specs, 4, PlanConfig())
+    variants = [
+        [base_specs[0], dataclasses.replace(base_specs[1], ranks=(0, 1, 2, 3)), base_specs[2]],
+        [base_specs[0], base_specs[1], dataclasses.replace(base_specs[2], holders=(3,))],
+        [base_specs[0], dataclasses.replace(base_specs[1], holders=(0, 1)), base_specs[2]],
+        [dataclasses.replace(base_specs[0], ranks=(0, 1, 2)), *base_specs[1:]],
+    ]
+    digests = {base.digest()}
+    for specs in variants:
+        digests.add(dataclasses.replace(base, specs=specs).digest())
+    assert len(digests) == 1 + len(variants)
+    sets = base.canonical()["rank_sets"]
+    assert sets == [[0, 1, 2, 3], [0, 1], [0], [2, 3], [2]]  # each set once, first use first
+
+
 @settings(max_examples=40, deadline=None)
 @given(instances())
 def test_plan_is_consistent(inst: tuple[list[MatrixSpec], int]) -> None:

@@ -17,7 +17,7 @@ from canzona.plan.spec import MatrixSpec, check_specs
 __all__ = ["DIGEST_FORMAT", "MIB", "Plan", "PlanConfig", "build_plan"]
 
 #: Version of the canonical encoding hashed by :meth:`Plan.digest`.
-DIGEST_FORMAT = 1
+DIGEST_FORMAT = 2
 #: Bytes in one mebibyte (``capacity_mb`` is in mebibytes).
 MIB = 1 << 20
 #: What a plan balances: measured seconds, or closed-form FLOPs.
@@ -145,8 +145,28 @@ class Plan:
         return self._index[name]
 
     def canonical(self) -> dict[str, Any]:
-        """The JSON-ready description that :meth:`digest` hashes."""
+        """The JSON-ready description that :meth:`digest` hashes.
+
+        Rank sets (eligible ranks, holders) are listed once, in first-use order, and specs
+        refer to them by index: thousands of matrices share a few sets of hundreds of ranks.
+        """
         cfg = self.config
+        sets: dict[tuple[int, ...], int] = {}
+
+        def ref(ranks: tuple[int, ...] | None) -> int | None:
+            return None if ranks is None else sets.setdefault(ranks, len(sets))
+
+        specs = [
+            [
+                s.name,
+                list(s.shape),
+                s.itemsize,
+                ref(s.ranks),
+                *([] if s.cost_key is None else [s.cost_key]),
+                *([] if s.holders is None else [["holders", ref(s.holders), s.pinned]]),
+            ]
+            for s in self.specs
+        ]
         return {
             "format": DIGEST_FORMAT,
             "num_ranks": self.num_ranks,
@@ -162,17 +182,8 @@ class Plan:
                 "name": self.optimizer.name,
                 "params": cost_model_params(self.optimizer),
             },
-            "specs": [
-                [
-                    s.name,
-                    list(s.shape),
-                    s.itemsize,
-                    None if s.ranks is None else list(s.ranks),
-                    *([] if s.cost_key is None else [s.cost_key]),
-                    *([] if s.holders is None else [["holders", list(s.holders), s.pinned]]),
-                ]
-                for s in self.specs
-            ],
+            "specs": specs,
+            "rank_sets": [list(ranks) for ranks in sets],
             "owners": [self.assignment.owner[s.name] for s in self.specs],
             "groups": [list(g.names) for g in self.micro_groups],
         }

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import itertools
 import math
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 __all__ = ["MatrixSpec", "check_specs"]
 
@@ -16,6 +18,24 @@ MAX_BYTES = 2**63 - 1
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _rank_ints(values: Sequence[object]) -> bool:
+    """Whether every value is an int >= 0 (no bool): C-level passes, for units of 1000s."""
+    kinds = set(map(type, values))
+    if not all(issubclass(k, int) and not issubclass(k, bool) for k in kinds):
+        return False
+    return min(cast("Sequence[int]", values), default=0) >= 0
+
+
+def _increasing(values: Sequence[int]) -> bool:
+    """Whether the values are sorted and unique."""
+    return all(map(operator.lt, values, itertools.islice(values, 1, None)))
+
+
+#: The rank tuple last found valid: specs built from one unit share the object (a tuple
+#: never changes), so thousands of specs check hundreds of ranks once.
+_valid: list[tuple[int, ...] | None] = [None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +95,7 @@ class MatrixSpec:
                 f"MatrixSpec {self.name!r}: shape {tuple(shape)} of {self.itemsize}-byte items "
                 f"exceeds {MAX_BYTES} bytes (a tensor's size is an int64)"
             )
-        if self.ranks is not None:
+        if self.ranks is not None and self.ranks is not _valid[0]:
             ranks = self.ranks
             if isinstance(ranks, str | bytes) or not isinstance(ranks, Sequence):
                 raise ValueError(f"MatrixSpec {self.name!r}: ranks must be a tuple, got {ranks!r}")
@@ -83,22 +103,23 @@ class MatrixSpec:
                 raise ValueError(
                     f"MatrixSpec {self.name!r}: ranks must not be empty, got {ranks!r}"
                 )
-            if not all(_is_int(r) and r >= 0 for r in ranks):
+            if not _rank_ints(ranks):
                 raise ValueError(
                     f"MatrixSpec {self.name!r}: ranks must be integers >= 0, got {ranks!r}"
                 )
-            if any(a >= b for a, b in itertools.pairwise(ranks)):
+            if not _increasing(ranks):
                 raise ValueError(
                     f"MatrixSpec {self.name!r}: ranks must be sorted and unique, got {ranks!r}"
                 )
             object.__setattr__(self, "ranks", tuple(ranks))
+            _valid[0] = self.ranks
         if self.holders is not None:
             holders = tuple(self.holders)
-            if not all(_is_int(r) and r >= 0 for r in holders):
+            if not _rank_ints(holders):
                 raise ValueError(
                     f"MatrixSpec {self.name!r}: holders must be integers >= 0, got {holders!r}"
                 )
-            if not holders or any(a >= b for a, b in itertools.pairwise(holders)):
+            if not holders or not _increasing(holders):
                 raise ValueError(
                     f"MatrixSpec {self.name!r}: holders must be sorted, unique and not empty, "
                     f"got {self.holders!r}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Iterator, Sequence
@@ -149,6 +150,9 @@ def fragment_for(
 ) -> Fragment:
     """The fragment a mesh coordinate holds, replaying DTensor's left-to-right sharding.
 
+    Remembered per arguments (a fragment never changes): the setup of a large job asks
+    for the same few layouts at every coordinate of thousands of matrices.
+
     Args:
         global_shape: Shape of the global (logical) tensor.
         mesh_shape: Shape of the device mesh.
@@ -158,6 +162,20 @@ def fragment_for(
     Raises:
         LayoutError: for ``Partial`` or unknown placements, or mismatched lengths.
     """
+    key = (tuple(global_shape), tuple(mesh_shape), tuple(placements), tuple(coordinate))
+    try:
+        hash(key)
+    except TypeError:  # a placement of another kind: not remembered (it raises below)
+        return _fragment_for(*key)
+    return _remembered(*key)
+
+
+def _fragment_for(
+    global_shape: Sequence[int],
+    mesh_shape: Sequence[int],
+    placements: Sequence[Placement],
+    coordinate: Sequence[int],
+) -> Fragment:
     if len(placements) != len(mesh_shape) or len(coordinate) != len(mesh_shape):
         raise LayoutError(
             f"placements {tuple(placements)!r} do not match mesh shape {tuple(mesh_shape)!r}"
@@ -177,6 +195,9 @@ def fragment_for(
     for d, seq in cuts.items():
         runs[d] = _cut(runs[d], seq)
     return Fragment(tuple(_merge(r) for r in runs))
+
+
+_remembered = functools.lru_cache(maxsize=1 << 16)(_fragment_for)
 
 
 def _cut(runs: Runs, seq: list[tuple[Placement, int, int]]) -> Runs:

@@ -92,6 +92,22 @@ def _read(local: torch.Tensor, part: Fragment) -> torch.Tensor:
     return part.read(local).contiguous().reshape(-1)
 
 
+Pieces = tuple[tuple[int, Fragment, bool], ...]
+
+
+def _pieces_of(move: _Move, me: int, known: dict[tuple[object, ...], Pieces]) -> Pieces:
+    """:func:`_pieces`, once per layout pair (tensors of one shape, mesh shape and placements).
+
+    A load then computes O(mesh) fragments per kind of tensor, not per tensor.
+    """
+    value = move.value
+    key = (value.shape, value.device_mesh.shape, tuple(value.placements), move.placements, me)
+    found = known.get(key)
+    if found is None:
+        found = known[key] = tuple(_pieces(move, me))
+    return found
+
+
 def _pieces(move: _Move, me: int) -> Iterator[tuple[int, Fragment, bool]]:
     """(other position, overlap, whether this position sends it) in a fixed order."""
     source, target = move.source(me), move.target(me)
@@ -125,13 +141,20 @@ def _batches(moves: Sequence[_Move]) -> Iterator[list[_Move]]:
 
 
 def _exchange(
-    batch: Sequence[_Move], *, watchdog: Watchdog, what: str, error: Exception | None = None
+    batch: Sequence[_Move],
+    *,
+    watchdog: Watchdog,
+    what: str,
+    error: Exception | None = None,
+    known: dict[tuple[object, ...], Pieces] | None = None,
 ) -> list[torch.Tensor]:
     """One batch: allocate and pack everything, vote, exchange, unpack (the new locals).
 
     ``error``: this rank already failed (it still votes, so that every rank raises).
+    ``known``: the pieces of the layout pairs met so far (see :func:`_pieces_of`).
     """
     group, world = watchdog.process_group, watchdog.world
+    known = {} if known is None else known
     assert group is not None
     outs: list[torch.Tensor] = []
     recv_plan: list[tuple[torch.Tensor, Fragment, int]] = []
@@ -147,7 +170,7 @@ def _exchange(
             # on the value's device, as DTensor's redistribution leaves it
             out = torch.empty(target.shape, dtype=mine.dtype, device=mine.device)
             outs.append(out)
-            for j, sub, sending in _pieces(move, me):
+            for j, sub, sending in _pieces_of(move, me, known):
                 peer = dist.get_group_rank(group, move.ranks[j])
                 if sending:
                     piece = _read(mine, _local(source, sub))
@@ -213,19 +236,23 @@ def reshard_loaded(
     assert group is not None
     members = set(dist.get_process_group_ranks(group))
     moves = []
+    meshes: dict[int, tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]] = {}
     for value, placements in pairs:
         mesh = value.device_mesh
-        ranks = tuple(int(r) for r in mesh.mesh.reshape(-1).tolist())
+        if id(mesh) not in meshes:  # the pairs keep their meshes alive: ids stay theirs
+            ranks = tuple(int(r) for r in mesh.mesh.reshape(-1).tolist())
+            meshes[id(mesh)] = (ranks, tuple(mesh_coordinates(tuple(mesh.shape))))
+        ranks, coords = meshes[id(mesh)]
         if not members.issuperset(ranks):
             error = error or ValueError(
                 f"loaded state on a mesh with ranks {list(ranks)} that are not all in the "
                 "optimizer's process group"
             )
-        coords = tuple(mesh_coordinates(tuple(mesh.shape)))
         moves.append(_Move(value, placements, ranks, coords))
     out: list[torch.Tensor] = []
+    known: dict[tuple[object, ...], Pieces] = {}
     for batch in _batches(moves):
-        out += _exchange(batch, watchdog=watchdog, what=what, error=error)
+        out += _exchange(batch, watchdog=watchdog, what=what, error=error, known=known)
     return out
 
 

@@ -156,12 +156,13 @@ def plan_specs(
 ) -> list[MatrixSpec]:
     """Plan specs for the items that need communication (local items are not planned)."""
     holders = holders or {}
+    ranks: dict[tuple[int, ...], tuple[int, ...]] = {}  # one object per unit (see MatrixSpec)
     return [
         MatrixSpec(
             it.name,
             (it.m, it.n),
             itemsize(it.param),
-            tuple(sorted(it.unit)),
+            ranks.get(it.unit) or ranks.setdefault(it.unit, tuple(sorted(it.unit))),
             cost_key(it.param),
             holders.get(it.name),
             it.name in holders and it.lead is not None,  # experts stay where they are placed
@@ -179,27 +180,32 @@ def item_holders(items: Sequence[Item], topology: Topology) -> dict[str, tuple[i
     on every rank (agreed information only).
     """
     out: dict[str, tuple[int, ...]] = {}
-    frags: dict[tuple[int, int], Fragment] = {}
+    frags: dict[tuple[object, ...], Fragment] = {}
+    seen: dict[tuple[object, ...], tuple[int, ...]] = {}  # items alike: the same holders
     for item in items:
         if item.is_local:
             continue
         layout = topology.layouts[item.param]
         if not any(isinstance(p, Shard | _StridedShard) for p in layout.placements):
             continue  # replicated: every rank holds it whole (_StridedShard is no Shard)
-        pos_of = {r: i for i, r in enumerate(item.copy)}
-        found = []
-        for r in item.unit:
-            coord = _unravel(pos_of[r], layout.mesh_shape) if layout.mesh_shape else ()
-            key = (item.param, pos_of[r])
-            frag = frags.get(key)
-            if frag is None:
-                whole = fragment_for(layout.shape, layout.mesh_shape, layout.placements, coord)
-                frag = matrix_fragment(whole, layout, item)
-                frags[key] = frag
-            if _holds(frag, item):
-                found.append(r)
+        where = (layout.shape, layout.mesh_shape, layout.placements, item.flat)
+        alike = (*where, item.lead, item.span, item.dim, item.m, item.n, item.copy, item.unit)
+        found = seen.get(alike)
+        if found is None:
+            pos_of = {r: i for i, r in enumerate(item.copy)}
+            held = []
+            for r in item.unit:
+                key = (*where, pos_of[r])
+                frag = frags.get(key)
+                if frag is None:
+                    coord = _unravel(pos_of[r], layout.mesh_shape) if layout.mesh_shape else ()
+                    whole = fragment_for(layout.shape, layout.mesh_shape, layout.placements, coord)
+                    frag = frags[key] = matrix_fragment(whole, layout, item)
+                if _holds(frag, item):
+                    held.append(r)
+            found = seen[alike] = tuple(sorted(held))
         if found and len(found) < len(item.unit):
-            out[item.name] = tuple(sorted(found))
+            out[item.name] = found
     return out
 
 

@@ -172,17 +172,29 @@ class ScheduleBuilder:
         first = self._header_group()
         for k, items in enumerate(self.groups):
             gap = self._header_gap(items) if k == first else None
-            for dest in range(self.world):
+            for sent in self._by_destination(items):
                 if gap is not None:
                     self.header_gaps.append(self.layout.reserve(*gap))
-                for item in items:
-                    route = self.routes.get(item.name)
-                    if route is not None and route.frag is not None and dest in route.send_to:
-                        p = item.param
-                        self.layout.place(p, _numel(self.local_shapes[p]), self._dtypes(p))
+                for item, _ in sent:
+                    p = item.param
+                    self.layout.place(p, _numel(self.local_shapes[p]), self._dtypes(p))
         for p in sorted(self.local_shapes):
             if _numel(self.local_shapes[p]):
                 self.layout.place(p, _numel(self.local_shapes[p]), self._dtypes(p))
+
+    def _by_destination(self, items: Sequence[Item]) -> list[list[tuple[Item, Route]]]:
+        """Per rank, the items (in order) whose fragment this rank sends there, with routes.
+
+        One pass over the items and their destinations, not one per rank: the setup of a
+        large job (thousands of matrices, hundreds of ranks) grows with their sum.
+        """
+        out: list[list[tuple[Item, Route]]] = [[] for _ in range(self.world)]
+        for item in items:
+            route = self.routes.get(item.name)
+            if route is not None and route.frag is not None:
+                for dest in dict.fromkeys(route.send_to):
+                    out[dest].append((item, route))
+        return out
 
     def _header_group(self) -> int:
         """Index of the micro-group whose gather carries the header (-1: none)."""
@@ -445,14 +457,12 @@ class ScheduleBuilder:
         """
         parts: list[SendPart] = []
         sizes = [0] * self.world
-        for dest in range(self.world):
+        for dest, sent in enumerate(self._by_destination(items)):
             if slot is not None:
                 add_part(parts, (*gaps[dest], slot.numel()) if gaps else slot)
                 sizes[dest] += slot.numel()
-            for item in items:
-                route = self.routes.get(item.name)
-                if route is None or route.frag is None or dest not in route.send_to:
-                    continue
+            for item, route in sent:
+                assert route.frag is not None
                 sizes[dest] += route.frag.numel
                 add_part(parts, self._item_send(item, route))
         views: list[SendView] = []
