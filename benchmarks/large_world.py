@@ -13,7 +13,7 @@ as every rank of a healthy job sends the same, and a payload exchange returns ze
 timed is therefore rank 0's own work in a step: its planning and setup at the first step, its
 packing, owner math and apply later, without the wire. Each world size runs in its own process.
 
-    python benchmarks/large_world.py --full     # the published numbers, about two minutes
+    python benchmarks/large_world.py --full     # the published numbers, under a minute
     python benchmarks/large_world.py --tiny --out /tmp/w --doc /tmp/w/b.md   # smoke test
 """
 
