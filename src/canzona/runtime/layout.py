@@ -164,10 +164,9 @@ def fragment_for(
     """
     key = (tuple(global_shape), tuple(mesh_shape), tuple(placements), tuple(coordinate))
     try:
-        hash(key)
-    except TypeError:  # a placement of another kind: not remembered (it raises below)
+        return _remembered(*key)
+    except TypeError:  # an unhashable placement of another kind: not remembered
         return _fragment_for(*key)
-    return _remembered(*key)
 
 
 def _fragment_for(

@@ -145,8 +145,8 @@ def _exchange(
     *,
     watchdog: Watchdog,
     what: str,
+    known: dict[tuple[object, ...], Pieces],
     error: Exception | None = None,
-    known: dict[tuple[object, ...], Pieces] | None = None,
 ) -> list[torch.Tensor]:
     """One batch: allocate and pack everything, vote, exchange, unpack (the new locals).
 
@@ -154,7 +154,6 @@ def _exchange(
     ``known``: the pieces of the layout pairs met so far (see :func:`_pieces_of`).
     """
     group, world = watchdog.process_group, watchdog.world
-    known = {} if known is None else known
     assert group is not None
     outs: list[torch.Tensor] = []
     recv_plan: list[tuple[torch.Tensor, Fragment, int]] = []

@@ -180,7 +180,6 @@ def item_holders(items: Sequence[Item], topology: Topology) -> dict[str, tuple[i
     on every rank (agreed information only).
     """
     out: dict[str, tuple[int, ...]] = {}
-    frags: dict[tuple[object, ...], Fragment] = {}
     seen: dict[tuple[object, ...], tuple[int, ...]] = {}  # items alike: the same holders
     for item in items:
         if item.is_local:
@@ -188,20 +187,16 @@ def item_holders(items: Sequence[Item], topology: Topology) -> dict[str, tuple[i
         layout = topology.layouts[item.param]
         if not any(isinstance(p, Shard | _StridedShard) for p in layout.placements):
             continue  # replicated: every rank holds it whole (_StridedShard is no Shard)
-        where = (layout.shape, layout.mesh_shape, layout.placements, item.flat)
-        alike = (*where, item.lead, item.span, item.dim, item.m, item.n, item.copy, item.unit)
+        alike: tuple[object, ...] = (layout.shape, layout.mesh_shape, layout.placements)
+        alike += (item.flat, item.lead, item.span, item.dim, item.m, item.n, item.copy, item.unit)
         found = seen.get(alike)
         if found is None:
             pos_of = {r: i for i, r in enumerate(item.copy)}
             held = []
             for r in item.unit:
-                key = (*where, pos_of[r])
-                frag = frags.get(key)
-                if frag is None:
-                    coord = _unravel(pos_of[r], layout.mesh_shape) if layout.mesh_shape else ()
-                    whole = fragment_for(layout.shape, layout.mesh_shape, layout.placements, coord)
-                    frag = frags[key] = matrix_fragment(whole, layout, item)
-                if _holds(frag, item):
+                coord = _unravel(pos_of[r], layout.mesh_shape) if layout.mesh_shape else ()
+                whole = fragment_for(layout.shape, layout.mesh_shape, layout.placements, coord)
+                if _holds(matrix_fragment(whole, layout, item), item):
                     held.append(r)
             found = seen[alike] = tuple(sorted(held))
         if found and len(found) < len(item.unit):
