@@ -11,7 +11,9 @@ o columns, ``canzona.Split``) or none. The runtime's all-to-alls are replaced: a
 vector per rank (the cross-rank checks, the vote) returns this rank's vector from every rank,
 as every rank of a healthy job sends the same, and a payload exchange returns zeros. What is
 timed is therefore rank 0's own work in a step: its planning and setup at the first step, its
-packing, owner math and apply later, without the wire. Each world size runs in its own process.
+packing, owner math and apply later, without the wire. Each case runs in a process of its own,
+forked from the parent once it has imported torch and canzona (a job's ranks have them imported
+before their first step; no canzona code has run in the parent, so every cache starts empty).
 
     python benchmarks/large_world.py --full     # the published numbers, under a minute
     python benchmarks/large_world.py --tiny --out /tmp/w --doc /tmp/w/b.md   # smoke test
@@ -25,10 +27,12 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import argparse
 import json
+import multiprocessing
 import statistics
-import subprocess
 import sys
 import time
+import traceback
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +70,7 @@ def _fake_all_to_all(out: Any, inp: Any, out_splits: Any, in_splits: Any, group:
 def case(model: str, layers: int, world: int, split: str, steps: int) -> dict[str, Any]:
     """Rank 0 of ``world`` ranks: step times and what its steps did (in this process)."""
     import torch
+    import torch._dynamo  # FSDP2's fully_shard has imported it before a job's first step
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
@@ -76,6 +81,7 @@ def case(model: str, layers: int, world: int, split: str, steps: int) -> dict[st
     from canzona.runtime import pipeline, watchdog
     from canzona.runtime.layout import fragment_for
 
+    torch.set_num_threads(1)
     watchdog.all_to_all = _fake_all_to_all  # type: ignore[assignment]
     pipeline.all_to_all = _fake_all_to_all  # type: ignore[assignment]
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
@@ -144,20 +150,35 @@ def case(model: str, layers: int, world: int, split: str, steps: int) -> dict[st
     }
 
 
+def _child(conn: Connection, args: tuple[str, int, int, str, int]) -> None:
+    """One case in a forked process: its row, or the error's traceback, through ``conn``."""
+    try:
+        conn.send(case(*args))
+    except BaseException:
+        conn.send(traceback.format_exc())
+    finally:
+        conn.close()
+
+
 def run(preset: dict[str, Any]) -> list[dict[str, Any]]:
-    """Every (world, split) case in a process of its own."""
+    """Every (world, split) case in a process of its own, forked from this one."""
+    import torch  # noqa: F401  imported once, here: the children start with it
+
+    import canzona  # noqa: F401
+
+    fork = multiprocessing.get_context("fork")
     rows = []
     for world in preset["worlds"]:
         for split in SPLITS:
-            args = [preset["model"], str(preset["layers"]), str(world), split, str(preset["steps"])]
-            done = subprocess.run(
-                [sys.executable, __file__, "--case", *args],
-                capture_output=True,
-                text=True,
-                check=True,
-                env={**os.environ, "OMP_NUM_THREADS": "1"},
-            )
-            row = json.loads(done.stdout.strip().splitlines()[-1])
+            args = (preset["model"], preset["layers"], world, split, preset["steps"])
+            receive, send = fork.Pipe(duplex=False)
+            child = fork.Process(target=_child, args=(send, args))
+            child.start()
+            send.close()
+            row = receive.recv()
+            child.join()
+            if isinstance(row, str):
+                raise RuntimeError(f"case {args} failed in its process:\n{row}")
             print(
                 f"{row['model']} world {world} split {split}: {row['matrices']} matrices, "
                 f"first step {row['first_step_s']:.2f} s, later {row['later_step_s'] * 1e3:.0f} ms"

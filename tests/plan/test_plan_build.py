@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +26,7 @@ from canzona.plan import (
     micro_groups,
 )
 from canzona.plan.models import model_specs
+from canzona.plan.spec import Ranks
 
 from _plan_strategies import instances
 
@@ -286,3 +289,19 @@ def test_largest_catalogued_model_plans_at_1024_ranks() -> None:
     assert len(plan.assignment.owner) == len(specs) == 94 * 388
     assert plan.assignment.makespan_ratio < 1.05
     assert sum(len(g.names) for g in plan.micro_groups) == len(specs)
+
+
+def test_rank_sets_hash_once_and_behave_as_tuples() -> None:
+    """Catches: a rank set whose hash or equality differs from the tuple's (dictionaries keyed
+    by either would miss), one that hashes its ranks on every lookup, a spec that keeps a plain
+    copy of it (every later lookup hashing thousands of ranks again), and a cached hash that
+    leaks into what the digest or a pickle carries."""
+    plain = tuple(range(0, 2048, 2))
+    ranks = Ranks(plain)
+    assert ranks == plain and hash(ranks) == hash(plain) and {plain: 1}[ranks] == 1
+    assert ranks.__dict__ == {"hash": hash(plain)}  # computed once, then kept
+    assert MatrixSpec("a", (4, 4), 4, ranks).ranks is ranks
+    assert type(MatrixSpec("b", (4, 4), 4, (0, 1)).ranks) is Ranks
+    assert json.dumps(ranks) == json.dumps(plain)
+    back = pickle.loads(pickle.dumps(ranks))
+    assert type(back) is Ranks and back == plain and hash(back) == hash(plain)

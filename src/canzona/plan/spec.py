@@ -9,11 +9,26 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import cast
 
-__all__ = ["MatrixSpec", "check_specs"]
+__all__ = ["MatrixSpec", "Ranks", "check_specs"]
 
 
 #: The largest payload of one spec: torch sizes tensors in int64.
 MAX_BYTES = 2**63 - 1
+
+
+class Ranks(tuple[int, ...]):
+    """A tuple of ranks that computes its hash once.
+
+    A job's rank sets (a mesh copy, the ranks that update a matrix) hold up to thousands of
+    ranks and key dictionaries once per matrix while a plan is built: a plain tuple hashes
+    every element on every lookup. Equal to, and hashing like, the plain tuple.
+    """
+
+    def __hash__(self) -> int:
+        cached: int | None = self.__dict__.get("hash")
+        if cached is None:
+            cached = self.__dict__["hash"] = tuple.__hash__(self)
+        return cached
 
 
 def _is_int(value: object) -> bool:
@@ -111,7 +126,7 @@ class MatrixSpec:
                 raise ValueError(
                     f"MatrixSpec {self.name!r}: ranks must be sorted and unique, got {ranks!r}"
                 )
-            object.__setattr__(self, "ranks", tuple(ranks))
+            object.__setattr__(self, "ranks", ranks if type(ranks) is Ranks else Ranks(ranks))
             _valid[0] = self.ranks
         if self.holders is not None:
             holders = tuple(self.holders)

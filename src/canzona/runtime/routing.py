@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -10,6 +11,7 @@ from dataclasses import dataclass, replace
 from torch.distributed.tensor.placement_types import Shard, _StridedShard
 
 from canzona.plan import MatrixSpec, Plan, Split
+from canzona.plan.spec import Ranks
 from canzona.runtime.layout import Fragment, LayoutError, fragment_for
 from canzona.runtime.topology import ParamLayout, Topology
 
@@ -78,7 +80,7 @@ def _units(layout: ParamLayout, copy: tuple[int, ...], dedup: bool) -> list[tupl
     for pos, rank in enumerate(copy):
         coord = _unravel(pos, layout.mesh_shape)
         groups.setdefault(tuple(coord[d] for d in rep), []).append(rank)
-    return [tuple(groups[k]) for k in sorted(groups)]
+    return [Ranks(groups[k]) for k in sorted(groups)]
 
 
 def build_items(
@@ -156,13 +158,13 @@ def plan_specs(
 ) -> list[MatrixSpec]:
     """Plan specs for the items that need communication (local items are not planned)."""
     holders = holders or {}
-    ranks: dict[tuple[int, ...], tuple[int, ...]] = {}  # one object per unit (see MatrixSpec)
+    ranks: dict[tuple[int, ...], Ranks] = {}  # one object per unit (see MatrixSpec)
     return [
         MatrixSpec(
             it.name,
             (it.m, it.n),
             itemsize(it.param),
-            ranks.get(it.unit) or ranks.setdefault(it.unit, tuple(sorted(it.unit))),
+            ranks.get(it.unit) or ranks.setdefault(it.unit, Ranks(sorted(it.unit))),
             cost_key(it.param),
             holders.get(it.name),
             it.name in holders and it.lead is not None,  # experts stay where they are placed
@@ -177,47 +179,102 @@ def item_holders(items: Sequence[Item], topology: Topology) -> dict[str, tuple[i
 
     An expert of a stack sharded over the expert dimension, a head block inside one tensor
     parallel rank's rows, a small matrix that row sharding leaves on one rank. Identical
-    on every rank (agreed information only).
+    on every rank (agreed information only). The ranks' fragments are read once per kind
+    of matrix (:class:`_Cover`): the blocks of a parameter look their holders up by position.
     """
     out: dict[str, tuple[int, ...]] = {}
-    seen: dict[tuple[object, ...], tuple[int, ...]] = {}  # items alike: the same holders
+    covers: dict[tuple[object, ...], _Cover] = {}
     for item in items:
         if item.is_local:
             continue
         layout = topology.layouts[item.param]
         if not any(isinstance(p, Shard | _StridedShard) for p in layout.placements):
             continue  # replicated: every rank holds it whole (_StridedShard is no Shard)
-        alike: tuple[object, ...] = (layout.shape, layout.mesh_shape, layout.placements)
-        alike += (item.flat, item.lead, item.span, item.dim, item.m, item.n, item.copy, item.unit)
-        found = seen.get(alike)
-        if found is None:
-            pos_of = {r: i for i, r in enumerate(item.copy)}
-            held = []
-            for r in item.unit:
-                coord = _unravel(pos_of[r], layout.mesh_shape) if layout.mesh_shape else ()
-                whole = fragment_for(layout.shape, layout.mesh_shape, layout.placements, coord)
-                if _holds(matrix_fragment(whole, layout, item), item):
-                    held.append(r)
-            found = seen[alike] = tuple(sorted(held))
+        blocked = item.span is not None
+        # the size along the split dimension is the span's business, not the kind's
+        sizes = (
+            None if blocked and item.dim == 0 else item.m,
+            None if blocked and item.dim == 1 else item.n,
+        )
+        kind: tuple[object, ...] = (
+            *(layout.shape, layout.mesh_shape, layout.placements, item.flat, item.lead),
+            *(item.copy, item.unit, item.dim if blocked else None, sizes),
+        )
+        cover = covers.get(kind)
+        if cover is None:
+            cover = covers[kind] = _Cover.of(item, layout)
+        found = cover.holders(item)
         if found and len(found) < len(item.unit):
             out[item.name] = found
     return out
 
 
-def _holds(frag: Fragment, item: Item) -> bool:
-    """Whether a rank's fragment of the whole parameter contains all of ``item``."""
-    runs = frag.runs
-    if item.lead is not None:
-        if frag.position(item.lead) is None:
-            return False
-        runs = runs[1:]
-    extents = [(0, item.m), (0, item.n)]
-    if item.span is not None:
-        extents[item.dim] = item.span
-    return all(
-        any(start <= a and b <= stop for start, stop in dim_runs)
-        for dim_runs, (a, b) in zip(runs, extents, strict=True)
-    )
+@dataclass(frozen=True, slots=True)
+class _Cover:
+    """Where one kind of matrix lies on its unit's ranks, indexed for the holders' search.
+
+    Attributes:
+        whole: Ranks whose fragment holds the whole matrix (the lead included), sorted.
+        runs: Per dimension, ``(start, stop, rank)`` of every run along it of the ranks
+            whose fragment holds the whole of the other dimension, by start.
+        starts: The runs' starts, per dimension (for bisection).
+        longest: Per dimension, the longest of those runs (0 without runs).
+    """
+
+    whole: tuple[int, ...]
+    runs: tuple[tuple[tuple[int, int, int], ...], ...]
+    starts: tuple[tuple[int, ...], ...]
+    longest: tuple[int, ...]
+
+    @classmethod
+    def of(cls, item: Item, layout: ParamLayout) -> _Cover:
+        """The cover of ``item``'s kind: every rank of its unit's fragment, read once."""
+        pos_of = {r: i for i, r in enumerate(item.copy)}
+        whole: list[int] = []
+        runs: tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]] = ([], [])
+        for r in item.unit:
+            coord = _unravel(pos_of[r], layout.mesh_shape) if layout.mesh_shape else ()
+            frag = matrix_fragment(
+                fragment_for(layout.shape, layout.mesh_shape, layout.placements, coord),
+                layout,
+                item,
+            )
+            held = frag.runs
+            if item.lead is not None:
+                if frag.position(item.lead) is None:
+                    continue
+                held = held[1:]
+            sizes = (item.m, item.n)
+            covers = [_covers(runs_, 0, size) for runs_, size in zip(held, sizes, strict=True)]
+            if all(covers):
+                whole.append(r)
+            for dim in (0, 1):
+                if covers[1 - dim]:
+                    runs[dim].extend((a, b, r) for a, b in held[dim])
+        ordered = tuple(tuple(sorted(x)) for x in runs)
+        return cls(
+            tuple(sorted(whole)),
+            ordered,
+            tuple(tuple(a for a, _, _ in x) for x in ordered),
+            tuple(max((b - a for a, b, _ in x), default=0) for x in ordered),
+        )
+
+    def holders(self, item: Item) -> tuple[int, ...]:
+        """The ranks that hold ``item`` whole, sorted: all of it, or its block's span."""
+        if item.span is None:
+            return self.whole
+        a, b = item.span
+        dim = item.dim
+        runs, starts = self.runs[dim], self.starts[dim]
+        # a run starting before a - longest ends before a: only these can hold the span
+        lo = bisect.bisect_left(starts, a - self.longest[dim])
+        hi = bisect.bisect_right(starts, a)
+        return tuple(sorted({r for _, stop, r in runs[lo:hi] if b <= stop}))
+
+
+def _covers(runs: Runs, a: int, b: int) -> bool:
+    """Whether one of ``runs`` holds all of ``[a, b)``."""
+    return any(start <= a and b <= stop for start, stop in runs)
 
 
 @dataclass(slots=True)

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement, Replicate
 
+from canzona.plan.spec import Ranks
 from canzona.runtime.checks import AGREE, STAGES_HINT, first_difference, ranks_by_value
 from canzona.runtime.config import PlanMismatchError
 from canzona.runtime.layout import LayoutError, check_placements, fragment_for
@@ -256,7 +257,7 @@ def agree(
             copies.setdefault(key, set()).add(tuple(ranks))
     result: dict[MeshKey, tuple[tuple[int, ...], ...]] = {}
     for key, found in copies.items():
-        ordered = tuple(sorted(found))
+        ordered = tuple(Ranks(r) for r in sorted(found))
         seen: set[int] = set()
         for ranks in ordered:
             if seen & set(ranks):
