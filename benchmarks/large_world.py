@@ -1,21 +1,22 @@
 """One rank of a job of up to 1024 ranks in one process: the host time of its first and later steps.
 
 A process group of the ``fake`` backend (torch's, for one process that plays one rank of a
-larger job) holds rank 0 of a ``(W,)`` mesh. The parameters are a Qwen3 model's matrices from
-the catalogue (``canzona.plan.models``) as FSDP2 stores them (``Shard(0)`` DTensors holding
-rank 0's rows), every row count the model's and every column count divided by ``--cols`` (16),
-so that the owner math stays small on this CPU while the matrices, their splits and the
-fragments every rank holds are the model's. ``canzona.Muon`` (one Newton–Schulz iteration,
-``PlanConfig(cost="flops")``: no calibration) steps it with per-head splits (q/k/v rows,
-o columns, ``canzona.Split``) or none. The runtime's all-to-alls are replaced: a gather of one
-vector per rank (the cross-rank checks, the vote) returns this rank's vector from every rank,
-as every rank of a healthy job sends the same, and a payload exchange returns zeros. What is
-timed is therefore rank 0's own work in a step: its planning and setup at the first step, its
-packing, owner math and apply later, without the wire. Each case runs in a process of its own,
+larger job) holds one rank of a ``(W,)`` mesh, the first or the last. The parameters are a
+Qwen3 model's matrices from the catalogue (``canzona.plan.models``) as FSDP2 stores them
+(``Shard(0)`` DTensors holding that rank's rows), every row count the model's and every
+column count divided by ``COLS`` (16), so that the owner math stays small on this CPU while
+the matrices, their splits and the fragments every rank holds are the model's.
+``canzona.Muon`` (one Newton–Schulz iteration, ``PlanConfig(cost="flops")``: no
+calibration) steps it with per-head splits (q/k/v rows, o columns, ``canzona.Split``) or
+none. The runtime's all-to-alls are replaced: a gather of one vector per rank (the
+cross-rank checks, the vote) returns this rank's vector from every rank, as every rank of a
+healthy job sends the same, and a payload exchange returns zeros. What is timed is therefore
+the rank's own work in a step: its planning and setup at the first step, its packing, owner
+math and apply later, without the wire. Each case runs in a process of its own,
 forked from the parent once it has imported torch and canzona (a job's ranks have them imported
 before their first step; no canzona code has run in the parent, so every cache starts empty).
 
-    python benchmarks/large_world.py --full     # the published numbers, under a minute
+    python benchmarks/large_world.py --full     # the published numbers, about a minute
     python benchmarks/large_world.py --tiny --out /tmp/w --doc /tmp/w/b.md   # smoke test
 """
 
@@ -26,6 +27,7 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import argparse
+import itertools
 import json
 import multiprocessing
 import statistics
@@ -67,8 +69,10 @@ def _fake_all_to_all(out: Any, inp: Any, out_splits: Any, in_splits: Any, group:
     return _Done()
 
 
-def case(model: str, layers: int, world: int, split: str, steps: int) -> dict[str, Any]:
-    """Rank 0 of ``world`` ranks: step times and what its steps did (in this process)."""
+def case(
+    model: str, layers: int, world: int, split: str, steps: int, rank: int = 0
+) -> dict[str, Any]:
+    """Rank ``rank`` of ``world`` ranks: step times and what its steps did (in this process)."""
     import torch
     import torch._dynamo  # FSDP2's fully_shard has imported it before a job's first step
     import torch.distributed as dist
@@ -84,7 +88,7 @@ def case(model: str, layers: int, world: int, split: str, steps: int) -> dict[st
     torch.set_num_threads(1)
     watchdog.all_to_all = _fake_all_to_all  # type: ignore[assignment]
     pipeline.all_to_all = _fake_all_to_all  # type: ignore[assignment]
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     mesh = init_device_mesh("cpu", (world,))
     m = MODELS[model]
     q, kv = m.heads * m.head_dim, m.kv_heads * m.head_dim
@@ -101,7 +105,7 @@ def case(model: str, layers: int, world: int, split: str, steps: int) -> dict[st
     grads: dict[str, torch.Tensor] = {}
     for layer in range(layers or m.layers):
         for kind, shape in shapes.items():
-            local = torch.zeros(fragment_for(shape, (world,), (Shard(0),), (0,)).shape)
+            local = torch.zeros(fragment_for(shape, (world,), (Shard(0),), (rank,)).shape)
             full = torch.Size(shape)
             value = DTensor.from_local(
                 local, mesh, [Shard(0)], run_check=False, shape=full, stride=(shape[1], 1)
@@ -139,18 +143,19 @@ def case(model: str, layers: int, world: int, split: str, steps: int) -> dict[st
         "model": model,
         "layers": layers or m.layers,
         "world": world,
+        "rank": rank,
         "split": split,
         "matrices": len(plan.specs),
         "first_step_s": times[0],
         "later_step_s": statistics.median(times[1:]),
         "later_compute_s": statistics.median(computes[1:]),
-        "owned": sum(plan.owner(s.name) == 0 for s in plan.specs),
+        "owned": sum(plan.owner(s.name) == rank for s in plan.specs),
         "micro_groups": stats.micro_groups,
         "bytes_sent": stats.bytes_sent,
     }
 
 
-def _child(conn: Connection, args: tuple[str, int, int, str, int]) -> None:
+def _child(conn: Connection, args: tuple[str, int, int, str, int, int]) -> None:
     """One case in a forked process: its row, or the error's traceback, through ``conn``."""
     try:
         conn.send(case(*args))
@@ -161,7 +166,11 @@ def _child(conn: Connection, args: tuple[str, int, int, str, int]) -> None:
 
 
 def run(preset: dict[str, Any]) -> list[dict[str, Any]]:
-    """Every (world, split) case in a process of its own, forked from this one."""
+    """Every (world, split, rank) case in a process of its own, forked from this one.
+
+    The first rank and the last: rank 0 owns the most matrices where they outnumber the
+    ranks, and the last rank finds itself at the end of every rank set it belongs to.
+    """
     import torch  # noqa: F401  imported once, here: the children start with it
 
     import canzona  # noqa: F401
@@ -169,8 +178,8 @@ def run(preset: dict[str, Any]) -> list[dict[str, Any]]:
     fork = multiprocessing.get_context("fork")
     rows = []
     for world in preset["worlds"]:
-        for split in SPLITS:
-            args = (preset["model"], preset["layers"], world, split, preset["steps"])
+        for split, rank in itertools.product(SPLITS, (0, world - 1)):
+            args = (preset["model"], preset["layers"], world, split, preset["steps"], rank)
             receive, send = fork.Pipe(duplex=False)
             child = fork.Process(target=_child, args=(send, args))
             child.start()
@@ -180,8 +189,9 @@ def run(preset: dict[str, Any]) -> list[dict[str, Any]]:
             if isinstance(row, str):
                 raise RuntimeError(f"case {args} failed in its process:\n{row}")
             print(
-                f"{row['model']} world {world} split {split}: {row['matrices']} matrices, "
-                f"first step {row['first_step_s']:.2f} s, later {row['later_step_s'] * 1e3:.0f} ms"
+                f"{row['model']} world {world} split {split} rank {rank}: "
+                f"{row['matrices']} matrices, first step {row['first_step_s']:.2f} s, "
+                f"later {row['later_step_s'] * 1e3:.0f} ms"
             )
             rows.append(row)
     return rows
@@ -193,15 +203,15 @@ def render(payload: dict[str, Any]) -> str:
     lines = [
         "## One rank of a large job",
         "",
-        f"Commit `{payload['commit']}`, `{payload['command']}` ({payload['cpu']}). Rank 0 of a "
-        "job of W ranks in one process (torch's `fake` process group): the Qwen3 model's "
-        f"matrices as FSDP2 shards them (`Shard(0)`; row counts the model's, column counts "
-        f"divided by {COLS}), `canzona.Muon` with one Newton–Schulz iteration and FLOP costs, "
-        "with per-head splits (q/k/v rows, o columns) or none. The all-to-alls do not run: "
-        "gathers of one vector per rank return this rank's from every rank (a healthy job's "
-        "ranks send the same), payloads arrive as zeros. *First step*: planning, routing and "
-        "the schedule, then the step; *later steps*: median, of which the owners' math as "
-        "`last_step_stats.compute_s`.",
+        f"Commit `{payload['commit']}`, `{payload['command']}` ({payload['cpu']}). One rank of "
+        "a job of W ranks, the first (0) or the last (W - 1), in one process (torch's `fake` "
+        "process group): the Qwen3 model's matrices as FSDP2 shards them (`Shard(0)`; row "
+        f"counts the model's, column counts divided by {COLS}), `canzona.Muon` with one "
+        "Newton–Schulz iteration and FLOP costs, with per-head splits (q/k/v rows, o "
+        "columns) or none. The all-to-alls do not run: gathers of one vector per rank return "
+        "this rank's from every rank (a healthy job's ranks send the same), payloads arrive "
+        "as zeros. *First step*: planning, routing and the schedule, then the step; *later "
+        "steps*: median, of which the owners' math as `last_step_stats.compute_s`.",
         "",
         markdown_table(
             [
@@ -209,10 +219,11 @@ def render(payload: dict[str, Any]) -> str:
                 "split",
                 "matrices",
                 "W",
+                "rank",
                 "first step (s)",
                 "later steps (ms)",
                 "of which owner math (ms)",
-                "matrices rank 0 owns",
+                "matrices the rank owns",
                 "micro-groups",
             ],
             [
@@ -221,6 +232,7 @@ def render(payload: dict[str, Any]) -> str:
                     r["split"],
                     r["matrices"],
                     r["world"],
+                    r["rank"],
                     f"{r['first_step_s']:.2f}",
                     f"{r['later_step_s'] * 1e3:.0f}",
                     f"{r['later_compute_s'] * 1e3:.0f}",

@@ -371,24 +371,27 @@ def test_gc_in_step_tiny(tmp_path: Path) -> None:
 
 
 def test_large_world_tiny(tmp_path: Path) -> None:
-    """Rank 0 of 16 on a fake process group: the model's matrices, split per head or not."""
+    """Ranks 0 and 15 of 16 on a fake process group: the model's matrices, split per head or
+    not."""
     import large_world
 
     doc = tmp_path / "b.md"
     assert large_world.main(["--tiny", "--out", str(tmp_path), "--doc", str(doc)]) == 0
     saved = json.loads((tmp_path / "large_world.json").read_text())
     assert COMMIT.match(saved["commit"]) and saved["mode"] == "tiny"
-    rows = {r["split"]: r for r in saved["rows"]}
+    rows = {(r["split"], r["rank"]): r for r in saved["rows"]}
     # two qwen3-0.6b layers: 16 q, 8 k, 8 v and 16 o heads and 3 MLP matrices each, or 7
-    assert {s: (r["world"], r["matrices"]) for s, r in rows.items()} == {
-        "heads": (16, 102),
-        "none": (16, 14),
+    assert {k: (r["world"], r["matrices"]) for k, r in rows.items()} == {
+        ("heads", 0): (16, 102),
+        ("heads", 15): (16, 102),
+        ("none", 0): (16, 14),
+        ("none", 15): (16, 14),
     }
     for r in rows.values():
         assert r["first_step_s"] > 0 and r["later_step_s"] > 0 and r["micro_groups"] == 1
     section = _section(doc, "large_world")
     assert f"Commit `{saved['commit']}`" in section
-    assert "| qwen3-0.6b (2 layers) | heads | 102 | 16 |" in section
+    assert "| qwen3-0.6b (2 layers) | heads | 102 | 16 | 15 |" in section
 
 
 def test_replay_timeline_takes_each_gap_from_the_previous_call_s_end() -> None:

@@ -292,16 +292,19 @@ def test_largest_catalogued_model_plans_at_1024_ranks() -> None:
 
 
 def test_rank_sets_hash_once_and_behave_as_tuples() -> None:
-    """Catches: a rank set whose hash or equality differs from the tuple's (dictionaries keyed
-    by either would miss), one that hashes its ranks on every lookup, a spec that keeps a plain
-    copy of it (every later lookup hashing thousands of ranks again), and a cached hash that
-    leaks into what the digest or a pickle carries."""
+    """Catches: a rank set whose hash, equality or membership differs from the tuple's
+    (dictionaries keyed by either would miss), one that hashes or scans its ranks on every
+    lookup, a spec that keeps a plain copy of it (every later lookup hashing thousands of
+    ranks again), and a cache that leaks into what the digest or a pickle carries."""
     plain = tuple(range(0, 2048, 2))
     ranks = Ranks(plain)
     assert ranks == plain and hash(ranks) == hash(plain) and {plain: 1}[ranks] == 1
-    assert ranks.__dict__ == {"hash": hash(plain)}  # computed once, then kept
+    assert [r in ranks for r in (0, 1, 2046, 2047, -2, 2048)] == [
+        r in plain for r in (0, 1, 2046, 2047, -2, 2048)
+    ]
+    assert ranks.__dict__ == {"hash": hash(plain), "members": frozenset(plain)}  # once, kept
     assert MatrixSpec("a", (4, 4), 4, ranks).ranks is ranks
     assert type(MatrixSpec("b", (4, 4), 4, (0, 1)).ranks) is Ranks
     assert json.dumps(ranks) == json.dumps(plain)
     back = pickle.loads(pickle.dumps(ranks))
-    assert type(back) is Ranks and back == plain and hash(back) == hash(plain)
+    assert type(back) is Ranks and back == plain and not back.__dict__ and hash(back) == hash(plain)

@@ -17,11 +17,12 @@ MAX_BYTES = 2**63 - 1
 
 
 class Ranks(tuple[int, ...]):
-    """A tuple of ranks that computes its hash once.
+    """A tuple of ranks that computes its hash, and a set for membership, once.
 
     A job's rank sets (a mesh copy, the ranks that update a matrix) hold up to thousands of
-    ranks and key dictionaries once per matrix while a plan is built: a plain tuple hashes
-    every element on every lookup. Equal to, and hashing like, the plain tuple.
+    ranks; while a plan is built and routed they key dictionaries and are asked whether they
+    hold a rank once per matrix, where a plain tuple hashes every element on every lookup
+    and scans up to its end for the last ranks. Equal to, and hashing like, the plain tuple.
     """
 
     def __hash__(self) -> int:
@@ -29,6 +30,16 @@ class Ranks(tuple[int, ...]):
         if cached is None:
             cached = self.__dict__["hash"] = tuple.__hash__(self)
         return cached
+
+    def __contains__(self, rank: object) -> bool:
+        members: frozenset[object] | None = self.__dict__.get("members")
+        if members is None:
+            members = self.__dict__["members"] = frozenset(self)
+        return rank in members
+
+    def __reduce__(self) -> tuple[type[Ranks], tuple[tuple[int, ...]]]:
+        """Pickled as its ranks alone (what it caches is rebuilt where it is used)."""
+        return (Ranks, (tuple(self),))
 
 
 def _is_int(value: object) -> bool:
