@@ -214,9 +214,11 @@ class _Cover:
     """Where one kind of matrix lies on its unit's ranks, indexed for the holders' search.
 
     Attributes:
-        whole: Ranks whose fragment holds the whole matrix (the lead included), sorted.
+        whole: Ranks whose fragment holds the whole matrix (the lead included), sorted
+            (a kind of whole matrices).
         runs: Per dimension, ``(start, stop, rank)`` of every run along it of the ranks
-            whose fragment holds the whole of the other dimension, by start.
+            whose fragment holds the whole of the other dimension, by start (a kind of
+            blocks: along their split dimension, the other one empty).
         starts: The runs' starts, per dimension (for bisection).
         longest: Per dimension, the longest of those runs (0 without runs).
     """
@@ -230,6 +232,7 @@ class _Cover:
     def of(cls, item: Item, layout: ParamLayout) -> _Cover:
         """The cover of ``item``'s kind: every rank of its unit's fragment, read once."""
         pos_of = {r: i for i, r in enumerate(item.copy)}
+        sizes = (item.m, item.n)  # along a block's split dimension, the block's: not read
         whole: list[int] = []
         runs: tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]] = ([], [])
         for r in item.unit:
@@ -244,13 +247,14 @@ class _Cover:
                 if frag.position(item.lead) is None:
                     continue
                 held = held[1:]
-            sizes = (item.m, item.n)
             covers = [_covers(runs_, 0, size) for runs_, size in zip(held, sizes, strict=True)]
-            if all(covers):
-                whole.append(r)
-            for dim in (0, 1):
-                if covers[1 - dim]:
-                    runs[dim].extend((a, b, r) for a, b in held[dim])
+            if item.span is None:
+                if all(covers):
+                    whole.append(r)
+                continue
+            other = 1 - item.dim
+            if covers[other]:
+                runs[item.dim].extend((a, b, r) for a, b in held[item.dim])
         ordered = tuple(tuple(sorted(x)) for x in runs)
         return cls(
             tuple(sorted(whole)),
