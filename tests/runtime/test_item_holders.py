@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard, _StridedShard
 
 from canzona.plan import Split
+from canzona.runtime.layout import LayoutError
 from canzona.runtime.routing import Item, _item_part, build_items, item_holders, plan_specs
 from canzona.runtime.topology import ParamLayout, Topology
 
@@ -121,3 +123,17 @@ def test_holders_by_position_equal_the_ranks_read_one_by_one(
     for dedup in (True, False):
         items = build_items(topology, [0], replica_dedup=dedup, splits=split)
         assert item_holders(items, topology) == _holders_one_by_one(items, topology)
+
+
+def test_a_remembered_part_names_the_parameter_that_asks() -> None:
+    """Catches: a matricised weight cut past its first dimension refused only the first time
+    (errors are not remembered), or named after the parameter that asked first."""
+    topology = _topology({"conv": ((4, 2, 3), Shard(1)), "conv2": ((4, 2, 3), Shard(1))})
+    items = build_items(topology, [0, 1], replica_dedup=True, flatten=frozenset({0, 1}))
+    for item in [*items, *items]:
+        layout = topology.layouts[item.param]
+        with pytest.raises(LayoutError, match=f"parameter {layout.name!r} "):
+            _item_part(layout, (0,), item)
+    whole = ParamLayout(2, "w", (4, 6), torch.float32, (2,), None, (Shard(0),), (0, 1))
+    item = Item("w", 2, None, 4, 6, (0, 1), (0, 1))
+    assert _item_part(whole, (1,), item) is _item_part(whole, (1,), item)  # remembered

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from torch.distributed.tensor.placement_types import Shard, _StridedShard
+from torch.distributed.tensor.placement_types import Placement, Shard, _StridedShard
 
 from canzona.plan import MatrixSpec, Plan, Split
 from canzona.plan.spec import Ranks
@@ -17,6 +18,7 @@ from canzona.runtime.topology import ParamLayout, Topology
 
 Runs = tuple[tuple[int, int], ...]
 LocalPart = tuple[Runs, Runs]  # local (row, column) index runs of a fragment in its shard
+Part = tuple[Fragment | None, int | None, LocalPart | None]  # a rank's fragment, lead, local
 
 
 @dataclass(frozen=True, slots=True)
@@ -342,38 +344,81 @@ def matrix_fragment(frag: Fragment, layout: ParamLayout, item: Item) -> Fragment
     """
     if not item.flat or len(frag.runs) == 2:
         return frag
-    rest = math.prod(layout.shape[1:])
-    for size, runs in zip(layout.shape[1:], frag.runs[1:], strict=True):
+    found = _flattened(frag, layout.shape)
+    if found is None:
+        raise _not_a_matrix(layout)
+    return found
+
+
+def _flattened(frag: Fragment, shape: tuple[int, ...]) -> Fragment | None:
+    """:func:`matrix_fragment` of an N-D fragment (None: a dimension past the first is cut)."""
+    rest = math.prod(shape[1:])
+    for size, runs in zip(shape[1:], frag.runs[1:], strict=True):
         if runs != ((0, size),):
-            raise LayoutError(
-                f"parameter {layout.name!r} ({layout.shape}, placements {layout.placements}) is "
-                "updated as a matrix of its first dimension by the rest; that needs every "
-                "dimension but the first unsharded"
-            )
+            return None
     return Fragment((frag.runs[0], ((0, rest),) if frag.runs[0] else ()))
 
 
-def _item_part(
-    layout: ParamLayout, coord: tuple[int, ...], item: Item
-) -> tuple[Fragment | None, int | None, LocalPart | None]:
+def _not_a_matrix(layout: ParamLayout) -> LayoutError:
+    return LayoutError(
+        f"parameter {layout.name!r} ({layout.shape}, placements {layout.placements}) is "
+        "updated as a matrix of its first dimension by the rest; that needs every "
+        "dimension but the first unsharded"
+    )
+
+
+class _NotAMatrix(Exception):
+    """A matricised weight's fragment cut past its first dimension (named by the caller)."""
+
+
+def _item_part(layout: ParamLayout, coord: tuple[int, ...], item: Item) -> Part:
     """A rank's 2-D fragment of one matrix, its lead position and its local part.
 
     For a block the fragment is in block coordinates and the local part says where it sits
     in the rank's local matrix; for a 3-D stack the position is the lead's local index.
+    Remembered per kind of matrix and coordinate (a part never changes): the routing of a
+    large job asks for the same parts in every layer.
     """
-    frag = matrix_fragment(
-        fragment_for(layout.shape, layout.mesh_shape, layout.placements, coord), layout, item
-    )
+    shape, mesh, placements = layout.shape, layout.mesh_shape, layout.placements
+    key = (shape, mesh, placements, coord, item.flat, item.lead, item.span, item.dim)
+    try:
+        try:
+            return _remembered_part(*key)
+        except TypeError:  # an unhashable placement of another kind: not remembered
+            return _part(*key)
+    except _NotAMatrix:
+        raise _not_a_matrix(layout) from None
+
+
+def _part(
+    shape: tuple[int, ...],
+    mesh_shape: tuple[int, ...],
+    placements: tuple[Placement, ...],
+    coord: tuple[int, ...],
+    flat: bool,
+    lead: int | None,
+    span: tuple[int, int] | None,
+    dim: int,
+) -> Part:
+    frag = fragment_for(shape, mesh_shape, placements, coord)
+    if flat and len(frag.runs) != 2:
+        matrix = _flattened(frag, shape)
+        if matrix is None:
+            raise _NotAMatrix
+        frag = matrix
     pos = None
-    if item.lead is not None:
-        pos = frag.position(item.lead)
+    if lead is not None:
+        pos = frag.position(lead)
         if pos is None:
             return None, None, None
         frag = Fragment(frag.runs[1:])
     local = None
-    if item.span is not None:
-        frag, local = _restrict(frag, item.dim, item.span)
+    if span is not None:
+        frag, local = _restrict(frag, dim, span)
     return (frag, pos, local) if frag.numel else (None, pos, None)
+
+
+_remembered_part = functools.lru_cache(maxsize=1 << 16)(_part)
 
 
 def route_item(
