@@ -235,20 +235,15 @@ class _Cover:
         """The cover of ``item``'s kind: every rank of its unit's fragment, read once."""
         pos_of = {r: i for i, r in enumerate(item.copy)}
         sizes = (item.m, item.n)  # along a block's split dimension, the block's: not read
+        matrix = item if item.span is None else replace(item, span=None)  # the whole matrix
         whole: list[int] = []
         runs: tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]] = ([], [])
         for r in item.unit:
             coord = _unravel(pos_of[r], layout.mesh_shape) if layout.mesh_shape else ()
-            frag = matrix_fragment(
-                fragment_for(layout.shape, layout.mesh_shape, layout.placements, coord),
-                layout,
-                item,
-            )
+            frag, _, _ = _item_part(layout, coord, matrix)
+            if frag is None:  # none of it here (or not the lead)
+                continue
             held = frag.runs
-            if item.lead is not None:
-                if frag.position(item.lead) is None:
-                    continue
-                held = held[1:]
             covers = [_covers(runs_, 0, size) for runs_, size in zip(held, sizes, strict=True)]
             if item.span is None:
                 if all(covers):
@@ -335,23 +330,12 @@ def _restrict(frag: Fragment, dim: int, span: tuple[int, int]) -> tuple[Fragment
     return Fragment(tuple(runs)), (parts[0], parts[1])
 
 
-def matrix_fragment(frag: Fragment, layout: ParamLayout, item: Item) -> Fragment:
-    """A fragment of a matricised N-D weight as a fragment of its ``(shape[0], rest)`` matrix.
-
-    Raises:
-        LayoutError: when a dimension past the first is sharded (the rows of the matrix
-            would not be whole runs of columns).
-    """
-    if not item.flat or len(frag.runs) == 2:
-        return frag
-    found = _flattened(frag, layout.shape)
-    if found is None:
-        raise _not_a_matrix(layout)
-    return found
-
-
 def _flattened(frag: Fragment, shape: tuple[int, ...]) -> Fragment | None:
-    """:func:`matrix_fragment` of an N-D fragment (None: a dimension past the first is cut)."""
+    """An N-D weight's fragment as one of its ``(shape[0], rest)`` matrix.
+
+    None when a dimension past the first is cut (the rows of the matrix would not be whole
+    runs of columns).
+    """
     rest = math.prod(shape[1:])
     for size, runs in zip(shape[1:], frag.runs[1:], strict=True):
         if runs != ((0, size),):
