@@ -18,6 +18,7 @@ before their first step; no canzona code has run in the parent, so every cache s
 
     python benchmarks/large_world.py --full     # the published numbers, about a minute
     python benchmarks/large_world.py --tiny --out /tmp/w --doc /tmp/w/b.md   # smoke test
+    python benchmarks/large_world.py --case qwen3-32b 0 1024 heads 2 1023    # one case
 """
 
 from __future__ import annotations
@@ -253,13 +254,21 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--quick", action="store_true", help="one world size (default)")
     mode.add_argument("--full", action="store_true", help="the published numbers")
     mode.add_argument("--tiny", action="store_true", help="seconds; smoke tests only")
-    mode.add_argument("--case", nargs=5, help=argparse.SUPPRESS)
+    mode.add_argument(
+        "--case",
+        nargs="+",
+        metavar="MODEL LAYERS WORLD SPLIT STEPS [RANK]",
+        help="one case in this process, its row as JSON (layers 0: all of the model's)",
+    )
     parser.add_argument("--out", type=Path, help="directory of the JSON file")
     parser.add_argument("--doc", type=Path, help="Markdown file")
     args = parser.parse_args(argv)
     if args.case:
-        model, layers, world, split, steps = args.case
-        print(json.dumps(case(model, int(layers), int(world), split, int(steps))))
+        if len(args.case) not in (5, 6):
+            parser.error("--case takes MODEL LAYERS WORLD SPLIT STEPS [RANK]")
+        model, layers, world, split, steps, *rank = args.case
+        row = case(model, int(layers), int(world), split, int(steps), *map(int, rank))
+        print(json.dumps(row))
         return 0
     name = "full" if args.full else "tiny" if args.tiny else "quick"
     from kernels import cpu_description
