@@ -23,7 +23,9 @@ def test_send_ranges_of_two_buffers_never_merge() -> None:
     """Catches: a range of one buffer class extended by the next class's range that starts
     at the same offset (its own buffer): the receiver got the first buffer's bytes."""
     parts: list = [[0, 0, 4]]
-    add_part(parts, (1, 4, 4))
+    classes: list[int | None] = [0]
+    add_part(parts, (1, 4, 4), classes, 1)
     assert parts == [[0, 0, 4], [1, 4, 4]]
-    add_part(parts, (1, 8, 2))  # follows the last range of its own class: extended
+    add_part(parts, (1, 8, 2), classes, 1)  # follows the last range of its own class: extended
     assert parts == [[0, 0, 4], [1, 4, 6]]
+    assert classes == [0, 1]

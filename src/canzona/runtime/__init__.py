@@ -13,7 +13,7 @@ from canzona.runtime.config import (
 )
 from canzona.runtime.engine import MatrixRuntime
 from canzona.runtime.layout import Fragment, LayoutError, fragment_for
-from canzona.runtime.pipeline import Failure, StepDeclined, StepStats
+from canzona.runtime.pipeline import Failure, StepDeclined
 from canzona.runtime.reshard import to_storage_layouts
 from canzona.runtime.routing import Item
 from canzona.runtime.statecomm import (
@@ -24,6 +24,7 @@ from canzona.runtime.statecomm import (
     import_state,
     snapshot,
 )
+from canzona.runtime.stats import StepStats
 from canzona.runtime.step_start import StepStart
 from canzona.runtime.table import ApplyBatch, ComputeBatch, ParamRow, StepTable
 from canzona.runtime.tensors import (

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import torch
 from torch.distributed.tensor import DTensor
 
+from canzona.runtime.assembled import Assembled
 from canzona.runtime.schedule_parts import Delivery, Target
 from canzona.runtime.table import ApplyBatch, ApplyFn, StepTable
 from canzona.runtime.tensors import local_tensor
@@ -15,7 +16,7 @@ __all__ = ["apply_runs"]
 
 
 def apply_runs(
-    runs: Sequence[tuple[torch.Tensor, Delivery]],
+    runs: Sequence[tuple[torch.Tensor, Delivery | Assembled]],
     table: StepTable,
     tensors: Sequence[torch.Tensor],
     apply: ApplyFn,
@@ -24,13 +25,17 @@ def apply_runs(
 
     A 3-D stack whose matrices arrive in several runs is applied whole, from one assembled
     direction, so that the update does not depend on which owners sent which matrices
-    (a half-precision one matrix by matrix: :func:`_add_stack`).
+    (a half-precision one matrix by matrix: :func:`_add_stack`). An assembled read gives
+    each of its parameters' shards as one target.
     """
     batches: dict[tuple[int, int, int], ApplyBatch] = {}
     stacks: dict[int, tuple[ApplyBatch, list[tuple[Target, torch.Tensor, int]]]] = {}
     flats: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (block view, contiguous copy)
     for data, d in runs:
+        if isinstance(d, Assembled):
+            _add_wholes(batches, table, tensors, data, d)
+            continue
         key = (d.key, *d.full)
         batch = batches.get(key)
         if batch is None:
@@ -77,6 +82,25 @@ def apply_runs(
     for local, matrix in flats.values():
         if matrix.data_ptr() != local.data_ptr():  # a copy: written back
             local.copy_(matrix.view(local.shape))
+
+
+def _add_wholes(
+    batches: dict[tuple[int, int, int], ApplyBatch],
+    table: StepTable,
+    tensors: Sequence[torch.Tensor],
+    data: torch.Tensor,
+    assembled: Assembled,
+) -> None:
+    """Append each parameter of an assembled read, its local shard one target."""
+    for w in assembled.params:
+        key = (w.key, *w.full)
+        batch = batches.get(key)
+        if batch is None:
+            batch = batches[key] = ApplyBatch(w.key, table.hparams[w.key], w.full)
+        direction = data.narrow(0, w.offset, w.shape[0] * w.shape[1]).view(w.shape)
+        batch.directions.append(direction if direction.dtype == w.dtype else direction.to(w.dtype))
+        batch.targets.append(local_tensor(tensors[w.param]))
+        batch.params.append(w.param)
 
 
 def _add_stack(batch: ApplyBatch, target: torch.Tensor, directions: torch.Tensor, p: int) -> None:

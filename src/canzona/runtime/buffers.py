@@ -81,6 +81,11 @@ class FlatBuffer:
             self.tensor.untyped_storage().resize_(0)
 
 
+def block_pattern(shape: tuple[int, int], width: int) -> torch.Tensor:
+    """Offsets of a block's elements from its first, in a matrix of ``width`` columns."""
+    return (torch.arange(shape[0]).view(-1, 1) * width + torch.arange(shape[1])).view(-1)
+
+
 def allocate(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A step buffer's memory (uninitialised)."""
     return torch.empty(numel, dtype=dtype, device=device)
@@ -118,6 +123,34 @@ class Selector:
             return stack[:, self._slices[0], self._slices[1]]
         assert self._rows is not None and self._cols is not None
         return stack.index_select(1, self._rows).index_select(2, self._cols)
+
+    def origin(self) -> tuple[int, int] | None:
+        """The fragment's first row and column when it is one block, else None."""
+        if self._slices is None:
+            return None
+        return self._slices[0].start, self._slices[1].start
+
+    def pattern(self, width: int) -> tuple[object, int, torch.Tensor | None]:
+        """Where the fragment's elements lie in a row-major matrix of ``width`` columns.
+
+        ``(key, offset, pattern)``: element ``j`` of the fragment (row-major) lies at
+        ``offset + pattern[j]``. Every block of one shape shares its key and pattern (its
+        offset is where it starts), so the pattern is made once per key: ``pattern`` is None
+        for a key of a block, which :func:`block_pattern` makes.
+        """
+        if self._slices is not None:
+            rows, cols = self._slices
+            return (self.shape, width), rows.start * width + cols.start, None
+        rows_t, cols_t = self.indices()
+        return id(self), 0, (rows_t.view(-1, 1) * width + cols_t.view(1, -1)).view(-1)
+
+    def indices(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fragment's rows and columns in the matrix, as int64 tensors on the CPU."""
+        if self._slices is not None:
+            rows, cols = self._slices
+            return torch.arange(rows.start, rows.stop), torch.arange(cols.start, cols.stop)
+        assert self._rows is not None and self._cols is not None
+        return self._rows.cpu(), self._cols.cpu()
 
     def write_(self, stack: torch.Tensor, data: torch.Tensor) -> None:
         """Write ``data`` ``(k, fr, fc)`` into this fragment of every matrix of ``stack``."""

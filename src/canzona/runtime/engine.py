@@ -19,7 +19,7 @@ from canzona.runtime.checks import (
     ride_header,
 )
 from canzona.runtime.config import PartialUpdateError, PipelineConfig
-from canzona.runtime.pipeline import Failure, Pipeline, StepStats
+from canzona.runtime.pipeline import Failure, Pipeline
 from canzona.runtime.pipelines import build_pipeline
 from canzona.runtime.plan_inputs import calibrated, items_and_specs
 from canzona.runtime.repricing import Observation, repriced
@@ -29,6 +29,7 @@ from canzona.runtime.routing import (
     route_all,
 )
 from canzona.runtime.statecomm import PlanRecord, Snapshot, snapshot
+from canzona.runtime.stats import StepStats
 from canzona.runtime.step_start import StepStart
 from canzona.runtime.table import ApplyFn, ComputeFn, StepTable
 from canzona.runtime.tensors import REDISTRIBUTED, process_group_of, shapes, tensor_device

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from canzona.runtime.schedule_parts import OwnerBatch, Piece, SendView
+from canzona.runtime.schedule_parts import Indexed, OwnerBatch, Piece, SendView
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,6 +145,8 @@ def _fragment(view: SendView) -> torch.Tensor:
     if isinstance(view, tuple):
         mat, selector = view
         return selector.read(mat.unsqueeze(0))
+    if isinstance(view, Indexed):
+        return view.read()
     return view
 
 
@@ -225,6 +227,8 @@ def _fill(region: torch.Tensor, run: list[torch.Tensor]) -> None:
 def assemble(batch: OwnerBatch, recv: torch.Tensor, device: torch.device) -> torch.Tensor:
     """The batch's full payloads ``(k, m, n)`` from the gather receive buffer."""
     k = len(batch.items)
+    if batch.index is not None:
+        return recv.index_select(0, batch.index).view(k, batch.m, batch.n).to(batch.dtype)
     if len(batch.assembly) == 1:  # one source holds every matrix whole: no copy
         run = batch.assembly[0]
         if run.count == k and run.selector.shape == (batch.m, batch.n):

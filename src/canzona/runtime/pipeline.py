@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from canzona.runtime.alltoall import all_to_all
 from canzona.runtime.apply import apply_runs
+from canzona.runtime.assembled import Assembled
 from canzona.runtime.checks import RIDE_READY, reports_of, ride_agrees, timed_vote
 from canzona.runtime.config import PipelineConfig, UpdateFailedError, partial_update
 from canzona.runtime.exchanges import (
@@ -28,7 +29,9 @@ from canzona.runtime.exchanges import (
     release,
     row_major,
 )
+from canzona.runtime.scatter_index import scatter_parts
 from canzona.runtime.schedule_parts import Delivery, GroupSchedule, OwnerBatch, Piece, Schedule
+from canzona.runtime.stats import StepStats
 from canzona.runtime.table import ApplyFn, ComputeBatch, ComputeFn, StepTable
 from canzona.runtime.watchdog import Watchdog
 
@@ -52,58 +55,6 @@ def kept_copies(
 ) -> list[tuple[torch.Tensor, Delivery]]:
     """Copies of this rank's own fragments of a replicated group's results."""
     return [(piece_of(outs, pc).clone(), d) for pc, d in kept]
-
-
-@dataclass
-class StepStats:
-    """What one rank did in one step (exposed as ``optimizer.last_step_stats``).
-
-    ``compute_s`` is the wall time of the owner-side math and ``compute_cpu_s`` its CPU
-    time on this thread (they differ when processes share cores); ``wait_s`` is time
-    blocked on collectives; ``apply_s`` the time writing directions into the parameters
-    after the step's success vote; ``total_s`` is the whole matrix phase of the step.
-    ``backup_bytes`` is what the optimizer copied to undo a failed step
-    (``PipelineConfig(atomic=True)``): the extra memory a step holds for atomicity.
-    ``header_rode``: the step's cross-rank check travelled in its first gather (a steady
-    step) instead of a collective of its own.
-    """
-
-    rank: int = 0
-    micro_groups: int = 0
-    collectives: int = 0
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    matrices_computed: int = 0
-    batches: int = 0
-    compute_s: float = 0.0
-    compute_cpu_s: float = 0.0
-    wait_s: float = 0.0
-    apply_s: float = 0.0
-    total_s: float = 0.0
-    backup_bytes: int = 0
-    skipped: bool = False
-    header_rode: bool = False
-    group_compute_s: list[float] = field(default_factory=list)
-
-    def as_dict(self) -> dict[str, Any]:
-        """Plain-dict view (JSON-friendly)."""
-        return {
-            "rank": self.rank,
-            "micro_groups": self.micro_groups,
-            "collectives": self.collectives,
-            "bytes_sent": self.bytes_sent,
-            "bytes_received": self.bytes_received,
-            "matrices_computed": self.matrices_computed,
-            "batches": self.batches,
-            "compute_s": self.compute_s,
-            "compute_cpu_s": self.compute_cpu_s,
-            "wait_s": self.wait_s,
-            "apply_s": self.apply_s,
-            "total_s": self.total_s,
-            "backup_bytes": self.backup_bytes,
-            "skipped": self.skipped,
-            "header_rode": self.header_rode,
-        }
 
 
 class StepDeclined(Exception):
@@ -304,7 +255,7 @@ class _Run:
         self.compute = compute
         self.failure = failure
         self.stats = StepStats(rank=pipeline.rank)
-        self.received: list[tuple[torch.Tensor, Delivery]] = []
+        self.received: list[tuple[torch.Tensor, Delivery | Assembled]] = []
         self.failed_ranks: list[int] | None = None  # from the last scatter's status
         self.wires: list[Wire] = []  # all-to-alls issued and not yet waited for
         self.riding = False  # the header rides the first gather
@@ -547,6 +498,7 @@ class _Run:
 
     def _scatter_exchange(self, g: GroupSchedule, outs: list[torch.Tensor]) -> Exchange:
         try:
+            flag = None
             if g.status:  # every segment starts with "has the sender failed so far"
                 flag = torch.full(
                     (1,),
@@ -554,13 +506,8 @@ class _Run:
                     dtype=g.scatter_dtype,
                     device=self.p.device,
                 )
-                parts: list[torch.Tensor] = []
-                for t in range(self.p.world):
-                    parts.append(flag)
-                    lo, hi = g.piece_bounds[t], g.piece_bounds[t + 1]
-                    parts += [piece_of(outs, pc) for pc in g.scatter_pieces[lo:hi]]
-            else:
-                parts = [piece_of(outs, pc) for pc in g.scatter_pieces]
+            assert g.scatter_send is not None
+            parts = scatter_parts(g.scatter_send, outs, flag)
             inp = concat(parts, g.scatter_dtype, self.p.device)
         except Exception as exc:
             where = f"packing the scatter of micro-group {g.index}"
@@ -579,6 +526,9 @@ class _Run:
             self.failed_ranks = [r for r, f in enumerate(flags) if f != 0]
         if self.failure is not None:
             return  # nothing will be applied: keep no memory for it
+        if g.assembled is not None:
+            self.received.append((out.index_select(0, g.assembled.index), g.assembled))
+            self.stats.assembled += len(g.assembled.params)
         for d in g.deliveries:
             numel = d.count * d.shape[0] * d.shape[1]
             self.received.append((out.narrow(0, d.offset, numel).view(d.count, *d.shape), d))

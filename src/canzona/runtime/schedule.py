@@ -20,11 +20,14 @@ from itertools import accumulate
 
 import torch
 
+from canzona.runtime.assembled import assemble_deliveries
 from canzona.runtime.buffers import FlatBuffer, Selector
 from canzona.runtime.checks import RIDE_WORDS
 from canzona.runtime.layout import Fragment
-from canzona.runtime.payload_layout import Dtypes, PayloadLayout, SendPart, add_part
+from canzona.runtime.owner_index import gather_index
+from canzona.runtime.payload_layout import Dtypes, PayloadLayout, SendPart, add_part, indexed
 from canzona.runtime.routing import Item, Route
+from canzona.runtime.scatter_index import scatter_send
 from canzona.runtime.schedule_parts import (
     Assembly,
     BatchKey,
@@ -33,9 +36,11 @@ from canzona.runtime.schedule_parts import (
     OwnerBatch,
     Piece,
     Schedule,
+    Selectors,
     SendView,
     Target,
     common_dtype,
+    fragment_runs,
     light_first,
     merge_targets,
     rects,
@@ -74,35 +79,6 @@ def _split(items: Sequence[Item], table: StepTable) -> list[tuple[BatchKey, list
         else:
             out.append((bk, [item]))
     return out
-
-
-class _Selectors:
-    """One :class:`Selector` per distinct fragment (index tensors built once)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self._cache: dict[Fragment, Selector] = {}
-
-    def __call__(self, frag: Fragment) -> Selector:
-        sel = self._cache.get(frag)
-        if sel is None:
-            sel = Selector(frag, self.device)
-            self._cache[frag] = sel
-        return sel
-
-
-def _runs(
-    entries: Sequence[tuple[int, Fragment]],
-) -> list[tuple[int, int, Fragment]]:
-    """(start, count, fragment) runs of consecutive positions sharing a fragment."""
-    runs: list[tuple[int, int, Fragment]] = []
-    for pos, frag in entries:
-        if runs and runs[-1][0] + runs[-1][1] == pos and runs[-1][2] == frag:
-            start, count, _ = runs[-1]
-            runs[-1] = (start, count + 1, frag)
-        else:
-            runs.append((pos, 1, frag))
-    return runs
 
 
 class ScheduleBuilder:
@@ -148,11 +124,14 @@ class ScheduleBuilder:
         self.replicated = replicated
         self.device = device
         self.keep_buffers = keep_buffers
-        self.selectors = _Selectors(device)
+        self.selectors = Selectors(device)
         self.layout = PayloadLayout()
         #: (class, offset) of the header's slot before each destination's segment, when the
         #: slots lie in the payload buffers (see :meth:`_place_payloads`).
         self.header_gaps: list[tuple[int, int]] = []
+
+    def _itemsize(self, param: int) -> int:
+        return self.topology.layouts[param].dtype.itemsize
 
     def _dtypes(self, param: int) -> tuple[torch.dtype, torch.dtype]:
         """The dtypes a parameter's payload is prepared in and travels in."""
@@ -405,6 +384,7 @@ class ScheduleBuilder:
         pieces: list[Piece] = []
         scatter_in = [0] * self.world
         kept: list[tuple[Piece, Delivery]] = []
+        assembled = send_back = None
         if self.replicated:
             for b, batch in enumerate(batches):
                 entries = [
@@ -417,7 +397,11 @@ class ScheduleBuilder:
             scatter_out = [0] * self.world
         else:
             pieces, scatter_in, bounds = self._scatter_pieces(batches, status)
+            send_back = scatter_send(pieces, bounds, batches, status, self.device)
             deliveries, scatter_out, flags = self._deliveries(items, status)
+            deliveries, assembled = assemble_deliveries(
+                deliveries, self.local_shapes, self._itemsize, self.device
+            )
         total = sum(it.m * it.n * table.row(it.param).payload_dtype.itemsize for it in items)
         return GroupSchedule(
             index=index,
@@ -429,13 +413,13 @@ class ScheduleBuilder:
             gather_out=gather_out,
             batches=batches,
             scatter_dtype=scatter_dtype,
-            scatter_pieces=pieces,
             scatter_in=scatter_in,
             scatter_out=scatter_out,
             deliveries=deliveries,
+            assembled=assembled,
+            scatter_send=send_back,
             kept=kept,
             status=status,
-            piece_bounds=[] if self.replicated else bounds,
             status_index=(
                 torch.tensor(flags, dtype=torch.int64, device=self.device)
                 if status and not self.replicated
@@ -456,17 +440,19 @@ class ScheduleBuilder:
         ranges ``gaps`` reserved for it in the payload buffers, else ``slot`` itself.
         """
         parts: list[SendPart] = []
+        classes: list[int | None] = []
         sizes = [0] * self.world
         for dest, sent in enumerate(self._by_destination(items)):
             if slot is not None:
-                add_part(parts, (*gaps[dest], slot.numel()) if gaps else slot)
+                add_part(parts, (*gaps[dest], slot.numel()) if gaps else slot, classes, None)
                 sizes[dest] += slot.numel()
             for item, route in sent:
                 assert route.frag is not None
                 sizes[dest] += route.frag.numel
-                add_part(parts, self._item_send(item, route))
+                cls = self.layout.views[item.param][0]
+                add_part(parts, self._item_send(item, route), classes, cls)
         views: list[SendView] = []
-        for part in parts:
+        for part in indexed(parts, classes, [b.tensor for b in self.payloads]):
             if isinstance(part, list):
                 cls, off, numel = part
                 views.append(self.payloads[cls].view(off, (numel,)))
@@ -501,12 +487,14 @@ class ScheduleBuilder:
             for b, j, frag in entries.get(src, []):
                 by_batch.setdefault(b, []).append((j, frag))
             for b, pairs in by_batch.items():
-                for start, count, frag in _runs(pairs):
+                for start, count, frag in fragment_runs(pairs):
                     run = Assembly(offset, start, count, self.selectors(frag))
                     batches[b].assembly.append(run)
                     offset += count * frag.numel
             sizes[src] = offset - base
             base = offset
+        for batch in batches:
+            batch.index = gather_index(batch, self.device)
         return batches, sizes
 
     def _scatter_pieces(
@@ -528,7 +516,7 @@ class ScheduleBuilder:
             for b, j, frag in per_target.get(target, []):
                 by_batch.setdefault(b, []).append((j, frag))
             for b, pairs in by_batch.items():
-                for start, count, frag in _runs(pairs):
+                for start, count, frag in fragment_runs(pairs):
                     piece = Piece(b, start, count, self.selectors(frag))
                     pieces.append(piece)
                     sizes[target] += piece.numel

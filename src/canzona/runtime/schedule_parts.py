@@ -4,15 +4,36 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from canzona.runtime.buffers import FlatBuffer, Selector
+from canzona.runtime.layout import Fragment
 from canzona.runtime.routing import Item, Runs
 
+if TYPE_CHECKING:
+    from canzona.runtime.assembled import Assembled
+    from canzona.runtime.scatter_index import ScatterSend
+
 BatchKey = tuple[int, int, int, torch.dtype]  # (param group, m, n, payload dtype)
-SendView = torch.Tensor | tuple[torch.Tensor, Selector]
-"""A sent fragment: a flat range, a strided 2-D view, or (a matrix, the fragment's runs)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Indexed:
+    """Small sent fragments of one payload buffer, one after the other, read by one index."""
+
+    buffer: torch.Tensor
+    index: torch.Tensor
+
+    def read(self) -> torch.Tensor:
+        """The fragments' elements, in order."""
+        return self.buffer.index_select(0, self.index)
+
+
+SendView = torch.Tensor | tuple[torch.Tensor, Selector] | Indexed
+"""A sent fragment: a flat range, a strided 2-D view, (a matrix, the fragment's runs), or
+many small ones read by one index."""
 
 
 def common_dtype(dtypes: Sequence[torch.dtype]) -> torch.dtype:
@@ -54,6 +75,9 @@ class OwnerBatch:
         dtype: Dtype of the stacked payload.
         assembly: Runs that fill the stack from the gather receive buffer.
         inputs: Local batches: the payload view of each matrix (no communication).
+        index: Where each element of the stack lies in the gather receive buffer, when it
+            is read by one index instead of placed run by run (see
+            :func:`~canzona.runtime.owner_index.gather_index`).
     """
 
     items: tuple[Item, ...]
@@ -63,6 +87,7 @@ class OwnerBatch:
     dtype: torch.dtype
     assembly: list[Assembly] = field(default_factory=list)
     inputs: tuple[torch.Tensor, ...] = ()
+    index: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,10 +174,13 @@ class GroupSchedule:
 
     With ``status`` (the step's last scatter), every segment of the scatter starts with one
     element saying whether its sender has failed so far in the step, so every rank learns
-    every rank's outcome without another collective: ``piece_bounds[t]`` is where target
-    ``t``'s pieces start in ``scatter_pieces``; ``status_index[s]`` is where sender ``s``'s
+    every rank's outcome without another collective; ``status_index[s]`` is where sender ``s``'s
     flag sits in the receive buffer (an index tensor on the buffers' device, built once so
-    that reading the flags copies nothing to the device). ``nbytes`` is the payload bytes of
+    that reading the flags copies nothing to the device). ``assembled`` reads, in one
+    call, the directions of the parameters whose shards arrive in many small pieces (taken
+    out of ``deliveries``); ``scatter_send`` is the scatter's send in wire order (per target
+    its flag, with ``status``, then its pieces), runs of small pieces and flags read by one
+    index. ``nbytes`` is the payload bytes of
     the group's whole matrices over the number of ranks (all of them for a replicated plan,
     where every rank receives every matrix), the same number on every rank: it decides
     which exchanges travel together
@@ -180,13 +208,13 @@ class GroupSchedule:
     gather_out: list[int]
     batches: list[OwnerBatch]
     scatter_dtype: torch.dtype
-    scatter_pieces: list[Piece]
     scatter_in: list[int]
     scatter_out: list[int]
     deliveries: list[Delivery]
     kept: list[tuple[Piece, Delivery]]
+    assembled: Assembled | None = None
+    scatter_send: ScatterSend | None = None
     status: bool = False
-    piece_bounds: list[int] = field(default_factory=list)
     status_index: torch.Tensor | None = None
     header: torch.Tensor | None = None
     header_slots: tuple[torch.Tensor, ...] = ()
@@ -282,3 +310,33 @@ def merge_targets(last: Target, new: Target) -> Target | None:
             rows = (last.rows[0], new.rows[1])
             return Target(last.param, last.pos, last.count + 1, rows, flat=last.flat)
     return None
+
+
+class Selectors:
+    """One :class:`Selector` per distinct fragment (index tensors built once)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._cache: dict[Fragment, Selector] = {}
+
+    def __call__(self, frag: Fragment) -> Selector:
+        """The fragment's selector (made at its first request)."""
+        sel = self._cache.get(frag)
+        if sel is None:
+            sel = Selector(frag, self.device)
+            self._cache[frag] = sel
+        return sel
+
+
+def fragment_runs(
+    entries: Sequence[tuple[int, Fragment]],
+) -> list[tuple[int, int, Fragment]]:
+    """(start, count, fragment) runs of consecutive positions sharing a fragment."""
+    runs: list[tuple[int, int, Fragment]] = []
+    for pos, frag in entries:
+        if runs and runs[-1][0] + runs[-1][1] == pos and runs[-1][2] == frag:
+            start, count, _ = runs[-1]
+            runs[-1] = (start, count + 1, frag)
+        else:
+            runs.append((pos, 1, frag))
+    return runs
