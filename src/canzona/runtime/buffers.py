@@ -81,9 +81,22 @@ class FlatBuffer:
             self.tensor.untyped_storage().resize_(0)
 
 
+def strided_pattern(shape: Sequence[int], strides: Sequence[int]) -> torch.Tensor:
+    """Offsets of a strided view's elements (row-major) from its first, as int64."""
+    pattern = torch.zeros((), dtype=torch.int64)
+    for size, stride in zip(shape, strides, strict=True):
+        pattern = pattern.unsqueeze(-1) + torch.arange(size) * stride
+    return pattern.view(-1)
+
+
 def block_pattern(shape: tuple[int, int], width: int) -> torch.Tensor:
     """Offsets of a block's elements from its first, in a matrix of ``width`` columns."""
-    return (torch.arange(shape[0]).view(-1, 1) * width + torch.arange(shape[1])).view(-1)
+    return strided_pattern(shape, (width, 1))
+
+
+def expand(starts: Sequence[int], pattern: torch.Tensor) -> torch.Tensor:
+    """Each start plus ``pattern``, one after the other (parts of one layout, flattened)."""
+    return (torch.tensor(starts, dtype=torch.int64).view(-1, 1) + pattern.view(1, -1)).view(-1)
 
 
 def allocate(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from canzona.runtime.assembled import PIECE_NUMEL
-from canzona.runtime.buffers import block_pattern
+from canzona.runtime.buffers import block_pattern, expand
 from canzona.runtime.schedule_parts import OwnerBatch
 
 __all__ = ["gather_index"]
@@ -35,8 +35,7 @@ def gather_index(batch: OwnerBatch, device: torch.device) -> torch.Tensor | None
         group[2].extend(range(run.offset, run.offset + run.count * size, size))
     index = torch.full((k * m * n,), -1, dtype=torch.int64)
     for pattern, places, starts in groups.values():
-        spots = (torch.tensor(places).view(-1, 1) + pattern.view(1, -1)).view(-1)
-        index[spots] = (torch.tensor(starts).view(-1, 1) + torch.arange(pattern.numel())).view(-1)
+        index[expand(places, pattern)] = expand(starts, torch.arange(pattern.numel()))
     if bool((index < 0).any()):
         return None
     return index.to(device)

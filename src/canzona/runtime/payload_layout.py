@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from canzona.runtime.buffers import Selector
+from canzona.runtime.buffers import Selector, expand, strided_pattern
 from canzona.runtime.schedule_parts import Indexed
 
 Dtypes = tuple[torch.dtype, torch.dtype]  # (prepared, payload): a buffer class
@@ -91,11 +91,8 @@ def _index(parts: list[SendPart]) -> torch.Tensor:
             assert key is not None
             pattern = patterns.get(key)
             if pattern is None:
-                pattern = torch.zeros((), dtype=torch.int64)
-                for size, stride in zip(*key, strict=True):
-                    pattern = pattern.unsqueeze(-1) + torch.arange(size) * stride
-                pattern = patterns[key] = pattern.view(1, -1)
-            segments.append((torch.tensor(starts).view(-1, 1) + pattern).view(-1))
+                pattern = patterns[key] = strided_pattern(*key)
+            segments.append(expand(starts, pattern))
             starts.clear()
 
     for part in parts:

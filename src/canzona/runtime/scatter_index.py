@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from canzona.runtime.buffers import block_pattern
+from canzona.runtime.buffers import block_pattern, expand
 from canzona.runtime.exchanges import piece_of
 from canzona.runtime.payload_layout import INDEXED_NUMEL
 from canzona.runtime.schedule_parts import OwnerBatch, Piece
@@ -123,8 +123,7 @@ def _index(
         at += size * len(firsts)
     index = torch.empty(at, dtype=torch.int64)
     for pattern, starts, places in groups.values():
-        spots = torch.tensor(places).view(-1, 1) + torch.arange(pattern.numel()).view(1, -1)
-        index[spots.view(-1)] = (torch.tensor(starts).view(-1, 1) + pattern.view(1, -1)).view(-1)
+        index[expand(places, torch.arange(pattern.numel()))] = expand(starts, pattern)
     return index
 
 
