@@ -8,6 +8,7 @@ import torch
 from canzona.updates.batched import (
     FLAT_BLEND_NUMEL,
     LERP_OUT_NUMEL,
+    PrepareRun,
     mul_,
     muon_prepare_batch_,
     muon_prepare_runs_,
@@ -47,13 +48,18 @@ def test_mul_equals_tensor_mul_over_repeated_calls(
 # large ones (the first run blends a tensor at a time into its payload, the second as before)
 @pytest.mark.parametrize("scale", [1, 30, 300])
 @pytest.mark.parametrize("nesterov", [True, False])
-def test_muon_prepare_by_runs_equals_the_foreach_prepare(nesterov: bool, scale: int) -> None:
+@pytest.mark.parametrize("homed", [False, True])
+def test_muon_prepare_by_runs_equals_the_foreach_prepare(
+    nesterov: bool, scale: int, homed: bool
+) -> None:
     """Payloads filled a run at a time equal the foreach prepare's, bit for bit, and so do
     the momentum buffers, whether the blend concatenates the buffers (tensors of at most
     FLAT_BLEND_NUMEL elements), runs on the payload views, or writes each payload with its
-    own lerp (at least LERP_OUT_NUMEL elements on average). Catches: a run filled from the
-    buffers before the momentum update, a blend with the wrong weight or operands swapped, a
-    run's tensors out of order."""
+    own lerp (at least LERP_OUT_NUMEL elements on average); with ``homed``, the first run's
+    buffers lie back to back in one region (its home) and its momentum is updated there.
+    Catches: a run filled from the buffers before the momentum update, a blend with the
+    wrong weight or operands swapped, a run's tensors out of order, a home updated with the
+    gradients as ``self`` (operands swapped) or left out of the foreach and not updated."""
     gen = torch.Generator().manual_seed(3)
     shapes = [(4 * scale, 8), (3 * scale, 8), (5 * scale, 8), (2 * scale, 6), (7 * scale, 6)]
     assert (scale == 1) == all(r * c <= FLAT_BLEND_NUMEL for r, c in shapes)
@@ -70,24 +76,36 @@ def test_muon_prepare_by_runs_equals_the_foreach_prepare(nesterov: bool, scale: 
     cut = 96 * scale
     first = flat[:cut].view(-1, 8)
     second = flat[cut:].view(-1, 6)
+    place = None
+    if homed:  # the first run's buffers back to back, as optim.flat_homes.home lays them
+        place = torch.cat([bufs[2], bufs[0], bufs[1]])
+        bufs[2], bufs[0], bufs[1] = place.split([5 * scale, 4 * scale, 3 * scale])
     runs = [
-        (
+        PrepareRun(
             (bufs[2], bufs[0], bufs[1]),
             (grads[2], grads[0], grads[1]),
             first,
             tuple(first.split([5 * scale, 4 * scale, 3 * scale])),
+            place,
         ),
-        (
+        PrepareRun(
             (bufs[4], bufs[3]),
             (grads[4], grads[3]),
             second,
             tuple(second.split([7 * scale, 2 * scale])),
         ),
     ]
-    muon_prepare_runs_(bufs, grads, runs, momentum=0.95, nesterov=nesterov)
+    loose = [3, 4] if homed else list(range(5))
+    muon_prepare_runs_(
+        [bufs[k] for k in loose],
+        [grads[k] for k in loose],
+        runs,
+        momentum=0.95,
+        nesterov=nesterov,
+    )
     for b, w in zip(bufs, want_bufs, strict=True):
         assert torch.equal(b, w)
-    got = [*runs[0][3], *runs[1][3]]
+    got = [*runs[0].views, *runs[1].views]
     for g, w in zip(got, [want[2], want[0], want[1], want[4], want[3]], strict=True):
         assert torch.equal(g, w)
 

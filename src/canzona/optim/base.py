@@ -46,6 +46,7 @@ from canzona.runtime import (
     partial_update,
     process_group_of,
     read_gradients,
+    shapes,
 )
 
 ADAMW = "adamw"
@@ -325,7 +326,8 @@ class MatrixOptimizer(StepTableMixin, AdamWRouteMixin, CopyMixin, CheckpointMixi
     def _attempt(self) -> None:
         params, names, gids = self._flat()
         changed = self._algorithm_changed(params, names, gids)
-        table, failure = self._table_or_failure(params, gids)
+        sizes = shapes(params)  # read once: the table's key and the layouts' compare them
+        table, failure = self._table_or_failure(params, gids, sizes)
         raw = [p.grad for p in params]  # each gradient read once a step
         has_grad = grad_codes(params, raw)  # the ranks compare them before any read
         fresh, unchanged = self._fresh_entries(params, has_grad)  # and these
@@ -348,6 +350,7 @@ class MatrixOptimizer(StepTableMixin, AdamWRouteMixin, CopyMixin, CheckpointMixi
             failure=failure,
             compute=self._directions,
             fresh=fresh,
+            shapes=sizes,
         )
         unchanged = unchanged and start.previous is None  # a move may edit the entries
         try:

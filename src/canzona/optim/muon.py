@@ -14,7 +14,7 @@ from torch import Tensor
 from canzona.defaults import ADAMW_DEFAULTS, MUON_DEFAULTS
 from canzona.optim.adamw_route import lr_value
 from canzona.optim.base import MatrixOptimizer
-from canzona.optim.payload_runs import payload_runs
+from canzona.optim.payload_runs import home_runs, in_runs, payload_runs
 from canzona.optim.prepare import GroupWork
 from canzona.optim.step_table import grad_dtype
 from canzona.optim.transaction import StepTransaction
@@ -29,7 +29,12 @@ from canzona.updates import (
     muon_lr,
     resolve_ns_coefficients,
 )
-from canzona.updates.batched import decay_and_step_, muon_prepare_batch_, muon_prepare_runs_
+from canzona.updates.batched import (
+    PrepareRun,
+    decay_and_step_,
+    muon_prepare_batch_,
+    muon_prepare_runs_,
+)
 
 
 def as_tuples(value: Any) -> Any:
@@ -222,13 +227,14 @@ class Muon(MatrixOptimizer):
         if "bufs" not in work.cache:
             params = [work.params[k] for k in work.prepared]
             bufs = [local_tensor(self.state[p]["momentum_buffer"]) for p in params]
-            work.cache["bufs"] = bufs
-            work.cache["backup"] = self._backup(bufs)
             same = all(b.dtype == v.dtype for b, v in zip(bufs, work.payloads, strict=True))
-            work.cache["runs"] = payload_runs(work.payloads) if same else None
+            runs = payload_runs(work.payloads) if same else None
+            work.cache["bufs"] = bufs
+            work.cache["runs"] = runs and home_runs(bufs, runs)  # before any view of them
+            work.cache["backup"] = self._backup(bufs if runs is None else in_runs(bufs, runs))
         txn.save(work.cache["backup"])
-        bufs, runs = work.cache["bufs"], work.cache["runs"]
-        if runs is None:
+        bufs, homed = work.cache["bufs"], work.cache["runs"]
+        if homed is None:
             muon_prepare_batch_(
                 bufs,
                 grads,
@@ -237,10 +243,14 @@ class Muon(MatrixOptimizer):
                 nesterov=group["nesterov"],
             )
             return
+        loose = homed.loose
         muon_prepare_runs_(
-            bufs,
-            grads,
-            [(run.take(bufs), run.take(grads), run.out, run.views) for run in runs],
+            loose(bufs),
+            loose(grads),
+            [
+                PrepareRun(run.take(bufs), run.take(grads), run.out, run.views, place)
+                for run, place in homed.runs
+            ],
             momentum=group["momentum"],
             nesterov=group["nesterov"],
         )

@@ -8,7 +8,10 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-__all__ = ["PayloadRun", "payload_runs"]
+from canzona.optim.flat_homes import home
+from canzona.updates.batched import flat_blend
+
+__all__ = ["HomedRuns", "PayloadRun", "home_runs", "in_runs", "payload_runs"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +33,8 @@ class PayloadRun:
 
 
 def _taker(positions: tuple[int, ...]) -> Callable[[Sequence[Tensor]], tuple[Tensor, ...]]:
+    if not positions:
+        return lambda xs: ()
     if len(positions) == 1:
         (only,) = positions
         return lambda xs: (xs[only],)
@@ -82,3 +87,49 @@ def payload_runs(payloads: Sequence[Tensor]) -> list[PayloadRun] | None:
         runs.append(PayloadRun(positions, out, take(payloads), take))
         start = i
     return runs
+
+
+@dataclass(frozen=True, slots=True)
+class HomedRuns:
+    """A group's payload runs, with the momentum buffers of the small ones in one flat home.
+
+    Attributes:
+        runs: Every run, with its buffers' home (a region ``(-1, *tail)`` holding them back
+            to back, in the run's order) or None.
+        loose: Picks the buffers (or gradients) of the runs without a home, out of a list in
+            prepared order.
+    """
+
+    runs: tuple[tuple[PayloadRun, Tensor | None], ...]
+    loose: Callable[[Sequence[Tensor]], tuple[Tensor, ...]]
+
+
+def in_runs(tensors: Sequence[Tensor], runs: Sequence[PayloadRun]) -> list[Tensor]:
+    """``tensors`` (in prepared order) in the runs' order: homed buffers back to back."""
+    return [t for run in runs for t in run.take(tensors)]
+
+
+def home_runs(bufs: Sequence[Tensor], runs: Sequence[PayloadRun]) -> HomedRuns:
+    """Give the buffers of the runs that blend flat (:func:`flat_blend`) one home.
+
+    The buffers of those runs move into one new flat buffer, run after run, each run's in
+    its order (:func:`~canzona.optim.flat_homes.home`; nothing moves when one cannot): a
+    step then updates a run's momentum with one op on its region and blends it into the
+    payload without concatenating the buffers, and a backup copies them with one operand.
+    Call it before anything keeps a view of the buffers (it moves their storage).
+
+    Args:
+        bufs: The group's momentum buffers, in prepared order.
+        runs: The group's payload runs (:func:`payload_runs`).
+    """
+    chosen = [run for run in runs if flat_blend(run.out, len(run.positions))]
+    flat = home(in_runs(bufs, chosen))
+    places: dict[int, Tensor] = {}
+    if flat is not None:
+        offset = 0
+        for run in chosen:
+            places[id(run)] = flat.narrow(0, offset, run.out.numel()).view(run.out.shape)
+            offset += run.out.numel()
+    homed = {k for run in chosen for k in run.positions} if places else set()
+    loose = tuple(k for k in range(len(bufs)) if k not in homed)
+    return HomedRuns(tuple((run, places.get(id(run))) for run in runs), _taker(loose))

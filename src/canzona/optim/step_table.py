@@ -108,8 +108,13 @@ class StepTableMixin:
         }
         return GroupedCost(models, name=self.cost_model) if models else None
 
-    def _step_table(self, params: list[Tensor], gids: list[int]) -> StepTable:
-        """The table of this step (rebuilt only when groups, params, dtypes or shapes change)."""
+    def _step_table(
+        self, params: list[Tensor], gids: list[int], sizes: tuple[torch.Size, ...] | None = None
+    ) -> StepTable:
+        """The table of this step (rebuilt only when groups, params, dtypes or shapes change).
+
+        ``sizes``: the parameters' shapes, when the step has read them already.
+        """
         groups = self.param_groups
         key = (
             tuple(
@@ -126,7 +131,7 @@ class StepTableMixin:
             tuple(map(id, params)),
             tuple(map(_DTYPE, params)),
             tuple(map(_GRAD_DTYPE, params)),  # the payloads' dtypes follow them
-            shapes(params),  # ``p.data`` replaced by another shape: another table
+            shapes(params) if sizes is None else sizes,  # ``p.data`` of another shape
         )
         if self._table is None or key != self._table_key:
             # first what may raise (a split that does not tile its matrix): the key is kept
@@ -180,11 +185,11 @@ class StepTableMixin:
         return self._table.with_hparams(hparams, self._hyper_fingerprint(hparams))
 
     def _table_or_failure(
-        self, params: list[Tensor], gids: list[int]
+        self, params: list[Tensor], gids: list[int], sizes: tuple[torch.Size, ...]
     ) -> tuple[StepTable, Failure | None]:
         """This step's table, or the last one and a failure naming a value that breaks it."""
         try:
-            return self._step_table(params, gids), None
+            return self._step_table(params, gids, sizes), None
         except Exception as exc:  # any value the table cannot read: a failure, not a hang
             error = check_hparams(self.param_groups, self._check_values) or exc
             last = self._table or StepTable((), (), (), "", "", version=-1)

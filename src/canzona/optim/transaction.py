@@ -8,6 +8,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from canzona.optim.flat_homes import spans
 from canzona.runtime import FlatBuffer
 
 
@@ -18,7 +19,8 @@ class _Part(NamedTuple):
     tensors: list[Tensor]
     #: Per tensor, its copy (a view of ``buf``).
     views: list[Tensor]
-    #: The tensors' flat views when all are contiguous (one concatenation copies them).
+    #: The tensors' flat views when all are contiguous, those back to back in one storage
+    #: merged (one concatenation copies them: one operand for a homed run).
     flat: list[Tensor] | None
 
 
@@ -49,7 +51,7 @@ class Backup:
                 views.append(buf.view(offset, t.shape))
                 offset += t.numel()
             buf.free()  # nothing to hold before the first take
-            flat = [t.view(-1) for t in ts] if all(t.is_contiguous() for t in ts) else None
+            flat = spans(ts) if all(t.is_contiguous() for t in ts) else None
             self._parts.append(_Part(buf, ts, views, flat))
 
     @property

@@ -23,11 +23,7 @@ from canzona.runtime.pipeline import Failure, Pipeline
 from canzona.runtime.pipelines import build_pipeline
 from canzona.runtime.plan_inputs import calibrated, items_and_specs
 from canzona.runtime.repricing import Observation, repriced
-from canzona.runtime.routing import (
-    Item,
-    Route,
-    route_all,
-)
+from canzona.runtime.routing import Item, Route, route_all
 from canzona.runtime.statecomm import PlanRecord, Snapshot, snapshot
 from canzona.runtime.stats import StepStats
 from canzona.runtime.step_start import StepStart
@@ -148,11 +144,16 @@ class MatrixRuntime:
             calls=self.watchdog.calls,
         )
 
-    def layouts(self, names: Sequence[str], tensors: Sequence[torch.Tensor]) -> list[ParamLayout]:
-        """Storage layouts of the parameters (cached while the parameters and shapes stay)."""
+    def layouts(
+        self,
+        names: Sequence[str],
+        tensors: Sequence[torch.Tensor],
+        sizes: tuple[torch.Size, ...] | None = None,
+    ) -> list[ParamLayout]:
+        """Storage layouts of the parameters (cached while the parameters and ``sizes`` stay)."""
         if len(names) != len(tensors):
             raise ValueError(f"{len(names)} names for {len(tensors)} parameters")
-        key = (tuple(map(id, tensors)), tuple(names), shapes(tensors))
+        key = (tuple(map(id, tensors)), tuple(names), shapes(tensors) if sizes is None else sizes)
         if key != self._layout_key:
             self._resolve_group(tensors)
             self._layout_version += 1
@@ -173,6 +174,7 @@ class MatrixRuntime:
         failure: Failure | None = None,
         compute: ComputeFn | None = None,
         fresh: Sequence[int] = (),
+        shapes: tuple[torch.Size, ...] | None = None,
     ) -> StepStart:
         """Check the step across ranks, (re)plan if needed, and allocate the step's buffers.
 
@@ -189,6 +191,7 @@ class MatrixRuntime:
             compute: The owner math, timed when a plan with measured costs is built.
             fresh: The parameters with a gradient whose ``optimizer.state`` entry has no
                 step yet (new, or cleared by the user): every rank must begin the same.
+            shapes: The parameters' shapes, when the caller has read them this step.
 
         In a steady step (the last two succeeded with the same plan and parameters with
         gradients, the step is atomic and the per-step check is on) nothing is exchanged
@@ -203,7 +206,7 @@ class MatrixRuntime:
         if self._observation is not None and self._observation.due:
             self._forget_ride()  # the re-pricing is a collective of its own: no header rides
         try:
-            self.layouts(names, tensors)
+            self.layouts(names, tensors, shapes)
             failure = failure or self._unreadable  # raised on every rank, like any failure
             if self._rides():
                 return self._begin_riding(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -23,9 +24,11 @@ _DTYPE = operator.attrgetter("dtype")
 __all__ = [
     "FLAT_BLEND_NUMEL",
     "LERP_OUT_NUMEL",
+    "PrepareRun",
     "adamw_moments_",
     "adamw_params_",
     "decay_and_step_",
+    "flat_blend",
     "mul_",
     "muon_prepare_batch_",
     "muon_prepare_runs_",
@@ -135,39 +138,71 @@ def muon_prepare_batch_(
         torch._foreach_copy_(list(out), list(bufs))
 
 
+class PrepareRun(NamedTuple):
+    """One run of :func:`muon_prepare_runs_`: payloads that one concatenation fills.
+
+    Attributes:
+        bufs: The run's momentum buffers, each ``(rows, *tail)``, in the run's order.
+        grads: Their gradients (same shapes and dtype).
+        out: The run's payload region ``(-1, *tail)`` (the buffers' dtype).
+        views: The payload views ``out`` is cut into, in the run's order.
+        home: ``bufs`` themselves as one region ``(-1, *tail)`` when they lie back to back
+            in one storage (see :func:`flat_blend`), else None.
+    """
+
+    bufs: tuple[Tensor, ...]
+    grads: tuple[Tensor, ...]
+    out: Tensor
+    views: tuple[Tensor, ...]
+    home: Tensor | None = None
+
+
+def flat_blend(out: Tensor, count: int) -> bool:
+    """Whether a run of ``count`` payloads in ``out`` blends as one flat tensor (see below)."""
+    return out.device.type == "cpu" and out.numel() <= FLAT_BLEND_NUMEL * count
+
+
 def muon_prepare_runs_(
     bufs: Sequence[Tensor],
     grads: Sequence[Tensor],
-    runs: Sequence[tuple[tuple[Tensor, ...], tuple[Tensor, ...], Tensor, tuple[Tensor, ...]]],
+    runs: Sequence[PrepareRun],
     *,
     momentum: float,
     nesterov: bool,
 ) -> None:
     r""":func:`muon_prepare_batch_` writing payloads that lie back to back, a run at a time.
 
-    The momentum update is one foreach op as there. Each run's payload is then filled by
-    concatenation: ``cat(bufs)`` without Nesterov; with it ``cat(grads)`` blended with the
-    buffers, ``lerp_(cat(bufs), mu)`` in one call on a CPU run of small tensors (at most
-    :data:`FLAT_BLEND_NUMEL` elements each on average) and one foreach ``lerp_`` on the
-    run's payload views otherwise (the concatenation is a copy more, which costs more than a
-    call per tensor saves beyond that size); a CPU run of large tensors (at least
+    The momentum update of the buffers outside a homed run (``bufs`` and ``grads``) is one
+    foreach op as there. Each run's payload is then filled by concatenation: ``cat(bufs)``
+    without Nesterov; with it ``cat(grads)`` blended with the buffers, ``lerp_(cat(bufs),
+    mu)`` in one call on a CPU run of small tensors (at most :data:`FLAT_BLEND_NUMEL`
+    elements each on average, :func:`flat_blend`) and one foreach ``lerp_`` on the run's
+    payload views otherwise (the concatenation is a copy more, which costs more than a call
+    per tensor saves beyond that size); a CPU run of large tensors (at least
     :data:`LERP_OUT_NUMEL` elements each on average) skips the concatenation: one
-    ``torch.lerp(grad, buf, mu, out=payload)`` per tensor. The same element-wise ops on the
-    same values, so the same bits.
+    ``torch.lerp(grad, buf, mu, out=payload)`` per tensor. A run whose buffers have a
+    ``home`` (one region holding them back to back) takes its momentum update there, as one
+    ``lerp_`` with the concatenated gradients in the payload, then blends (or copies) the
+    home into the payload. The same element-wise ops on the same values, so the same bits.
 
     Args:
-        bufs: Momentum buffers, updated in place.
-        grads: Gradients (same shapes and dtype as the buffers).
-        runs: Per run, its buffers and gradients (each ``(rows, *tail)``, in the run's
-            order), its payload region ``(-1, *tail)`` (the buffers' dtype) and the
-            payload views that region is cut into (in the run's order).
+        bufs: Momentum buffers of the runs without a home, updated in place.
+        grads: Their gradients (same shapes and dtype as the buffers).
+        runs: The runs (:class:`PrepareRun`), every buffer of ``bufs`` in one of them.
         momentum: Momentum factor :math:`\mu`.
         nesterov: Whether to use the Nesterov blend.
     """
-    if not bufs:
-        return
-    torch._foreach_lerp_(list(bufs), list(grads), 1 - momentum)
-    for run_bufs, run_grads, out, views in runs:
+    if bufs:
+        torch._foreach_lerp_(list(bufs), list(grads), 1 - momentum)
+    for run_bufs, run_grads, out, views, home in runs:
+        if home is not None:
+            torch.cat(run_grads, out=out)
+            home.lerp_(out, 1 - momentum)
+            if nesterov:
+                out.lerp_(home, momentum)
+            else:
+                out.copy_(home)
+            continue
         if not nesterov:
             torch.cat(run_bufs, out=out)
             continue
@@ -177,7 +212,7 @@ def muon_prepare_runs_(
                 torch.lerp(grad, buf, momentum, out=view)
             continue
         torch.cat(run_grads, out=out)
-        if cpu and out.numel() <= FLAT_BLEND_NUMEL * len(run_bufs):
+        if flat_blend(out, len(run_bufs)):
             out.lerp_(torch.cat(run_bufs), momentum)
         else:
             torch._foreach_lerp_(list(views), list(run_bufs), momentum)
