@@ -230,7 +230,8 @@ class Muon(MatrixOptimizer):
             same = all(b.dtype == v.dtype for b, v in zip(bufs, work.payloads, strict=True))
             runs = payload_runs(work.payloads) if same else None
             work.cache["bufs"] = bufs
-            work.cache["runs"] = runs and home_runs(bufs, runs)  # before any view of them
+            # homed before anything keeps a view of them (the backup does)
+            work.cache["runs"] = None if runs is None else home_runs(bufs, runs)
             work.cache["backup"] = self._backup(bufs if runs is None else in_runs(bufs, runs))
         txn.save(work.cache["backup"])
         bufs, homed = work.cache["bufs"], work.cache["runs"]
