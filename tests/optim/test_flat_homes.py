@@ -152,3 +152,64 @@ def test_muon_homes_small_momentum_buffers_and_stays_torch_muon(nesterov: bool) 
     for p, q in zip(ours, theirs, strict=True):
         assert torch.equal(p, q)
         assert torch.equal(opt.state[p]["momentum_buffer"], ref.state[q]["momentum_buffer"])
+
+
+def test_home_of_a_tensor_that_refuses_set_is_none() -> None:
+    """An inference tensor refuses ``set_`` outside inference mode: no home, values kept.
+    Catches: the refusal raised out of the step (every later step would fail)."""
+    with torch.inference_mode():
+        frozen = torch.ones(2, 2)
+    ts = [torch.zeros(2, 2), frozen]
+    assert home(ts) is None
+    assert torch.equal(ts[0], torch.zeros(2, 2)) and torch.equal(ts[1], torch.ones(2, 2))
+
+
+def _muon_pair(nesterov: bool = True) -> tuple[Any, Any, list[nn.Parameter], list[nn.Parameter]]:
+    gen = torch.Generator().manual_seed(1)
+    values = [torch.randn(s, generator=gen) for s in SHAPES]
+    kw: dict[str, Any] = {"lr": 0.02, "weight_decay": 0.1, "nesterov": nesterov}
+    ours = [nn.Parameter(v.clone()) for v in values]
+    theirs = [nn.Parameter(v.clone()) for v in values]
+    return canzona.Muon(ours, **kw), torch.optim.Muon(theirs, **kw), ours, theirs
+
+
+def test_a_buffer_moved_in_place_is_homed_again() -> None:
+    """``buf.data = ...`` keeps the tensor but gives it other storage: the next step sees
+    it moved and builds its lists again. Catches: the step still updating the old home
+    (the buffer, and the update after it, would lose the momentum)."""
+    opt, ref, ours, theirs = _muon_pair()
+    grads = _grads(4)
+    _run(opt, ours, grads[:2])
+    _run(ref, theirs, grads[:2])
+    buf = opt.state[ours[1]]["momentum_buffer"]
+    buf.data = buf.data.clone()  # the identity stays, the storage does not
+    _run(opt, ours, grads[2:])
+    _run(ref, theirs, grads[2:])
+    for p, q in zip(ours, theirs, strict=True):
+        assert torch.equal(p, q)
+        assert torch.equal(opt.state[p]["momentum_buffer"], ref.state[q]["momentum_buffer"])
+
+
+def test_a_buffer_left_out_of_a_new_home_gets_its_own_storage() -> None:
+    """A parameter without a gradient for a step leaves the lists: the others stay in (or
+    move to) one home and its buffer gets a storage of its own; the update stays
+    torch.optim.Muon's. Catches: a left-out buffer left in the old home (it would keep
+    a whole old home alive once the others move)."""
+    opt, ref, ours, theirs = _muon_pair()
+    grads = _grads(4)
+    _run(opt, ours, grads[:2])
+    _run(ref, theirs, grads[:2])
+    for p, q, g in zip(ours[1:], theirs[1:], grads[2][1:], strict=True):
+        p.grad, q.grad = g.clone(), g.clone()
+    ours[0].grad = theirs[0].grad = None
+    opt.step()
+    ref.step()
+    bufs = [opt.state[p]["momentum_buffer"] for p in ours]
+    ptrs = [b.untyped_storage().data_ptr() for b in bufs]
+    assert len(set(ptrs[1:])) == 1 and ptrs[0] != ptrs[1]  # the rest share a home
+    assert bufs[0].untyped_storage().nbytes() == bufs[0].nbytes  # a storage of its own
+    _run(opt, ours, grads[3:])
+    _run(ref, theirs, grads[3:])
+    for p, q in zip(ours, theirs, strict=True):
+        assert torch.equal(p, q)
+        assert torch.equal(opt.state[p]["momentum_buffer"], ref.state[q]["momentum_buffer"])

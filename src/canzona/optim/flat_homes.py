@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["home", "span", "spans"]
+__all__ = ["evict", "home", "span", "spans"]
 
 
 def _adjacent(prev: Tensor, this: Tensor) -> bool:
@@ -62,8 +62,9 @@ def home(tensors: Sequence[Tensor]) -> Tensor | None:
     Each tensor keeps its identity, shape, strides and values (``set_`` points it at its
     slot): references to it (``optimizer.state``, a DTensor holding it as its local shard)
     see the same tensor, now a view of the buffer. Tensors that already lie so are left
-    where they are. None, moving nothing, when there are none, or one is not contiguous,
-    requires grad or is empty, or dtypes or devices differ.
+    where they are. None when there are none, or one is not contiguous, requires grad or is
+    empty, or dtypes or devices differ (nothing moves), or a tensor refuses ``set_`` (an
+    inference tensor: those before it keep their values in the buffer).
     """
     if not tensors:
         return None
@@ -82,7 +83,22 @@ def home(tensors: Sequence[Tensor]) -> Tensor | None:
             return None
     flat = torch.cat([t.reshape(-1) for t in tensors])
     storage, offset = flat.untyped_storage(), 0
-    for t in tensors:
-        t.set_(storage, offset, t.shape, t.stride())
-        offset += t.numel()
+    try:
+        for t in tensors:
+            t.set_(storage, offset, t.shape, t.stride())
+            offset += t.numel()
+    except RuntimeError:
+        return None
     return flat
+
+
+def evict(tensors: Sequence[Tensor], flat: Tensor) -> None:
+    """Give each of ``tensors`` that still lies in ``flat``'s storage a storage of its own.
+
+    A tensor left out of a new home would otherwise keep the whole old buffer alive.
+    """
+    ptr = flat.untyped_storage().data_ptr()
+    for t in tensors:
+        if t.untyped_storage().data_ptr() == ptr:
+            own = t.clone()
+            t.set_(own.untyped_storage(), 0, own.shape, own.stride())

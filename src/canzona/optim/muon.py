@@ -14,7 +14,7 @@ from torch import Tensor
 from canzona.defaults import ADAMW_DEFAULTS, MUON_DEFAULTS
 from canzona.optim.adamw_route import lr_value
 from canzona.optim.base import MatrixOptimizer
-from canzona.optim.payload_runs import home_runs, in_runs, payload_runs
+from canzona.optim.payload_runs import HomedRuns, home_runs, in_runs, payload_runs
 from canzona.optim.prepare import GroupWork
 from canzona.optim.step_table import grad_dtype
 from canzona.optim.transaction import StepTransaction
@@ -224,15 +224,20 @@ class Muon(MatrixOptimizer):
     def _prepare_group(
         self, group: dict[str, Any], work: GroupWork, grads: list[Tensor], txn: StepTransaction
     ) -> None:
-        if "bufs" not in work.cache:
+        cache = work.cache
+        if "bufs" in cache and cache["runs"] is not None and cache["runs"].moved():
+            cache.clear()  # a homed buffer was moved since (its lists would miss it)
+        if "bufs" not in cache:
             params = [work.params[k] for k in work.prepared]
             bufs = [local_tensor(self.state[p]["momentum_buffer"]) for p in params]
             same = all(b.dtype == v.dtype for b, v in zip(bufs, work.payloads, strict=True))
             runs = payload_runs(work.payloads) if same else None
-            work.cache["bufs"] = bufs
-            # homed before anything keeps a view of them (the backup does)
-            work.cache["runs"] = None if runs is None else home_runs(bufs, runs)
-            work.cache["backup"] = self._backup(bufs if runs is None else in_runs(bufs, runs))
+            cache["bufs"] = bufs
+            cache["runs"] = None
+            if runs is not None:  # homed before anything keeps a view of them (the backup)
+                homes: dict[int, HomedRuns] = self.__dict__.setdefault("_homes", {})
+                cache["runs"] = homes[work.gid] = home_runs(bufs, runs, homes.get(work.gid))
+            cache["backup"] = self._backup(bufs if runs is None else in_runs(bufs, runs))
         txn.save(work.cache["backup"])
         bufs, homed = work.cache["bufs"], work.cache["runs"]
         if homed is None:

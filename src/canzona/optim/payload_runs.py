@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from canzona.optim.flat_homes import home
+from canzona.optim.flat_homes import evict, home
 from canzona.updates.batched import flat_blend
 
 __all__ = ["HomedRuns", "PayloadRun", "home_runs", "in_runs", "payload_runs"]
@@ -98,10 +98,20 @@ class HomedRuns:
             to back, in the run's order) or None.
         loose: Picks the buffers (or gradients) of the runs without a home, out of a list in
             prepared order.
+        home: The flat buffer holding the homed buffers (None: no home).
+        homed: The homed buffers, in the home's order.
+        ptrs: Where each of them starts (``data_ptr``) in the home.
     """
 
     runs: tuple[tuple[PayloadRun, Tensor | None], ...]
     loose: Callable[[Sequence[Tensor]], tuple[Tensor, ...]]
+    home: Tensor | None = None
+    homed: tuple[Tensor, ...] = ()
+    ptrs: tuple[int, ...] = ()
+
+    def moved(self) -> bool:
+        """Whether a homed buffer lies elsewhere now (``buf.data = ...``, ``set_``)."""
+        return tuple(map(Tensor.data_ptr, self.homed)) != self.ptrs
 
 
 def in_runs(tensors: Sequence[Tensor], runs: Sequence[PayloadRun]) -> list[Tensor]:
@@ -109,7 +119,9 @@ def in_runs(tensors: Sequence[Tensor], runs: Sequence[PayloadRun]) -> list[Tenso
     return [t for run in runs for t in run.take(tensors)]
 
 
-def home_runs(bufs: Sequence[Tensor], runs: Sequence[PayloadRun]) -> HomedRuns:
+def home_runs(
+    bufs: Sequence[Tensor], runs: Sequence[PayloadRun], last: HomedRuns | None = None
+) -> HomedRuns:
     """Give the buffers of the runs that blend flat (:func:`flat_blend`) one home.
 
     The buffers of those runs move into one new flat buffer, run after run, each run's in
@@ -121,15 +133,25 @@ def home_runs(bufs: Sequence[Tensor], runs: Sequence[PayloadRun]) -> HomedRuns:
     Args:
         bufs: The group's momentum buffers, in prepared order.
         runs: The group's payload runs (:func:`payload_runs`).
+        last: The group's last homing: its buffers left out of this one and still in its
+            home get storages of their own (:func:`~canzona.optim.flat_homes.evict`), so
+            that none keeps that home alive.
     """
     chosen = [run for run in runs if flat_blend(run.out, len(run.positions))]
-    flat = home(in_runs(bufs, chosen))
+    homed = in_runs(bufs, chosen)
+    flat = home(homed)
+    if last is not None and last.home is not None:
+        kept = set(map(id, homed)) if flat is not None else set()
+        evict([t for t in last.homed if id(t) not in kept], last.home)
+    if flat is None:
+        return HomedRuns(tuple((run, None) for run in runs), _taker(tuple(range(len(bufs)))))
     places: dict[int, Tensor] = {}
-    if flat is not None:
-        offset = 0
-        for run in chosen:
-            places[id(run)] = flat.narrow(0, offset, run.out.numel()).view(run.out.shape)
-            offset += run.out.numel()
-    homed = {k for run in chosen for k in run.positions} if places else set()
-    loose = tuple(k for k in range(len(bufs)) if k not in homed)
-    return HomedRuns(tuple((run, places.get(id(run))) for run in runs), _taker(loose))
+    offset = 0
+    for run in chosen:
+        places[id(run)] = flat.narrow(0, offset, run.out.numel()).view(run.out.shape)
+        offset += run.out.numel()
+    inside = {k for run in chosen for k in run.positions}
+    loose = _taker(tuple(k for k in range(len(bufs)) if k not in inside))
+    runs_out = tuple((run, places.get(id(run))) for run in runs)
+    ptrs = tuple(map(Tensor.data_ptr, homed))
+    return HomedRuns(runs_out, loose, flat, tuple(homed), ptrs)
