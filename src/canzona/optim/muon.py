@@ -14,7 +14,7 @@ from torch import Tensor
 from canzona.defaults import ADAMW_DEFAULTS, MUON_DEFAULTS
 from canzona.optim.adamw_route import lr_value
 from canzona.optim.base import MatrixOptimizer
-from canzona.optim.payload_runs import HomedRuns, home_runs, in_runs, payload_runs
+from canzona.optim.payload_runs import LastHome, home_runs, in_runs, payload_runs
 from canzona.optim.prepare import GroupWork
 from canzona.optim.step_table import grad_dtype
 from canzona.optim.transaction import StepTransaction
@@ -234,9 +234,10 @@ class Muon(MatrixOptimizer):
             runs = payload_runs(work.payloads) if same else None
             cache["bufs"] = bufs
             cache["runs"] = None
+            homes: dict[int, LastHome | None] = self.__dict__.setdefault("_homes", {})
             if runs is not None:  # homed before anything keeps a view of them (the backup)
-                homes: dict[int, HomedRuns] = self.__dict__.setdefault("_homes", {})
-                cache["runs"] = homes[work.gid] = home_runs(bufs, runs, homes.get(work.gid))
+                cache["runs"] = home_runs(bufs, runs, homes.get(work.gid))
+                homes[work.gid] = cache["runs"].last  # the home alone: no payload views
             cache["backup"] = self._backup(bufs if runs is None else in_runs(bufs, runs))
         txn.save(work.cache["backup"])
         bufs, homed = work.cache["bufs"], work.cache["runs"]

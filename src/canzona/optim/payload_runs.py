@@ -11,7 +11,7 @@ from torch import Tensor
 from canzona.optim.flat_homes import evict, home
 from canzona.updates.batched import flat_blend
 
-__all__ = ["HomedRuns", "PayloadRun", "home_runs", "in_runs", "payload_runs"]
+__all__ = ["HomedRuns", "LastHome", "PayloadRun", "home_runs", "in_runs", "payload_runs"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +109,11 @@ class HomedRuns:
     homed: tuple[Tensor, ...] = ()
     ptrs: tuple[int, ...] = ()
 
+    @property
+    def last(self) -> LastHome | None:
+        """The home and its buffers (what a later homing of the group evicts from), or None."""
+        return None if self.home is None else (self.home, self.homed)
+
     def moved(self) -> bool:
         """Whether a homed buffer lies elsewhere now (``buf.data = ...``, ``set_``)."""
         return tuple(map(Tensor.data_ptr, self.homed)) != self.ptrs
@@ -119,8 +124,12 @@ def in_runs(tensors: Sequence[Tensor], runs: Sequence[PayloadRun]) -> list[Tenso
     return [t for run in runs for t in run.take(tensors)]
 
 
+#: A group's last home and the buffers it took, for :func:`home_runs` to evict from.
+LastHome = tuple[Tensor, tuple[Tensor, ...]]
+
+
 def home_runs(
-    bufs: Sequence[Tensor], runs: Sequence[PayloadRun], last: HomedRuns | None = None
+    bufs: Sequence[Tensor], runs: Sequence[PayloadRun], last: LastHome | None = None
 ) -> HomedRuns:
     """Give the buffers of the runs that blend flat (:func:`flat_blend`) one home.
 
@@ -133,16 +142,16 @@ def home_runs(
     Args:
         bufs: The group's momentum buffers, in prepared order.
         runs: The group's payload runs (:func:`payload_runs`).
-        last: The group's last homing: its buffers left out of this one and still in its
-            home get storages of their own (:func:`~canzona.optim.flat_homes.evict`), so
-            that none keeps that home alive.
+        last: The group's last home and its buffers (:attr:`HomedRuns.last`): those left
+            out of this one and still in it get storages of their own
+            (:func:`~canzona.optim.flat_homes.evict`), so that none keeps it alive.
     """
     chosen = [run for run in runs if flat_blend(run.out, len(run.positions))]
     homed = in_runs(bufs, chosen)
     flat = home(homed)
-    if last is not None and last.home is not None:
+    if last is not None:
         kept = set(map(id, homed)) if flat is not None else set()
-        evict([t for t in last.homed if id(t) not in kept], last.home)
+        evict([t for t in last[1] if id(t) not in kept], last[0])
     if flat is None:
         return HomedRuns(tuple((run, None) for run in runs), _taker(tuple(range(len(bufs)))))
     places: dict[int, Tensor] = {}
