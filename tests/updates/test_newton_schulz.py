@@ -52,9 +52,27 @@ def test_batched_equals_loop_bitwise(shape: tuple[int, int], dtype: torch.dtype)
     assert out.shape == x.shape and out.dtype == dtype
     loop = torch.stack([newton_schulz(m, dtype=dtype) for m in x.reshape(6, *shape)])
     assert torch.equal(out, loop.reshape(x.shape))
-    # small matrices never take the batched kernels: their rounding differs on some backends
+    # small half-precision matrices never take the batched kernels: a probe cannot see
+    # their rare rounding differences; fp32 ones do where the probe passes
     uses_batched = batch_kernels_exact(6, *shape, dtype=dtype)
-    assert not uses_batched or min(shape) >= MIN_BATCHED_SIDE
+    assert not uses_batched or min(shape) >= MIN_BATCHED_SIDE or dtype == torch.float32
+
+
+@pytest.mark.parametrize("shape", [(8, 8), (16, 8), (6, 8), (11, 11), (5, 9)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_small_wide_dtype_stacks_batched_where_the_probe_passes(
+    shape: tuple[int, int], dtype: torch.dtype
+) -> None:
+    """Catches: small fp32/fp64 stacks batched without the probe (6 x 8 and 11 x 11 round
+    differently with torch 2.13's batched CPU kernels, on every input), and the probe
+    skipped for them altogether (8 x 8 and 16 x 8 batch bit for bit: the per-matrix loop
+    costs ~20 µs a matrix where the stack costs ~1)."""
+    x = _randn(64, *shape, seed=5)
+    loop = torch.stack([newton_schulz(m, dtype=dtype, steps=2) for m in x])
+    assert torch.equal(newton_schulz(x, dtype=dtype, steps=2), loop)
+    if shape in ((8, 8), (16, 8)):
+        assert batch_kernels_exact(64, *shape, dtype=dtype, schedule=(DEFAULT_NS_COEFFICIENTS,) * 2)
+        assert not batch_kernels_exact(64, *shape, dtype=torch.bfloat16)
 
 
 @pytest.mark.parametrize("coefficients", [DEFAULT_NS_COEFFICIENTS, "polar_express"])

@@ -31,8 +31,11 @@ __all__ = [
 
 DEFAULT_NS_EPS = MUON_DEFAULTS.eps
 
-# Below this smaller side the stack always runs matrix by matrix (see batch_kernels_exact).
+# Below this smaller side a half-precision stack always runs matrix by matrix (see
+# batch_kernels_exact).
 MIN_BATCHED_SIDE = 32
+# Iteration dtypes whose stacks the probe alone decides, whatever their side.
+_PROBED_DTYPES = (torch.float32, torch.float64)
 # Bytes between the starts of a stack's matrices in the per-matrix loop (see _aligned_stack).
 _ALIGN = 512
 # Largest matrix whose norm the per-matrix loop takes for the whole stack in one CPU call (see
@@ -209,12 +212,18 @@ def batch_kernels_exact(
     MKL's batched gemm, whose small-matrix kernels round differently from ``addmm``'s for fp32
     matrices with a side below 12; GPU libraries pick their own batched algorithms. Two guards:
 
-    * the smaller side must be at least :data:`MIN_BATCHED_SIDE`: with bf16 output a different
-      fp32 accumulation order flips a bit only rarely, which a probe on a few hundred elements
-      would miss, and below this size no probe is trusted. Measured on torch 2.13's CPU build:
-      bf16 stacks whose smaller side is 12 or 16 differ from the loop on 1-7% of random
-      inputs (the probe passes for them); none of 300 inputs per shape differed for sides 17
-      to 31, nor for larger shapes; 32 keeps a margin;
+    * in half precision (bf16, fp16) the smaller side must be at least
+      :data:`MIN_BATCHED_SIDE`: with a half-precision output a different fp32 accumulation
+      order flips a bit only rarely, which a probe on a few hundred elements would miss, and
+      below this size no probe is trusted. Measured on torch 2.13's CPU build: bf16 stacks
+      whose smaller side is 12 or 16 differ from the loop on 1-7% of random inputs (the probe
+      passes for them); none of 300 inputs per shape differed for sides 17 to 31, nor for
+      larger shapes; 32 keeps a margin. In fp32 and fp64 a different order shows on nearly
+      every input, so the probe decides alone: measured on the same build, each of 1,023 fp32
+      (shape, batch) cases with sides 2 to 32 and batches 2 to 16 matched the loop on all of
+      12 random inputs or on none, and so did 27 cases with batches 64 to 2,048 in fp32 and in
+      fp64, at one and two threads, on 5 inputs each (8 x 8 matches, 6 x 8 and 11 x 11 do
+      not);
     * a probe: the first call for a key runs the full iteration on a seeded random stack both
       ways and compares them with :func:`torch.equal` (one host sync, once per key). Keys are
       device, dtype, ``(batch, rows, cols)``, on CPU the intra-op thread count, and the schedule
@@ -235,7 +244,7 @@ def batch_kernels_exact(
     Returns:
         True when the batched path may be used.
     """
-    if batch < 2 or min(rows, cols) < MIN_BATCHED_SIDE:
+    if batch < 2 or (dtype not in _PROBED_DTYPES and min(rows, cols) < MIN_BATCHED_SIDE):
         return False
     if schedule is None:
         schedule = (DEFAULT_NS_COEFFICIENTS,) * DEFAULT_NS_STEPS
