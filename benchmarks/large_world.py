@@ -10,7 +10,10 @@ the matrices, their splits and the fragments every rank holds are the model's.
 calibration) steps it with per-head splits (q/k/v rows, o columns, ``canzona.Split``) or
 none. The runtime's all-to-alls are replaced: a gather of one vector per rank (the
 cross-rank checks, the vote) returns this rank's vector from every rank, as every rank of a
-healthy job sends the same, and a payload exchange returns zeros. What is timed is therefore
+healthy job sends the same, and a payload exchange returns zeros but for the header that
+rides a steady step's first gather at the start of every peer's segment, which arrives as this
+rank's (until 2026-12-07 it arrived as zeros: every other later step was declined and run
+again with the check on its own, about doubling those steps' host time). What is timed is therefore
 the rank's own work in a step: its planning and setup at the first step, its packing, owner
 math and apply later, without the wire. Each case runs in a process of its own,
 forked from the parent once it has imported torch and canzona (a job's ranks have them imported
@@ -46,7 +49,7 @@ from _report import markdown_table, publish
 PRESETS: dict[str, dict[str, Any]] = {
     "full": {"model": "qwen3-32b", "layers": 0, "worlds": (64, 256, 1024), "steps": 6},
     "quick": {"model": "qwen3-32b", "layers": 16, "worlds": (256,), "steps": 3},
-    "tiny": {"model": "qwen3-0.6b", "layers": 2, "worlds": (16,), "steps": 2},
+    "tiny": {"model": "qwen3-0.6b", "layers": 2, "worlds": (16,), "steps": 4},
 }
 SPLITS = ("heads", "none")
 COLS = 16
@@ -62,11 +65,38 @@ class _Done:
         return True
 
 
+# (element size, send splits, receive splits) -> (send indices, receive indices) of the headers
+_HEADER_COPIES: dict[tuple[int, tuple[int, ...], tuple[int, ...]], tuple[Any, Any]] = {}
+
+
+def _header_copies(size: int, out_splits: Any, in_splits: Any) -> tuple[Any, Any]:
+    """Where each peer's segment of a gather starts, its header's elements, both buffers."""
+    import torch
+
+    from canzona.runtime.checks import RIDE_WORDS
+
+    key = (size, tuple(in_splits), tuple(out_splits))
+    cached = _HEADER_COPIES.get(key)
+    if cached is None:
+        head = RIDE_WORDS * 8 // size
+        src, dst, i0, o0 = [], [], 0, 0
+        for i, o in zip(in_splits, out_splits, strict=True):
+            n = min(head, i, o)
+            src += range(i0, i0 + n)
+            dst += range(o0, o0 + n)
+            i0, o0 = i0 + i, o0 + o
+        cached = _HEADER_COPIES[key] = (torch.tensor(src), torch.tensor(dst))
+    return cached
+
+
 def _fake_all_to_all(out: Any, inp: Any, out_splits: Any, in_splits: Any, group: Any) -> _Done:
     if not out_splits and not in_splits:  # one vector per rank: every rank sends this one
         out.copy_(inp)
-    else:
-        out.zero_()
+        return _Done()
+    out.zero_()
+    # a header riding a gather starts every peer's segment: every peer sends this one
+    src, dst = _header_copies(out.element_size(), out_splits, in_splits)
+    out.index_copy_(0, dst, inp.index_select(0, src))
     return _Done()
 
 
@@ -130,12 +160,16 @@ def case(
     opt = canzona.Muon(groups, lr=0.01, ns_steps=1, plan=canzona.PlanConfig(cost="flops"))
     for name, p in params.items():
         p.grad = grads[name]
-    times, computes = [], []
+    times, computes, rode = [], [], []
     for _ in range(steps):
         start = time.perf_counter()
         opt.step()
         times.append(time.perf_counter() - start)
         computes.append(opt.last_step_stats.compute_s)
+        rode.append(opt.last_step_stats.header_rode)
+    # after a plan's first two steps the check rides the first gather: none was declined
+    if not all(rode[2:]):
+        raise RuntimeError(f"a later step's header did not ride its gather: {rode}")
     stats = opt.last_step_stats
     plan = opt._runtime.plan
     assert plan is not None
@@ -211,8 +245,12 @@ def render(payload: dict[str, Any]) -> str:
         "Newton–Schulz iteration and FLOP costs, with per-head splits (q/k/v rows, o "
         "columns) or none. The all-to-alls do not run: gathers of one vector per rank return "
         "this rank's from every rank (a healthy job's ranks send the same), payloads arrive "
-        "as zeros. *First step*: planning, routing and the schedule, then the step; *later "
-        "steps*: median, of which the owners' math as `last_step_stats.compute_s`.",
+        "as zeros but for the header that rides a steady step's first gather, which arrives "
+        "as this rank's (every later step checked: none declined; until this commit's run "
+        "the header arrived as zeros, every other later step was declined and run again, "
+        "and the published later steps took up to twice as long). *First step*: planning, "
+        "routing and the schedule, then the step; *later steps*: median, of which the owners' "
+        "math as `last_step_stats.compute_s`.",
         "",
         markdown_table(
             [
