@@ -209,8 +209,9 @@ def batch_kernels_exact(
 
     Batched matmuls do not always run the kernel that a single matmul runs. On the CPU build of
     torch 2.13, ``baddbmm`` switches to a naive loop when ``k * m * n < 400`` and otherwise calls
-    MKL's batched gemm, whose small-matrix kernels round differently from ``addmm``'s for fp32
-    matrices with a side below 12; GPU libraries pick their own batched algorithms. Two guards:
+    MKL's batched gemm, whose small-matrix kernels round differently from ``addmm``'s for some
+    fp32 shapes with a side below 12 (11 x 11, not 8 x 8); GPU libraries pick their own batched
+    algorithms. Two guards:
 
     * in half precision (bf16, fp16) the smaller side must be at least
       :data:`MIN_BATCHED_SIDE`: with a half-precision output a different fp32 accumulation
