@@ -66,7 +66,7 @@ def test_small_wide_dtype_stacks_batched_where_the_probe_passes(
     """Catches: small fp32/fp64 stacks batched without the probe (6 x 8 and 11 x 11 round
     differently with torch 2.13's batched CPU kernels, on every input), and the probe
     skipped for them altogether (8 x 8 and 16 x 8 batch bit for bit: the per-matrix loop
-    costs ~20 µs a matrix where the stack costs ~1)."""
+    costs ~16 µs a matrix where the stack costs ~1, docs/optimizers.md)."""
     x = _randn(64, *shape, seed=5)
     loop = torch.stack([newton_schulz(m, dtype=dtype, steps=2) for m in x])
     assert torch.equal(newton_schulz(x, dtype=dtype, steps=2), loop)

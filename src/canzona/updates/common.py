@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "PROBED_DTYPES",
     "State",
     "check_beta",
     "check_positive",
@@ -19,6 +20,11 @@ __all__ = [
 
 State = dict[str, Tensor]
 """Per-matrix optimizer state: fixed keys for a given shape and hyper-parameters."""
+
+PROBED_DTYPES = (torch.float32, torch.float64)
+"""Dtypes whose stacked kernels a one-off probe may clear for use at any size: an output this
+wide shows a different accumulation order on nearly every input (half precision hides it on
+most, so a probe can pass where some inputs differ)."""
 
 
 def check_beta(name: str, value: float, *, allow_one: bool = False) -> None:

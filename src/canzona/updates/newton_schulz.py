@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from canzona.defaults import MUON_DEFAULTS
+from canzona.updates.common import PROBED_DTYPES
 from canzona.updates.cuda_graphs import replay_in_pieces
 from canzona.updates.ns_schedules import (
     DEFAULT_NS_COEFFICIENTS,
@@ -34,8 +35,6 @@ DEFAULT_NS_EPS = MUON_DEFAULTS.eps
 # Below this smaller side a half-precision stack always runs matrix by matrix (see
 # batch_kernels_exact).
 MIN_BATCHED_SIDE = 32
-# Iteration dtypes whose stacks the probe alone decides, whatever their side.
-_PROBED_DTYPES = (torch.float32, torch.float64)
 # Bytes between the starts of a stack's matrices in the per-matrix loop (see _aligned_stack).
 _ALIGN = 512
 # Largest matrix whose norm the per-matrix loop takes for the whole stack in one CPU call (see
@@ -245,7 +244,7 @@ def batch_kernels_exact(
     Returns:
         True when the batched path may be used.
     """
-    if batch < 2 or (dtype not in _PROBED_DTYPES and min(rows, cols) < MIN_BATCHED_SIDE):
+    if batch < 2 or (dtype not in PROBED_DTYPES and min(rows, cols) < MIN_BATCHED_SIDE):
         return False
     if schedule is None:
         schedule = (DEFAULT_NS_COEFFICIENTS,) * DEFAULT_NS_STEPS

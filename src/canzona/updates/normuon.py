@@ -10,7 +10,14 @@ import torch
 from torch import Tensor
 
 from canzona.defaults import NORMUON_DEFAULTS
-from canzona.updates.common import State, check_beta, check_positive, check_step, matrix_shape
+from canzona.updates.common import (
+    PROBED_DTYPES,
+    State,
+    check_beta,
+    check_positive,
+    check_step,
+    matrix_shape,
+)
 
 __all__ = [
     "NORMUON_RESCALES",
@@ -132,7 +139,7 @@ def normuon_batch_exact(
     Returns:
         True when the stacked path may be used.
     """
-    if batch < 2 or dtype not in (torch.float32, torch.float64):
+    if batch < 2 or dtype not in PROBED_DTYPES:
         return False
     dev = torch.device(device)
     threads = torch.get_num_threads() if dev.type == "cpu" else 0
