@@ -44,7 +44,7 @@ def test_mul_equals_tensor_mul_over_repeated_calls(
             assert torch.equal(torch.signbit(g), torch.signbit(w))  # equal() ignores -0.0
 
 
-# small tensors (one blend per run), larger ones (a foreach blend on the payload views),
+# small tensors (one blend per run), larger ones (one foreach copy and blend for both runs),
 # large ones (the first run blends a tensor at a time into its payload, the second as before)
 @pytest.mark.parametrize("scale", [1, 30, 300])
 @pytest.mark.parametrize("nesterov", [True, False])

@@ -181,8 +181,9 @@ class Pipeline:
                 except Exception as exc:
                     run.fail("casting the payloads", exc)
             if ride is not None and slot is not None and self.schedule.held:
-                for copy in self.schedule.micro_groups[0].header_slots:  # after the cast
-                    copy.copy_(slot)
+                copies = list(self.schedule.micro_groups[0].header_slots)  # after the cast;
+                if copies:  # one call for all (with one owner per peer, a copy per peer)
+                    torch._foreach_copy_(copies, [slot] * len(copies))
             kept = run.local_batches()
             if self.schedule.micro_groups and self.process_group is not None:
                 run.micro_groups()

@@ -170,20 +170,23 @@ def muon_prepare_runs_(
     momentum: float,
     nesterov: bool,
 ) -> None:
-    r""":func:`muon_prepare_batch_` writing payloads that lie back to back, a run at a time.
+    r""":func:`muon_prepare_batch_` writing payloads that lie back to back, a few calls in all.
 
     The momentum update of the buffers outside a homed run (``bufs`` and ``grads``) is one
-    foreach op as there. Each run's payload is then filled by concatenation: ``cat(bufs)``
-    without Nesterov; with it ``cat(grads)`` blended with the buffers, ``lerp_(cat(bufs),
-    mu)`` in one call on a CPU run of small tensors (at most :data:`FLAT_BLEND_NUMEL`
-    elements each on average, :func:`flat_blend`) and one foreach ``lerp_`` on the run's
-    payload views otherwise (the concatenation is a copy more, which costs more than a call
-    per tensor saves beyond that size); a CPU run of large tensors (at least
-    :data:`LERP_OUT_NUMEL` elements each on average) skips the concatenation: one
-    ``torch.lerp(grad, buf, mu, out=payload)`` per tensor. A run whose buffers have a
-    ``home`` (one region holding them back to back) takes its momentum update there, as one
-    ``lerp_`` with the concatenated gradients in the payload, then blends (or copies) the
-    home into the payload. The same element-wise ops on the same values, so the same bits.
+    foreach op as there. A run of small tensors (at most :data:`FLAT_BLEND_NUMEL` elements
+    each on average, :func:`flat_blend`) without a home is filled by concatenation:
+    ``cat(bufs)`` without Nesterov; with it ``cat(grads)`` and ``lerp_(cat(bufs), mu)``. A
+    CPU run of large tensors (at least :data:`LERP_OUT_NUMEL` elements each on average) gets
+    one ``torch.lerp(grad, buf, mu, out=payload)`` per tensor (no concatenation's copy read
+    back). The payloads of all other runs are filled together: one foreach copy of the
+    buffers (without Nesterov) or of the gradients, then one foreach ``lerp_`` with the
+    buffers, however many runs there are (with one owner per matrix, as in a job of many
+    ranks, a run is a matrix).
+
+    A run whose buffers have a ``home`` (one region holding them back to back) takes its
+    momentum update there, as one ``lerp_`` with the concatenated gradients in the payload,
+    then blends (or copies) the home into the payload. The same element-wise ops on the same
+    values, so the same bits.
 
     Args:
         bufs: Momentum buffers of the runs without a home, updated in place.
@@ -194,28 +197,41 @@ def muon_prepare_runs_(
     """
     if bufs:
         torch._foreach_lerp_(list(bufs), list(grads), 1 - momentum)
-    for run_bufs, run_grads, out, views, home in runs:
-        if home is not None:
+    views: list[Tensor] = []
+    sources: list[Tensor] = []
+    blends: list[Tensor] = []
+    for run_bufs, run_grads, out, run_views, place in runs:
+        if place is not None:
             torch.cat(run_grads, out=out)
-            home.lerp_(out, 1 - momentum)
+            place.lerp_(out, 1 - momentum)
             if nesterov:
-                out.lerp_(home, momentum)
+                out.lerp_(place, momentum)
             else:
-                out.copy_(home)
+                out.copy_(place)
             continue
+        small = flat_blend(out, len(run_bufs))
         if not nesterov:
-            torch.cat(run_bufs, out=out)
+            if small:
+                torch.cat(run_bufs, out=out)
+            else:
+                views += run_views
+                sources += run_bufs
             continue
-        cpu = out.device.type == "cpu"
-        if cpu and out.numel() >= LERP_OUT_NUMEL * len(run_bufs):
-            for grad, buf, view in zip(run_grads, run_bufs, views, strict=True):
+        if out.device.type == "cpu" and out.numel() >= LERP_OUT_NUMEL * len(run_bufs):
+            for grad, buf, view in zip(run_grads, run_bufs, run_views, strict=True):
                 torch.lerp(grad, buf, momentum, out=view)
             continue
-        torch.cat(run_grads, out=out)
-        if flat_blend(out, len(run_bufs)):
+        if small:
+            torch.cat(run_grads, out=out)
             out.lerp_(torch.cat(run_bufs), momentum)
-        else:
-            torch._foreach_lerp_(list(views), list(run_bufs), momentum)
+            continue
+        views += run_views
+        sources += run_grads
+        blends += run_bufs
+    if views:
+        torch._foreach_copy_(views, sources)
+    if blends:
+        torch._foreach_lerp_(views, blends, momentum)
 
 
 def decay_and_step_(
