@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -136,6 +137,10 @@ class Shampoo(OwnerStateOptimizer):
     def _calibration_phases(self, group: dict[str, Any]) -> tuple[tuple[str, float], ...]:
         f = group["precondition_frequency"]  # the roots are refreshed every f steps
         return (("refresh", 1.0),) if f == 1 else (("refresh", 1 / f), ("plain", 1 - 1 / f))
+
+    def _probe_hparams(self, hp: Any) -> Any:
+        # roots from the first step on, refreshed at every step: the probe meets every kernel
+        return replace(hp, precondition_frequency=1, start_preconditioning_step=1)
 
     def _calibration_step(self, phase: str, hp: Any) -> int:
         start: int = hp.start_preconditioning_step

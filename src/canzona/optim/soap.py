@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import replace
 from typing import Any
 
 from torch import Tensor
@@ -108,6 +109,15 @@ class SOAP(OwnerStateOptimizer):
     def _calibration_phases(self, group: dict[str, Any]) -> tuple[tuple[str, float], ...]:
         f = group["precondition_frequency"]  # the bases are refreshed every f steps
         return (("refresh", 1.0),) if f == 1 else (("refresh", 1 / f), ("plain", 1 - 1 / f))
+
+    def _probe_hparams(self, hp: Any) -> Any:
+        # the bases refreshed at every step: the probe meets every kernel
+        return replace(hp, precondition_frequency=1)
+
+    def _stacks_step(self, step: int, hp: Any) -> bool:
+        # the first step's eigendecomposition is retried in float64 where it fails: for the
+        # failing matrix alone in a loop, for the whole stack in one call
+        return step > 1
 
     def _calibration_step(self, phase: str, hp: Any) -> int:
         frequency: int = hp.precondition_frequency

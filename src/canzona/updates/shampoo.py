@@ -148,6 +148,7 @@ def inverse_fourth_root(
     :math:`Q \max(\Lambda, \epsilon)^{-1/4} Q^\top`. In exact arithmetic every eigenvalue is
     already at least :math:`\epsilon`; the clamp only removes round-off below it (negative
     eigenvalues of a rank-deficient factor), so a zero factor maps to :math:`\epsilon^{-1/4} I`.
+    A stack's powers are taken a matrix at a time (each matrix's root equals its own alone).
 
     Args:
         factor: Kronecker factors.
@@ -163,7 +164,13 @@ def inverse_fourth_root(
         work = work / scale
     eye = torch.eye(work.size(-1), dtype=root_dtype, device=work.device)
     eigenvalues, eigenvectors = torch.linalg.eigh(work + epsilon * eye)
-    powers = eigenvalues.clamp_min(epsilon).pow(-0.25)
+    clamped = eigenvalues.clamp_min(epsilon)
+    if clamped.dim() > 1:  # a matrix at a time: a vectorised pow rounds an element by where
+        # it falls in the tensor, and a stack must equal its matrices alone
+        rows = clamped.reshape(-1, clamped.size(-1)).unbind(0)
+        powers = torch.stack([r.clone().pow(-0.25) for r in rows]).view(clamped.shape)
+    else:
+        powers = clamped.pow(-0.25)
     root: Tensor = (eigenvectors * powers.unsqueeze(-2)) @ eigenvectors.mT
     return root.to(factor.dtype)
 
