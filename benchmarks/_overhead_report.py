@@ -17,6 +17,8 @@ IMPLS = (
     "torchtitan",
     "torch_muon",
     "adamw_foreach",
+    "shampoo",
+    "soap",
 )
 LABELS = {
     "canzona": "`canzona.Muon`, `canzona` plan",
@@ -26,6 +28,8 @@ LABELS = {
     "torchtitan": "torchtitan 0.3.0 DistMuon",
     "torch_muon": "one process: `torch.optim.Muon`",
     "adamw_foreach": "one process: `AdamW(foreach=True)`",
+    "shampoo": "`canzona.Shampoo`, `canzona` plan, no root refresh in the timed steps",
+    "soap": "`canzona.SOAP`, `canzona` plan, no basis refresh in the timed steps",
 }
 #: Small all-to-alls timed per case for the collective's floor (``overhead.FLOOR_CALLS``).
 FLOOR_CALLS = 100
@@ -34,7 +38,7 @@ REPLAY_TURNS = 30
 #: Implementations with one collective per matrix (seconds per step at large N): timed steps.
 SLOW_STEPS = {"redistribute": 3}
 #: Implementations that run only in the target case (shape, world): diagnostics.
-ONLY_IN = {"canzona_gc_on": ("8x8", 2)}
+ONLY_IN = {"canzona_gc_on": ("8x8", 2), "shampoo": ("8x8", 2), "soap": ("8x8", 2)}
 
 
 def fit_line(points: Sequence[tuple[int, float]]) -> tuple[float, float]:

@@ -74,6 +74,14 @@ from _report import (
 HP: dict[str, Any] = {"lr": 0.02, "weight_decay": 0.1, "momentum": 0.95, "nesterov": True}
 MUON_KW: dict[str, Any] = {**HP, "ns_steps": 1}
 CANZONA_KW: dict[str, Any] = {**MUON_KW, "ns_dtype": torch.float32}
+#: Shampoo and SOAP with their roots or bases computed once, in the warm-up: the timed steps
+#: precondition without a decomposition (the host work per matrix, like Muon's one iteration).
+SHAMPOO_KW: dict[str, Any] = {
+    "lr": 1e-3,
+    "start_preconditioning_step": 1,
+    "precondition_frequency": 10**6,
+}
+SOAP_KW: dict[str, Any] = {"lr": 1e-3, "precondition_frequency": 10**6}
 SHAPES = {"8x8": (8, 8), "64x32": (64, 32)}
 PRESETS: dict[str, dict[str, Any]] = {
     "full": {
@@ -273,6 +281,8 @@ def _distributed_case(
         ),
         "torchtitan": lambda ps: _peers.torchtitan_dist_muon(ps, mesh, {**HP, "ns_steps": 1}),
         "redistribute": lambda ps: RedistributeMuon([p for _, p in ps], **HP),
+        "shampoo": lambda ps: canzona.Shampoo(ps, **SHAMPOO_KW),
+        "soap": lambda ps: canzona.SOAP(ps, **SOAP_KW),
     }
     for impl, make in makers.items():
         if impl not in impls:

@@ -286,13 +286,14 @@ def test_overhead_tiny(tmp_path: Path) -> None:
     assert grid == {(n, w) for n in preset["counts"] for w in preset["worlds"]}
     for row in saved["rows"]:
         impls = ("canzona", "torch_muon", "adamw_foreach") if row["world"] == 1 else ()
-        impls = impls or ("canzona", "replicated", "redistribute")
+        impls = impls or ("canzona", "replicated", "redistribute", "shampoo", "soap")
         assert all(row["times"][i] > 0 for i in impls), row
         if row["world"] > 1:  # exact: rank 0's rows equal the one-process canzona.Muon's
             assert row["same_as_one_process"]["canzona"] is True
             assert row["same_as_one_process"]["replicated"] is True
     fitted = {(f["world"], f["impl"]) for f in payload["fits"]}
     assert {(1, "canzona"), (2, "canzona"), (2, "replicated"), (1, "adamw_foreach")} <= fitted
+    assert {(2, "shampoo"), (2, "soap")} <= fitted
     names = {t["target"] for t in payload["targets"]}
     assert "slope (µs per matrix)" in names and "fixed (ms per step)" in names
     for row in saved["rows"]:  # the profiled steps and their replay without canzona
