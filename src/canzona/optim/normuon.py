@@ -23,6 +23,7 @@ from canzona.updates import (
     normuon_init,
 )
 from canzona.updates.batched import decay_and_step_
+from canzona.updates.stacked import stack_states, unstack_states_
 
 _KEY = "second_momentum_buffer"
 
@@ -183,10 +184,9 @@ class NorMuon(Muon):
         if len(dtypes) == 1:
             # one call over the stacked states: normuon_direction batches its reductions
             # only where that is bitwise a loop over the matrices, and loops otherwise
-            stacked = torch.stack([s[_KEY] for s in states])
-            out = normuon_direction(orthogonalised, {_KEY: stacked}, step, hp)
-            for state, v in zip(states, stacked, strict=True):
-                state[_KEY].copy_(v)
+            stacked = stack_states(states)
+            out = normuon_direction(orthogonalised, stacked, step, hp)
+            unstack_states_(stacked, states)
             return out
         widest = max(dtypes, key=lambda d: d.itemsize)  # float32 and float64 in one group
         return torch.stack(
